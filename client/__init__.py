@@ -1,0 +1,1 @@
+"""Peer clients."""

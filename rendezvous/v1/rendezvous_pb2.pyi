@@ -1,0 +1,68 @@
+from google.protobuf import any_pb2 as _any_pb2
+from rendezvous.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RecvTensorRequest(_message.Message):
+    __slots__ = ("step_id", "rendezvous_key", "dma_ok", "transport_options", "request_id")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
+    DMA_OK_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rendezvous_key: str
+    dma_ok: bool
+    transport_options: _any_pb2.Any
+    request_id: int
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., dma_ok: _Optional[bool] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class RecvTensorResponse(_message.Message):
+    __slots__ = ("tensor", "is_dead", "send_start_micros", "transport_options")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    IS_DEAD_FIELD_NUMBER: _ClassVar[int]
+    SEND_START_MICROS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    tensor: _tensor_pb2.TensorProto
+    is_dead: bool
+    send_start_micros: int
+    transport_options: _any_pb2.Any
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., send_start_micros: _Optional[int] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("call_id", "recv", "cancel")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RECV_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    recv: RecvTensorRequest
+    cancel: Cancel
+    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("call_id", "response", "chunk", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: RecvTensorResponse
+    chunk: bytes
+    error: Status
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[RecvTensorResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...

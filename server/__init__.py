@@ -1,0 +1,1 @@
+"""The per-rank async gRPC server."""
