@@ -1,0 +1,297 @@
+"""RecvFromRemoteAsync: the consumer's client for one remote task.
+
+Each remote task gets one channel and one long-lived ``RecvTensorStream``,
+created lazily inside the running event loop. Every recv is a call on that
+stream with its own ``call_id``; replies come back interleaved and are matched
+by id. This is how thousands of recvs can be outstanding at once: they are
+messages on one HTTP/2 stream, not thousands of gRPC calls.
+
+Deadlines are per recv. A recv that times out or is cancelled sends a cancel
+for its call; if the producer had not started the reply, the tensor stays in
+the producer's table for a later recv. Each recv carries a random non-zero
+``request_id``; when the stream breaks (the peer restarted its listener, a
+connection reset) pending recvs are re-sent on a new stream with the same
+id, and the producer answers them from its retry cache instead of consuming
+another tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from rendezvous import frames
+from rendezvous.config import Config
+from rendezvous.errors import (
+    DeadlineExceeded,
+    Internal,
+    PeerUnavailable,
+    RendezvousError,
+    from_status,
+)
+from rendezvous.keys import TaskName
+from rendezvous.table import Received
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+__all__ = ["PeerClient", "channel_options", "DescriptorHandler"]
+
+log = logging.getLogger("rendezvous.client")
+STREAM_METHOD = "/rendezvous.v1.Rendezvous/RecvTensorStream"
+
+#: Consumer-side hook for descriptor replies (MPI): given the reply bytes and
+#: its parsed head, move the bytes and return the tensor.
+DescriptorHandler = Callable[[bytes, frames.ReplyHead], Awaitable[np.ndarray]]
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        # Ranks start at different times: retry connecting quickly at first.
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+class _Broken(Exception):
+    """The stream carrying a call broke; the call may be re-sent."""
+
+    def __init__(self, error: RendezvousError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _Pending:
+    __slots__ = ("future", "assembly", "key")
+
+    def __init__(self, future: asyncio.Future, key: str) -> None:
+        self.future = future
+        self.assembly: frames.Assembly | None = None
+        self.key = key
+
+
+class _Stream:
+    """One RecvTensorStream call and its reader and writer tasks."""
+
+    def __init__(self, client: "PeerClient", call: grpc.aio.StreamStreamCall) -> None:
+        self.client = client
+        self.call = call
+        self.pending: dict[int, _Pending] = {}
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self.alive = True
+        self.reader = asyncio.create_task(self._read())
+        self.writer = asyncio.create_task(self._write())
+
+    def submit(self, call_id: int, pending: _Pending, request: bytes) -> None:
+        self.pending[call_id] = pending
+        self.outbox.put_nowait(request)
+
+    def cancel(self, call_id: int) -> None:
+        if self.pending.pop(call_id, None) is not None and self.alive:
+            self.outbox.put_nowait(pb.StreamRequest(call_id=call_id, cancel=pb.Cancel()).SerializeToString())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outbox.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the reader sees the status; just stop
+            log.debug("stream writer to %s stopped: %r", self.client.task, exc)
+
+    async def _read(self) -> None:
+        error: RendezvousError = PeerUnavailable(f"stream to {self.client.describe()} closed")
+        try:
+            while True:
+                buf = await self.call.read()
+                if buf is grpc.aio.EOF:
+                    break
+                self._dispatch(buf)
+        except grpc.aio.AioRpcError as exc:
+            error = _status_error(exc, self.client)
+        except asyncio.CancelledError:
+            error = PeerUnavailable(f"stream to {self.client.describe()} was closed locally")
+        except RendezvousError as exc:  # a frame we cannot parse: the peer is broken
+            error = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
+            self.call.cancel()
+        finally:
+            self.alive = False
+            self.writer.cancel()
+            broken = _Broken(error)
+            for p in self.pending.values():
+                if not p.future.done():
+                    p.future.set_exception(broken)
+            self.pending.clear()
+
+    def _dispatch(self, buf: bytes) -> None:
+        frame = frames.parse_stream_frame(buf)
+        p = self.pending.get(frame.call_id)
+        if p is None:
+            return  # cancelled, or timed out: drop the rest of its reply
+        try:
+            if frame.error is not None:
+                raise frame.error
+            if frame.head is not None:
+                head = frame.head
+                if head.is_dead:
+                    self._finish(frame.call_id, p, Received(None, True), "grpc")
+                elif head.transport_options is not None:
+                    self.pending.pop(frame.call_id, None)
+                    handler = self.client.on_descriptor
+                    if handler is None:
+                        raise Internal("peer replied with a descriptor but no data plane is configured")
+                    task = asyncio.ensure_future(handler(buf, head))
+                    task.add_done_callback(lambda t, p=p: _settle(p.future, t))
+                elif head.tensor is None:
+                    raise Internal("reply carries neither a tensor nor a descriptor")
+                else:
+                    value = frames.decode_inline(buf, head.tensor)
+                    if isinstance(value, frames.Assembly):
+                        p.assembly = value
+                    else:
+                        self._finish(frame.call_id, p, Received(value, False), "grpc")
+            elif frame.chunk is not None:
+                if p.assembly is None:
+                    raise Internal("chunk arrived before its reply's header")
+                a, b = frame.chunk
+                if p.assembly.add(memoryview(buf)[a:b]):
+                    self._finish(frame.call_id, p, Received(p.assembly.result(), False), "grpc")
+        except RendezvousError as exc:
+            self.pending.pop(frame.call_id, None)
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    def _finish(self, call_id: int, p: _Pending, item: Received, path: str) -> None:
+        self.pending.pop(call_id, None)
+        if not p.future.done():
+            p.future.set_result((item, path))
+
+    def close(self) -> None:
+        self.alive = False
+        self.call.cancel()
+
+
+def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())
+    else:
+        future.set_result((Received(task.result(), False), "mpi"))
+
+
+def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return PeerUnavailable(f"lost {client.describe()}: {exc.details()}")
+    return from_status(code, exc.details() or "")
+
+
+class PeerClient:
+    """Recvs from one remote task. Create and use inside one running loop."""
+
+    def __init__(self, task: TaskName, address: str, config: Config, *,
+                 transport_options: bytes | None = None,
+                 on_descriptor: DescriptorHandler | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.task = task
+        self.address = address
+        self.config = config
+        self.transport_options = transport_options
+        self.on_descriptor = on_descriptor
+        self._credentials = credentials
+        self._channel: grpc.aio.Channel | None = None
+        self._stream: _Stream | None = None
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._connected_once = False
+        self._closed = False
+
+    def describe(self) -> str:
+        return f"task {self.task} at {self.address}"
+
+    async def recv(self, key: str, step_id: int, timeout: float | None = None) -> tuple[Received, str]:
+        """Fetch ``key`` of ``step_id`` from the peer: ((value, is_dead), path)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        req = pb.RecvTensorRequest(step_id=step_id, rendezvous_key=key,
+                                   request_id=secrets.randbits(63) or 1)
+        if self.transport_options is not None:
+            req.transport_options.ParseFromString(self.transport_options)
+        attempts = 0
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    stream = await self._get_stream(deadline)
+                    call_id = next(self._ids)
+                    pending = _Pending(loop.create_future(), key)
+                    stream.submit(call_id, pending,
+                                  pb.StreamRequest(call_id=call_id, recv=req).SerializeToString())
+                    try:
+                        return await pending.future
+                    except _Broken as broken:
+                        attempts += 1
+                        if attempts > self.config.reconnect_attempts or not isinstance(broken.error, PeerUnavailable):
+                            raise broken.error from None
+                        log.info("re-sending recv of %s to %s (attempt %d)", key, self.describe(), attempts)
+                    except BaseException:
+                        stream.cancel(call_id)
+                        raise
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s") from None
+
+    async def _get_stream(self, deadline: float | None) -> _Stream:
+        stream = self._stream
+        if stream is not None and stream.alive:
+            return stream
+        async with self._lock:
+            if self._stream is not None and self._stream.alive:
+                return self._stream
+            if self._closed:
+                raise PeerUnavailable(f"client for {self.describe()} is closed")
+            if self._channel is None:
+                if self._credentials is not None:
+                    self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=channel_options())
+                else:
+                    self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+            first = not self._connected_once
+            if first:
+                loop = asyncio.get_running_loop()
+                limit = self.config.connect_timeout
+                if deadline is not None:
+                    limit = min(limit, max(0.0, deadline - loop.time()))
+                try:
+                    await asyncio.wait_for(self._channel.channel_ready(), limit)
+                except TimeoutError:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise  # the recv's own deadline: DeadlineExceeded upstream
+                    raise PeerUnavailable(
+                        f"could not connect to {self.describe()} within {limit:g}s") from None
+                self._connected_once = True
+            call = self._channel.stream_stream(STREAM_METHOD, request_serializer=None,
+                                               response_deserializer=None)(wait_for_ready=first)
+            self._stream = _Stream(self, call)
+            return self._stream
+
+    async def close(self) -> None:
+        """Fail pending recvs with UNAVAILABLE and close the channel. Idempotent."""
+        self._closed = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+            await asyncio.gather(stream.reader, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

@@ -1,0 +1,250 @@
+"""The asyncio rank server: ``rendezvous.aio.Server``.
+
+One per rank. It holds this rank's waiting table, serves RecvTensor to the
+other ranks, and recvs from them through one :class:`~rendezvous.client.peer.PeerClient`
+per remote task. Everything here runs on one event loop; the blocking
+:class:`rendezvous.Server` drives an instance of this class from its own loop
+thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+
+from .client.peer import PeerClient
+from .cluster import ClusterLike, ClusterSpec, parse_address
+from .config import Config
+from .errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RendezvousError,
+    Unavailable,
+)
+from .keys import Key, TaskName, as_key
+from .server.retry import RetryCache
+from .server.servicer import RecvTensorServicer
+from .stats import Stats
+from .table import Received, WaitingTable
+from .tensors import as_array
+
+__all__ = ["Server", "PROTOCOLS"]
+
+log = logging.getLogger("rendezvous")
+PROTOCOLS = ("grpc", "grpc+mpi")
+_ABORT = "rendezvous: step aborted"  # cancel message that marks an abort, not a user cancel
+
+
+class Server:
+    """A rank server. Construct anywhere; ``await start()`` inside the loop it will live on.
+
+    ``cluster`` is TensorFlow's cluster shape (dict, :class:`ClusterSpec`, or a
+    JSON file path); this server is task ``task_index`` of job ``job_name`` and
+    binds to that task's address (port 0: the OS picks; see :attr:`target`).
+    """
+
+    def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
+                 protocol: str = "grpc", *, config: Config | None = None,
+                 **overrides: Any) -> None:
+        if protocol not in PROTOCOLS:
+            raise InvalidArgument(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        self.cluster = ClusterSpec.from_any(cluster)
+        self.task = TaskName(job_name, 0, int(task_index))
+        self.bind_address = self.cluster.address(self.task)  # UnknownTask if absent
+        self.protocol = protocol
+        self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
+        self.table = WaitingTable()
+        self._stats = Stats()
+        self._retry = RetryCache(self.config.retry_window, self.config.retry_cache_bytes)
+        self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats,
+                                           chunk_bytes=self.config.chunk_bytes, retry=self._retry)
+        self._grpc: grpc.aio.Server | None = None
+        self._target: str | None = None
+        self._peers: dict[TaskName, PeerClient] = {}
+        self._remote: dict[int, set[asyncio.Task]] = {}
+        self._stopped: asyncio.Event | None = None
+        self._state = "new"
+
+    # -- lifecycle ----------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        """``host:port`` this server listens on (the real port once started)."""
+        return self._target or self.bind_address
+
+    async def start(self) -> None:
+        """Bind and start serving. Raises Unavailable if the address cannot be bound."""
+        if self._state != "new":
+            raise FailedPrecondition(f"server is {self._state}; start() is allowed once")
+        host, _ = parse_address(self.bind_address)
+        self._stopped = asyncio.Event()
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self.config.max_request_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),
+        ])
+        server.add_generic_rpc_handlers(self.servicer.handlers())
+        try:
+            port = server.add_insecure_port(self.bind_address)
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot listen on {self.bind_address}: {exc}") from None
+        if not port:
+            raise Unavailable(f"cannot listen on {self.bind_address}")
+        await server.start()
+        self._grpc = server
+        self._target = f"{host}:{port}"
+        self.cluster = self.cluster.with_address(self.task, self._target)
+        self._state = "serving"
+        log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: refuse new recvs (UNAVAILABLE), fail waiters, let replies in flight
+        finish for ``grace`` seconds, then cancel the rest. Idempotent."""
+        if self._state in ("stopping", "stopped"):
+            if self._stopped is not None:
+                await self._stopped.wait()
+            return
+        self._state = "stopping"
+        self.servicer.draining = True
+        unconsumed = self.table.stats().get("tensors", 0)
+        self.table.close(Unavailable(f"server {self.task} is shutting down"))
+        if unconsumed:
+            log.warning("task %s stopped with %d produced tensors never consumed", self.task, unconsumed)
+        for peer in list(self._peers.values()):
+            await peer.close()
+        self._peers.clear()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        self._state = "stopped"
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        if self._stopped is None:
+            raise FailedPrecondition("server was never started")
+        await self._stopped.wait()
+
+    join = wait_for_termination
+
+    async def __aenter__(self) -> "Server":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(0)
+
+    def update_cluster(self, cluster: ClusterLike) -> None:
+        """Replace peer addresses (e.g. after every rank bound port 0).
+
+        Peers already connected keep their channel."""
+        spec = ClusterSpec.from_any(cluster)
+        self.cluster = spec.with_address(self.task, self.target)
+
+    # -- data ---------------------------------------------------------------
+
+    def prepare_send(self, key: Key | str, tensor: Any, is_dead: bool = False) -> tuple[str, Any]:
+        """Validate a send and return (canonical key, array); callable from any thread."""
+        k = as_key(key)
+        src = k.src_task
+        if src is not None and src != self.task:
+            raise FailedPrecondition(
+                f"key {k.format()!r} is produced by {src}; this server is {self.task} and can only send its own")
+        return k.format(), (None if is_dead else as_array(tensor))
+
+    def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
+        """Produce ``tensor`` under ``key`` for step ``step_id`` (on the loop thread).
+
+        The array is not copied: do not modify it until it has been received.
+        Raises InvalidKey, or the step's error if it was aborted."""
+        canonical, arr = self.prepare_send(key, tensor, is_dead)
+        self.table.send(step_id, canonical, arr, is_dead)
+
+    async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
+        """The tensor sent under ``key`` in ``step_id`` (None if it is dead).
+
+        Local keys are served from this rank's table with no copy; remote keys
+        by RecvTensor to the producing task. Raises DeadlineExceeded after
+        ``timeout`` seconds, Aborted if the step is aborted, UnknownTask for a
+        task outside the cluster, PeerUnavailable if the producer is gone."""
+        return (await self.recv_item(key, step_id, timeout)).value
+
+    async def recv_item(self, key: Key | str, step_id: int = 0,
+                        timeout: float | None = None) -> Received:
+        k = as_key(key)
+        canonical = k.format()
+        err = self.table.aborted(step_id)
+        if err is not None:
+            raise err
+        src = k.src_task
+        if src is None or src == self.task:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await self.table.recv(step_id, canonical)
+            except TimeoutError:
+                raise DeadlineExceeded(f"recv of {canonical!r} (step {step_id}) timed out after {timeout:g}s") from None
+            self._stats.received("local", _nbytes(item))
+            return item
+        peer = self._peer(src)
+        task = asyncio.current_task()
+        waits = self._remote.setdefault(step_id, set())
+        waits.add(task)  # type: ignore[arg-type]
+        try:
+            item, path = await peer.recv(canonical, step_id, timeout)
+        except asyncio.CancelledError as exc:
+            err = self.table.aborted(step_id)
+            if exc.args and exc.args[0] == _ABORT and err is not None:
+                task.uncancel()  # type: ignore[union-attr]
+                raise err from None
+            raise
+        except RendezvousError:
+            self._stats.error("grpc")
+            raise
+        finally:
+            waits.discard(task)  # type: ignore[arg-type]
+            if not waits:
+                self._remote.pop(step_id, None)
+        self._stats.received(path, _nbytes(item))
+        return item
+
+    def abort(self, step_id: int, message: str = "aborted") -> None:
+        """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
+        self.table.abort(step_id, Aborted(message))
+        self._cancel_remote(step_id)
+
+    def cleanup(self, step_id: int) -> None:
+        """Abort the step's waiters and forget the step (its ids may be reused)."""
+        self.table.cleanup(step_id)
+        self._retry.drop_step(step_id)
+        self._cancel_remote(step_id)
+
+    def _cancel_remote(self, step_id: int) -> None:
+        for task in list(self._remote.get(step_id, ())):
+            task.cancel(_ABORT)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served, served_bytes}}."""
+        return self._stats.snapshot()
+
+    def pending(self) -> list[Any]:
+        return self.table.pending()
+
+    def _peer(self, task: TaskName) -> PeerClient:
+        peer = self._peers.get(task)
+        if peer is None:
+            if self._state != "serving":
+                raise Unavailable(f"server {self.task} is {self._state}")
+            peer = PeerClient(task, self.cluster.address(task), self.config)
+            self._peers[task] = peer
+        return peer
+
+
+def _nbytes(item: Received) -> int:
+    v = item.value
+    return int(v.nbytes) if isinstance(v, np.ndarray) and v.dtype != object else 0

@@ -1,0 +1,236 @@
+"""Hand-encoded RecvTensor replies: the bytes of a tensor are never re-serialized.
+
+A reply is built as a short header (protobuf fields written by hand) followed by
+the tensor's own bytes; joining the two into the message gRPC sends is the one
+payload copy on the producer side. The result is an ordinary protobuf
+``RecvTensorResponse`` or ``StreamResponse`` (see protos/rendezvous/v1), so any
+client generated from the protos reads it.
+
+On the consumer side a single-frame reply decodes to a numpy view on the
+received message (no copy); a chunked reply is copied once, chunk by chunk, into
+a buffer allocated when the first frame announces dtype and shape.
+
+Copies of the payload, default (gRPC inline) path:
+  producer: 1 (join into the message bytes) + gRPC's own send copies
+  consumer: 0 for one frame, 1 for a chunked reply (into the destination)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+from .errors import InvalidArgument, RendezvousError, from_status
+from .table import Received
+from .tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, is_memcpyable
+from .v1 import rendezvous_pb2 as pb
+
+__all__ = [
+    "payload_view",
+    "unary_response",
+    "stream_frames",
+    "error_frame",
+    "descriptor_response",
+    "ReplyHead",
+    "StreamFrame",
+    "parse_stream_frame",
+    "parse_response",
+    "Assembly",
+    "MAX_MESSAGE_BYTES",
+]
+
+# gRPC's message size fields are signed 32-bit; stay clear of the edge.
+MAX_MESSAGE_BYTES = (1 << 31) - (1 << 20)
+
+
+def payload_view(arr: np.ndarray) -> memoryview:
+    """The array's bytes as a flat memoryview; a copy only if not C-contiguous."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _response_fields(is_dead: bool, send_start_micros: int, transport_options: bytes | None) -> bytes:
+    head = wire.varint_field(2, int(is_dead)) + wire.varint_field(3, send_start_micros)
+    if transport_options:
+        head += wire.len_field_header(4, len(transport_options)) + transport_options
+    return head
+
+
+def _tensor_parts(value: np.ndarray) -> tuple[list, int]:
+    """(parts, length) of a complete TensorProto for ``value``."""
+    if not is_memcpyable(value):
+        from .tensors import encode_tensor  # strings: small, serialized by protobuf
+
+        data = encode_tensor(value)
+        return [data], len(data)
+    meta = encode_meta(TensorMeta(value.dtype, tuple(value.shape)))
+    payload = payload_view(value)
+    if len(payload) == 0:
+        return [meta], len(meta)
+    content = wire.len_field_header(4, len(payload))
+    return [meta, content, payload], len(meta) + len(content) + len(payload)
+
+
+def unary_response(item: Received, send_start_micros: int = 0) -> bytes:
+    """A whole ``RecvTensorResponse`` (the TensorFlow-compatible unary reply)."""
+    parts = [_response_fields(item.is_dead, send_start_micros, None)]
+    if not item.is_dead:
+        tparts, tlen = _tensor_parts(item.value)
+        if tlen > MAX_MESSAGE_BYTES:
+            from .errors import ResourceExhausted
+
+            raise ResourceExhausted(
+                f"tensor of {tlen} bytes does not fit one gRPC message; use RecvTensorStream, which chunks it")
+        parts.append(wire.len_field_header(1, tlen))
+        parts.extend(tparts)
+    return b"".join(parts)
+
+
+def descriptor_response(meta: TensorMeta, transport_options: bytes, send_start_micros: int = 0) -> bytes:
+    """A ``RecvTensorResponse`` carrying dtype and shape only, plus where the bytes come from."""
+    tensor = encode_meta(meta)
+    return b"".join([
+        _response_fields(False, send_start_micros, transport_options),
+        wire.len_field_header(1, len(tensor)), tensor,
+    ])
+
+
+def stream_frames(call_id: int, item: Received, chunk_bytes: int,
+                  send_start_micros: int = 0) -> Iterator[bytes]:
+    """The StreamResponse frames answering ``call_id`` with ``item``, produced lazily.
+
+    The first frame holds dtype, shape and up to ``chunk_bytes`` of content; the
+    rest carry ``chunk`` fields. Each frame costs one copy of its slice.
+    """
+    cid = wire.varint_field(1, call_id) or wire.tag(1, wire.VARINT) + b"\x00"
+    head = _response_fields(item.is_dead, send_start_micros, None)
+    value = item.value
+    if item.is_dead:
+        yield b"".join([cid, wire.len_field_header(2, len(head)), head])
+        return
+    if not is_memcpyable(value):
+        tparts, tlen = _tensor_parts(value)
+        if tlen > MAX_MESSAGE_BYTES:
+            from .errors import ResourceExhausted
+
+            raise ResourceExhausted(f"string tensor of {tlen} bytes exceeds one gRPC message")
+        resp_len = len(head) + len(wire.len_field_header(1, tlen)) + tlen
+        yield b"".join([cid, wire.len_field_header(2, resp_len), head, wire.len_field_header(1, tlen), *tparts])
+        return
+    meta = encode_meta(TensorMeta(value.dtype, tuple(value.shape)))
+    payload = payload_view(value)
+    total = len(payload)
+    first = min(total, chunk_bytes)
+    content = wire.len_field_header(4, first) if first else b""
+    tlen = len(meta) + len(content) + first
+    tensor_hdr = wire.len_field_header(1, tlen)
+    resp_len = len(head) + len(tensor_hdr) + tlen
+    yield b"".join([cid, wire.len_field_header(2, resp_len), head, tensor_hdr, meta, content, payload[:first]])
+    pos = first
+    while pos < total:
+        end = min(total, pos + chunk_bytes)
+        yield b"".join([cid, wire.len_field_header(3, end - pos), payload[pos:end]])
+        pos = end
+
+
+def error_frame(call_id: int, error: BaseException) -> bytes:
+    from .errors import to_status
+
+    code, message = to_status(error)
+    return pb.StreamResponse(call_id=call_id, error=pb.Status(code=code.value[0], message=message)).SerializeToString()
+
+
+# --- consumer side -----------------------------------------------------------
+
+@dataclass(slots=True)
+class ReplyHead:
+    """What the first part of a reply says, as offsets into the message bytes."""
+
+    is_dead: bool = False
+    tensor: tuple[int, int] | None = None             # TensorProto span
+    transport_options: tuple[int, int] | None = None  # google.protobuf.Any span
+    send_start_micros: int = 0
+
+
+def parse_response(buf: bytes, start: int = 0, end: int | None = None) -> ReplyHead:
+    head = ReplyHead()
+    for num, wt, a, b in wire.iter_fields(buf, start, end):
+        if num == 1 and wt == wire.LEN:
+            head.tensor = (a, b)
+        elif num == 2 and wt == wire.VARINT:
+            head.is_dead = bool(a)
+        elif num == 3 and wt == wire.VARINT:
+            head.send_start_micros = wire.to_signed64(a)
+        elif num == 4 and wt == wire.LEN:
+            head.transport_options = (a, b)
+    return head
+
+
+@dataclass(slots=True)
+class StreamFrame:
+    call_id: int
+    head: ReplyHead | None = None
+    chunk: tuple[int, int] | None = None
+    error: RendezvousError | None = None
+
+
+def parse_stream_frame(buf: bytes) -> StreamFrame:
+    """Split one StreamResponse into its parts (offsets into ``buf``, no copies)."""
+    frame = StreamFrame(call_id=-1)
+    for num, wt, a, b in wire.iter_fields(buf):
+        if num == 1 and wt == wire.VARINT:
+            frame.call_id = a
+        elif num == 2 and wt == wire.LEN:
+            frame.head = parse_response(buf, a, b)
+        elif num == 3 and wt == wire.LEN:
+            frame.chunk = (a, b)
+        elif num == 4 and wt == wire.LEN:
+            status = pb.Status.FromString(bytes(buf[a:b]))
+            frame.error = from_status(status.code, status.message)
+    if frame.call_id < 0:
+        raise InvalidArgument("stream frame without call_id")
+    return frame
+
+
+class Assembly:
+    """Reassembles one reply's tensor from a first frame and its chunks."""
+
+    __slots__ = ("meta", "dest", "filled")
+
+    def __init__(self, meta: TensorMeta, first: memoryview) -> None:
+        self.meta = meta
+        self.dest = np.empty(meta.nbytes, dtype=np.uint8)
+        self.filled = 0
+        self.add(first)
+
+    def add(self, part: memoryview) -> bool:
+        """Copy the next part in (the consumer's one copy); True when complete."""
+        n = len(part)
+        if self.filled + n > self.meta.nbytes:
+            raise InvalidArgument(
+                f"reply carries more than the {self.meta.nbytes} bytes its dtype and shape announce")
+        self.dest[self.filled:self.filled + n] = np.frombuffer(part, dtype=np.uint8)
+        self.filled += n
+        return self.filled == self.meta.nbytes
+
+    def result(self) -> np.ndarray:
+        return self.dest.view(self.meta.dtype).reshape(self.meta.shape)
+
+
+def decode_inline(buf: bytes, span: tuple[int, int]) -> np.ndarray | Assembly:
+    """A whole tensor (a view on ``buf``) or, if only its first part is here, an Assembly."""
+    start, end = span
+    meta, cs, ce = decode_meta(buf, start, end)
+    if not is_memcpyable_meta(meta) or ce - cs == meta.nbytes:
+        return decode_tensor(buf, start, end)
+    if ce == cs and meta.nbytes:
+        # No content yet but bytes are due: the typed-field (TensorFlow) encodings
+        # carry no chunks, so only decode_tensor can say what this is.
+        return decode_tensor(buf, start, end)
+    return Assembly(meta, memoryview(buf)[cs:ce])
+
+
+def is_memcpyable_meta(meta: TensorMeta) -> bool:
+    return meta.dtype != np.dtype(object)

@@ -1,0 +1,40 @@
+"""Transfer counters per path ("local", "grpc", "mpi").
+
+Each path counts, on the consumer side, ``transfers`` completed, their payload
+``bytes``, ``errors``, and ``fallbacks`` (transfers that took this path because
+a faster one could not be used); on the producer side ``served`` replies and
+``served_bytes``. Updated on the event-loop thread only; read from anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+
+__all__ = ["Stats", "PATHS", "COUNTERS"]
+
+PATHS = ("local", "grpc", "mpi")
+COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self._paths: dict[str, dict[str, int]] = {p: dict.fromkeys(COUNTERS, 0) for p in PATHS}
+
+    def received(self, path: str, nbytes: int) -> None:
+        c = self._paths[path]
+        c["transfers"] += 1
+        c["bytes"] += nbytes
+
+    def served(self, path: str, nbytes: int) -> None:
+        c = self._paths[path]
+        c["served"] += 1
+        c["served_bytes"] += nbytes
+
+    def error(self, path: str) -> None:
+        self._paths[path]["errors"] += 1
+
+    def fallback(self, path: str) -> None:
+        self._paths[path]["fallbacks"] += 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return copy.deepcopy(self._paths)

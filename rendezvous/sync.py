@@ -1,0 +1,182 @@
+"""The blocking ``rendezvous.Server``: an :class:`rendezvous.aio.Server` on a loop thread.
+
+For plain training scripts. ``start()`` returns once the server is serving.
+Every method may be called from any thread; each hands its work to the loop
+thread and waits for the answer, so errors (Aborted, DeadlineExceeded, ...)
+are raised in the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+from . import aio
+from .cluster import ClusterLike
+from .config import Config
+from .errors import FailedPrecondition
+from .keys import Key
+from .table import Received
+
+__all__ = ["Server", "new_event_loop"]
+T = TypeVar("T")
+
+
+def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
+    """A uvloop loop when asked for and installed, else asyncio's default."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class Server:
+    """Blocking rank server; same arguments as :class:`rendezvous.aio.Server`."""
+
+    def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
+                 protocol: str = "grpc", *, config: Config | None = None, **overrides: Any) -> None:
+        self._aio = aio.Server(cluster, job_name, task_index, protocol, config=config, **overrides)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if self._loop is None:
+            coro.close()
+            raise FailedPrecondition("server is not started; call start() first")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            fut.cancel()  # KeyboardInterrupt or a timeout here: stop the remote wait too
+            raise
+
+    @property
+    def aio(self) -> aio.Server:
+        """The asyncio server this drives (use only on :attr:`loop`)."""
+        return self._aio
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    @property
+    def target(self) -> str:
+        return self._aio.target
+
+    @property
+    def task(self):
+        return self._aio.task
+
+    @property
+    def config(self) -> Config:
+        return self._aio.config
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread and the server; returns once serving."""
+        if self._thread is not None:
+            raise FailedPrecondition("start() is allowed once")
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._loop = new_event_loop(self._aio.config.uvloop)
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="rendezvous-loop", daemon=True)
+        self._thread.start()
+        ready.result()
+
+    def _run(self, ready: concurrent.futures.Future[None]) -> None:
+        loop = self._loop
+        assert loop is not None
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            try:
+                await self._aio.start()
+            except BaseException as exc:
+                ready.set_exception(exc)
+                return
+            ready.set_result(None)
+            await self._aio.wait_for_termination()
+
+        try:
+            loop.run_until_complete(main())
+            # let closing channels and cancelled tasks finish
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            loop.close()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain and stop (see :meth:`rendezvous.aio.Server.stop`). Idempotent."""
+        if self._loop is None or self._thread is None:
+            return
+        if self._thread.is_alive():
+            try:
+                self._call(self._aio.stop(grace))
+            except RuntimeError:
+                pass  # loop already closed
+        self._thread.join()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Block until the server has stopped."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(0)
+
+    def update_cluster(self, cluster: ClusterLike) -> None:
+        self._call(_as_coro(self._aio.update_cluster, cluster))
+
+    # -- data ---------------------------------------------------------------
+
+    def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
+        """Produce ``tensor`` under ``key``; returns once it is queued or handed over.
+
+        The array is not copied: do not modify it until it has been received."""
+        if self._loop is None:
+            raise FailedPrecondition("server is not started; call start() first")
+        canonical, arr = self._aio.prepare_send(key, tensor, is_dead)
+        self._aio.table.send_threadsafe(self._loop, step_id, canonical, arr, is_dead).result()
+
+    def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
+        """Block until the tensor is here (None if dead); errors as in the aio form."""
+        return self._call(self._aio.recv(key, step_id, timeout))
+
+    def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
+        return self._call(self._aio.recv_item(key, step_id, timeout))
+
+    def abort(self, step_id: int, message: str = "aborted") -> None:
+        self._call(_as_coro(self._aio.abort, step_id, message))
+
+    def cleanup(self, step_id: int) -> None:
+        self._call(_as_coro(self._aio.cleanup, step_id))
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return self._aio.stats()
+
+    def pending(self) -> list[Any]:
+        return self._call(_as_coro(self._aio.pending))
+
+
+async def _as_coro(fn: Any, *args: Any) -> Any:
+    return fn(*args)

@@ -1,0 +1,419 @@
+"""The waiting table: TensorFlow's local rendezvous, on one asyncio loop.
+
+Per step id the table keeps a dict from rendezvous key (any hashable; callers
+pass canonical key strings) to a FIFO queue. A queue holds either produced
+tensors waiting for a consumer, or consumers waiting for a tensor, never both:
+
+* :meth:`WaitingTable.send` hands the item to the oldest waiting receiver, or
+  queues it when none waits;
+* :meth:`WaitingTable.recv` takes the oldest queued item, or queues itself and
+  waits.
+
+An emptied queue is deleted, and so is an emptied step, so a table that has
+moved millions of distinct keys holds nothing.
+
+:meth:`~WaitingTable.abort` fails the step's waiters, drops its queued items
+and leaves a tombstone: every later send or recv of that step fails with the
+same error until :meth:`~WaitingTable.cleanup` forgets the step (tombstones
+are bounded; the oldest are evicted first). :meth:`~WaitingTable.close` does
+the same for every step, for good.
+
+Threads: the table belongs to one event loop (the first one that uses it) and
+takes no locks. Other threads produce with :meth:`~WaitingTable.send_threadsafe`.
+
+Cancellation: a cancelled :meth:`~WaitingTable.recv` (``asyncio.wait_for``
+timeouts included) never loses an item. A waiter still queued is removed; an
+item already handed to it but not yet seen by the cancelled task goes back to
+the front of its queue (or to the next waiter), unless its step was aborted,
+cleaned up or the table closed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import time
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+from .errors import Aborted, RendezvousError
+
+__all__ = ["Received", "PendingEntry", "WaitingTable"]
+
+# Module level so tests can substitute a fake clock.
+_now = time.monotonic
+
+
+class Received(NamedTuple):
+    """What a receiver gets: the value (None when dead) and the dead flag."""
+
+    value: Any
+    is_dead: bool
+
+
+class PendingEntry(NamedTuple):
+    """One non-empty queue of the table, as :meth:`WaitingTable.pending` reports it."""
+
+    step_id: int
+    key: Hashable
+    kind: str  # "tensor" (produced, waiting for a consumer) or "waiter" (consumer waiting)
+    count: int
+    oldest_age_s: float  # seconds since the oldest item/waiter of the queue was added
+
+
+class _Tensors(collections.deque):  # entries: (Received, enqueue time)
+    """A key's queue of produced items."""
+
+    __slots__ = ()
+
+
+class _Waiters(collections.deque):  # entries: (asyncio.Future[Received], enqueue time)
+    """A key's queue of waiting receivers."""
+
+    __slots__ = ()
+
+
+class WaitingTable:
+    """Produced tensors and waiting receivers, per step id and key.
+
+    Confined to one event loop thread; see the module docstring.
+    """
+
+    def __init__(self, *, tombstone_limit: int = 65536) -> None:
+        if tombstone_limit < 0:
+            raise ValueError(f"tombstone_limit must be >= 0, got {tombstone_limit}")
+        self._tombstone_limit = tombstone_limit
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._steps: dict[int, dict[Hashable, _Tensors | _Waiters]] = {}
+        self._tombstones: collections.OrderedDict[int, RendezvousError] = collections.OrderedDict()
+        self._closed: RendezvousError | None = None
+        # Bookkeeping for the cancel-after-handoff race: _inflight counts items
+        # handed to a waiter future whose task has not resumed yet; while any
+        # are, _ended records the generation at which a step was aborted or
+        # cleaned up, so a cancelled receiver knows not to put its item back
+        # into a step that ended after it started waiting.
+        self._gen = 0
+        self._inflight = 0
+        self._ended: collections.OrderedDict[int, int] = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ loop
+
+    def _check_loop(self, running: asyncio.AbstractEventLoop | None) -> None:
+        """Slow path of the loop check: bind, or refuse a wrong thread/loop."""
+        loop = self._loop
+        if running is None:
+            if loop is not None and loop.is_running():
+                raise RuntimeError(
+                    "WaitingTable used off its event loop thread; use send_threadsafe"
+                )
+            return  # no loop anywhere is running: nothing can race with us
+        if loop is None:
+            self._loop = running
+            return
+        raise RuntimeError("WaitingTable is bound to a different event loop")
+
+    def _enter(self) -> None:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            self._check_loop(running)
+
+    def _dead(self, step_id: int) -> RendezvousError | None:
+        if self._closed is not None:
+            return self._closed
+        return self._tombstones.get(step_id)
+
+    # ------------------------------------------------------------- hot path
+
+    def send(self, step_id: int, key: Hashable, value: Any, is_dead: bool = False) -> None:
+        """Hand ``value`` to the oldest receiver waiting for ``key``, or queue it.
+
+        Loop thread only. Raises the step's error if the step was aborted, or
+        the close error if the table is closed.
+        """
+        self._enter()
+        if self._closed is not None or self._tombstones:
+            err = self._dead(step_id)
+            if err is not None:
+                raise err.with_traceback(None)
+        self._put(step_id, key, Received(None if is_dead else value, is_dead), False)
+
+    def requeue(self, step_id: int, key: Hashable, item: Received) -> None:
+        """Give back an item taken by ``recv`` but never delivered (its consumer
+        cancelled before the reply started): it goes to the oldest waiter or the
+        FRONT of the queue, so FIFO order holds. Raises the step's error if the
+        step ended meanwhile (the item is then dropped, as abort drops items)."""
+        self._enter()
+        if self._closed is not None or self._tombstones:
+            err = self._dead(step_id)
+            if err is not None:
+                raise err.with_traceback(None)
+        self._put(step_id, key, item, True)
+
+    def _put(self, step_id: int, key: Hashable, item: Received, front: bool) -> None:
+        steps = self._steps
+        keys = steps.get(step_id)
+        if keys is None:
+            steps[step_id] = {key: _Tensors(((item, _now()),))}
+            return
+        q = keys.get(key)
+        if q is None:
+            keys[key] = _Tensors(((item, _now()),))
+            return
+        if type(q) is _Tensors:
+            if front:
+                q.appendleft((item, _now()))
+            else:
+                q.append((item, _now()))
+            return
+        while q:
+            fut = q.popleft()[0]
+            if not fut.done():  # skip waiters cancelled but not yet removed
+                fut.set_result(item)
+                self._inflight += 1
+                if not q:
+                    del keys[key]
+                    if not keys:
+                        del steps[step_id]
+                return
+        keys[key] = _Tensors(((item, _now()),))
+
+    async def recv(self, step_id: int, key: Hashable) -> Received:
+        """Take the oldest item queued for ``key``, waiting for one if none is.
+
+        Raises the step's error if the step is (or gets) aborted, or the close
+        error. Cancellation (``asyncio.wait_for`` timeouts too) loses nothing.
+        """
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._check_loop(loop)
+        if self._closed is not None or self._tombstones:
+            err = self._dead(step_id)
+            if err is not None:
+                raise err.with_traceback(None)
+        steps = self._steps
+        keys = steps.get(step_id)
+        if keys is None:
+            keys = steps[step_id] = {}
+            q = None
+        else:
+            q = keys.get(key)
+        if q is None:
+            q = keys[key] = _Waiters()
+        elif type(q) is _Tensors:
+            item: Received = q.popleft()[0]
+            if not q:
+                del keys[key]
+                if not keys:
+                    del steps[step_id]
+            return item
+        fut: asyncio.Future[Received] = loop.create_future()
+        gen = self._gen
+        q.append((fut, _now()))
+        try:
+            item = await fut
+        except asyncio.CancelledError:
+            self._cancelled(step_id, key, fut, gen)
+            raise
+        self._inflight -= 1
+        if self._ended and not self._inflight:
+            self._ended.clear()
+        return item
+
+    def _cancelled(
+        self, step_id: int, key: Hashable, fut: asyncio.Future[Received], gen: int
+    ) -> None:
+        """A receiver's task was cancelled: withdraw it, or return its item."""
+        if fut.done():
+            if fut.cancelled() or fut.exception() is not None:
+                handed = None
+            else:
+                handed = fut.result()
+        else:  # the task was cancelled some other way than through its future
+            fut.cancel()
+            handed = None
+        if handed is not None:
+            self._inflight -= 1
+            ended = self._closed is not None or step_id in self._tombstones
+            if not ended and self._ended:
+                ended = self._ended.get(step_id, gen) > gen
+            if self._ended and not self._inflight:
+                self._ended.clear()
+            if not ended:
+                self._put(step_id, key, handed, True)
+            return
+        keys = self._steps.get(step_id)
+        if keys is None:
+            return
+        q = keys.get(key)
+        if type(q) is not _Waiters:
+            return
+        for i, entry in enumerate(q):
+            if entry[0] is fut:
+                del q[i]
+                break
+        if not q:
+            del keys[key]
+            if not keys:
+                del self._steps[step_id]
+
+    # -------------------------------------------------------------- threads
+
+    def send_threadsafe(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        step_id: int,
+        key: Hashable,
+        value: Any,
+        is_dead: bool = False,
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`send` from any thread, run on ``loop`` (the table's loop).
+
+        The returned future resolves to None once the item is queued or handed
+        to a waiter, or fails with the step's error (or RuntimeError when the
+        loop is closed). Cancelling it before the loop ran the send withdraws
+        the send. Do not block on it from the loop thread itself.
+        """
+        result: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not result.set_running_or_notify_cancel():
+                return
+            try:
+                self.send(step_id, key, value, is_dead)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                result.set_exception(exc)
+            else:
+                result.set_result(None)
+
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError as exc:  # the loop is closed
+            if result.set_running_or_notify_cancel():
+                result.set_exception(exc)
+        return result
+
+    # ---------------------------------------------------------- step ending
+
+    def _note_end(self, step_id: int) -> None:
+        self._gen += 1
+        if self._inflight:
+            ended = self._ended
+            ended[step_id] = self._gen
+            ended.move_to_end(step_id)
+            while len(ended) > max(self._tombstone_limit, 1):
+                ended.popitem(last=False)
+
+    @staticmethod
+    def _fail(keys: dict[Hashable, _Tensors | _Waiters], error: RendezvousError) -> None:
+        for q in keys.values():
+            if type(q) is _Waiters:
+                for fut, _ in q:
+                    if not fut.done():
+                        fut.set_exception(error)
+
+    def abort(self, step_id: int, error: RendezvousError) -> None:
+        """Fail the step's waiters with ``error``, drop its queued items, and
+        fail every later send/recv of the step with it until :meth:`cleanup`.
+
+        A second abort of the same step keeps the first error.
+        """
+        self._enter()
+        if self._closed is not None or step_id in self._tombstones:
+            return
+        tombstones = self._tombstones
+        tombstones[step_id] = error
+        while len(tombstones) > self._tombstone_limit:
+            tombstones.popitem(last=False)
+        self._note_end(step_id)
+        keys = self._steps.pop(step_id, None)
+        if keys:
+            self._fail(keys, error)
+
+    def cleanup(self, step_id: int) -> None:
+        """Forget the step: its waiters fail with ``Aborted("step <id> cleaned
+        up")``, its items and tombstone are dropped; a later use starts fresh."""
+        self._enter()
+        if self._closed is not None:
+            return
+        self._tombstones.pop(step_id, None)
+        keys = self._steps.pop(step_id, None)
+        # Noted even for a step this table holds nothing of: an item of it may
+        # be in flight to a receiver whose task is being cancelled.
+        self._note_end(step_id)
+        if keys:
+            self._fail(keys, Aborted(f"step {step_id} cleaned up"))
+
+    def close(self, error: RendezvousError) -> None:
+        """Shut down: fail every waiter with ``error``, drop everything, and
+        fail every later send/recv with it. Idempotent: the first error stays."""
+        self._enter()
+        if self._closed is not None:
+            return
+        self._closed = error
+        steps, self._steps = self._steps, {}
+        self._tombstones.clear()
+        self._ended.clear()
+        self._gen += 1
+        for keys in steps.values():
+            self._fail(keys, error)
+
+    # ------------------------------------------------------------ inspection
+
+    def aborted(self, step_id: int) -> RendezvousError | None:
+        """The step's abort error (or the close error), else None."""
+        return self._dead(step_id)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed is not None
+
+    def pending(self) -> list[PendingEntry]:
+        """Every non-empty queue: what it holds, how many, and the oldest's age."""
+        now = _now()
+        out: list[PendingEntry] = []
+        for step_id, keys in list(self._steps.items()):
+            for key, q in list(keys.items()):
+                if type(q) is _Tensors:
+                    if q:
+                        out.append(PendingEntry(step_id, key, "tensor", len(q), now - q[0][1]))
+                else:
+                    live = [t for fut, t in q if not fut.done()]
+                    if live:
+                        out.append(PendingEntry(step_id, key, "waiter", len(live), now - live[0]))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Sizes: steps and keys held, queued tensors and waiters, tombstones."""
+        n_keys = tensors = waiters = 0
+        for keys in self._steps.values():
+            n_keys += len(keys)
+            for q in keys.values():
+                if type(q) is _Tensors:
+                    tensors += len(q)
+                else:
+                    waiters += len(q)
+        return {
+            "steps": len(self._steps),
+            "keys": n_keys,
+            "tensors": tensors,
+            "waiters": waiters,
+            "tombstones": len(self._tombstones),
+        }
+
+    def __len__(self) -> int:
+        """Queued tensors plus waiting receivers."""
+        s = self.stats()
+        return s["tensors"] + s["waiters"]
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        state = "closed" if self._closed is not None else "open"
+        return (
+            f"<WaitingTable {state} steps={s['steps']} tensors={s['tensors']} "
+            f"waiters={s['waiters']} tombstones={s['tombstones']}>"
+        )

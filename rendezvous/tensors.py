@@ -1,0 +1,526 @@
+"""numpy arrays to and from TensorFlow-compatible ``TensorProto`` bytes.
+
+Fixed-size dtypes travel as ``tensor_content``: raw little-endian, row-major
+bytes. :func:`encode_header` writes the protobuf fields in front of that
+content by hand, so the array's bytes are copied once at most, when they are
+joined into the message (:func:`encode_tensor`). :func:`decode_tensor` returns
+a numpy view on the received buffer: no copy at all.
+
+Strings (``DT_STRING``) are numpy object arrays of ``bytes`` (or ``'S'``
+arrays on the way in) and travel as ``string_val``.
+
+Bytes written by TensorFlow decode too: its typed fields (``float_val``,
+``int_val``, ``half_val``, ...), including the "splat" encoding where fewer
+values than elements are given and the last one repeats, and its
+length-prefixed ``tensor_content`` encoding of string tensors (what
+TensorFlow's own RecvTensor sends for DT_STRING).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+from .errors import InvalidArgument, UnsupportedDType
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "DT_INVALID",
+    "DT_FLOAT",
+    "DT_DOUBLE",
+    "DT_INT32",
+    "DT_UINT8",
+    "DT_INT16",
+    "DT_INT8",
+    "DT_STRING",
+    "DT_COMPLEX64",
+    "DT_INT64",
+    "DT_BOOL",
+    "DT_BFLOAT16",
+    "DT_UINT16",
+    "DT_COMPLEX128",
+    "DT_HALF",
+    "DT_UINT32",
+    "DT_UINT64",
+    "MAX_TYPED_FIELD_BYTES",
+    "dtype_to_proto",
+    "proto_to_dtype",
+    "as_array",
+    "is_memcpyable",
+    "TensorMeta",
+    "encode_meta",
+    "encode_header",
+    "encode_tensor",
+    "decode_tensor",
+    "decode_meta",
+    "empty_like_meta",
+]
+
+# TensorFlow's DataType values (tensorflow/core/framework/types.proto).
+DT_INVALID = 0
+DT_FLOAT = 1
+DT_DOUBLE = 2
+DT_INT32 = 3
+DT_UINT8 = 4
+DT_INT16 = 5
+DT_INT8 = 6
+DT_STRING = 7
+DT_COMPLEX64 = 8
+DT_INT64 = 9
+DT_BOOL = 10
+DT_BFLOAT16 = 14
+DT_UINT16 = 17
+DT_COMPLEX128 = 18
+DT_HALF = 19
+DT_UINT32 = 22
+DT_UINT64 = 23
+
+_DT_NAMES = {
+    DT_INVALID: "DT_INVALID", DT_FLOAT: "DT_FLOAT", DT_DOUBLE: "DT_DOUBLE", DT_INT32: "DT_INT32",
+    DT_UINT8: "DT_UINT8", DT_INT16: "DT_INT16", DT_INT8: "DT_INT8", DT_STRING: "DT_STRING",
+    DT_COMPLEX64: "DT_COMPLEX64", DT_INT64: "DT_INT64", DT_BOOL: "DT_BOOL",
+    DT_BFLOAT16: "DT_BFLOAT16", DT_UINT16: "DT_UINT16", DT_COMPLEX128: "DT_COMPLEX128",
+    DT_HALF: "DT_HALF", DT_UINT32: "DT_UINT32", DT_UINT64: "DT_UINT64",
+}
+
+# Decoding TensorFlow's typed fields expands them (a splat of one value fills
+# the whole shape). Refuse to expand a message into more than this.
+MAX_TYPED_FIELD_BYTES = 1 << 31
+
+_OBJECT = np.dtype(object)
+_FIXED: dict[np.dtype, int] = {
+    np.dtype(np.float16): DT_HALF,
+    np.dtype(np.float32): DT_FLOAT,
+    np.dtype(np.float64): DT_DOUBLE,
+    np.dtype(np.int8): DT_INT8,
+    np.dtype(np.int16): DT_INT16,
+    np.dtype(np.int32): DT_INT32,
+    np.dtype(np.int64): DT_INT64,
+    np.dtype(np.uint8): DT_UINT8,
+    np.dtype(np.uint16): DT_UINT16,
+    np.dtype(np.uint32): DT_UINT32,
+    np.dtype(np.uint64): DT_UINT64,
+    np.dtype(np.bool_): DT_BOOL,
+    np.dtype(np.complex64): DT_COMPLEX64,
+    np.dtype(np.complex128): DT_COMPLEX128,
+}
+_SUPPORTED_NAMES = (
+    "float16, float32, float64, bfloat16 (with ml_dtypes), int8, int16, int32, int64, "
+    "uint8, uint16, uint32, uint64, bool, complex64, complex128, "
+    "bytes (object arrays of bytes, or 'S' arrays)"
+)
+
+_bf16_loaded = False
+_BFLOAT16: np.dtype | None = None
+
+
+def _bfloat16() -> np.dtype | None:
+    """ml_dtypes' bfloat16, imported on first need; None without ml_dtypes."""
+    global _bf16_loaded, _BFLOAT16
+    if not _bf16_loaded:
+        try:
+            import ml_dtypes
+        except ImportError:
+            _BFLOAT16 = None
+        else:
+            _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+            _FIXED[_BFLOAT16] = DT_BFLOAT16
+        _bf16_loaded = True
+    return _BFLOAT16
+
+
+class _SupportedDTypes(Mapping):
+    """np.dtype -> DataType value; bfloat16 appears once ml_dtypes is importable."""
+
+    def _table(self) -> dict[np.dtype, int]:
+        _bfloat16()
+        return {**_FIXED, _OBJECT: DT_STRING, np.dtype("S"): DT_STRING}
+
+    def __getitem__(self, key) -> int:
+        try:
+            dt = np.dtype(key)
+        except TypeError:
+            raise KeyError(key) from None
+        return self._table()[dt]
+
+    def __iter__(self) -> Iterator[np.dtype]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"SUPPORTED_DTYPES({self._table()!r})"
+
+
+SUPPORTED_DTYPES: Mapping = _SupportedDTypes()
+
+
+def _fixed_lookup(dt: np.dtype) -> int | None:
+    v = _FIXED.get(dt)
+    if v is None and not _bf16_loaded:
+        _bfloat16()
+        v = _FIXED.get(dt)
+    return v
+
+
+def _native(dt: np.dtype) -> np.dtype:
+    return dt.newbyteorder("=") if dt.byteorder not in "=|" else dt
+
+
+def dtype_to_proto(dtype) -> int:
+    """The TensorFlow DataType value for a numpy dtype (any byte order)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise UnsupportedDType(f"{dtype!r} is not a numpy dtype; supported: {_SUPPORTED_NAMES}") from None
+    if dt.kind == "S" or dt == _OBJECT:
+        return DT_STRING
+    v = _fixed_lookup(_native(dt)) if dt.fields is None else None
+    if v is None:
+        raise UnsupportedDType(f"dtype {dt} has no TensorFlow DataType; supported: {_SUPPORTED_NAMES}")
+    return v
+
+
+_BY_PROTO: dict[int, np.dtype] = {v: k for k, v in _FIXED.items()}
+_BY_PROTO[DT_STRING] = _OBJECT
+
+
+def _dt_name(value: int) -> str:
+    return _DT_NAMES.get(value, f"DataType {value}")
+
+
+def proto_to_dtype(value: int) -> np.dtype:
+    """The numpy dtype for a DataType value (DT_STRING: object arrays of bytes)."""
+    dt = _BY_PROTO.get(value)
+    if dt is not None:
+        return dt
+    if value == DT_BFLOAT16:
+        bf = _bfloat16()
+        if bf is None:
+            raise UnsupportedDType("DT_BFLOAT16 needs ml_dtypes (pip install ml_dtypes)")
+        _BY_PROTO[DT_BFLOAT16] = bf
+        return bf
+    raise UnsupportedDType(f"{_dt_name(value)} has no supported numpy dtype; supported: {_SUPPORTED_NAMES}")
+
+
+def as_array(obj) -> np.ndarray:
+    """``obj`` as an ndarray in little-endian layout (arrays pass through uncopied
+    unless big-endian; scalars, lists, bytes and buffer exporters via np.asarray)."""
+    arr = obj if type(obj) is np.ndarray else np.asarray(obj)
+    dt = arr.dtype
+    if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
+        arr = arr.astype(dt.newbyteorder("<"))
+    return arr
+
+
+def is_memcpyable(arr) -> bool:
+    """True for arrays (or dtypes) of a fixed-size supported dtype in little-endian
+    byte order: their bytes are the wire content as they are."""
+    dt = arr if isinstance(arr, np.dtype) else arr.dtype
+    if dt.kind in "OSU" or dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
+        return False
+    return _fixed_lookup(_native(dt)) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor's dtype and shape: what a receiver needs to allocate for it."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of content: elements x itemsize; 0 for strings (not known up front)."""
+        if self.dtype == _OBJECT or self.dtype.kind == "S":
+            return 0
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def proto_dtype(self) -> int:
+        return dtype_to_proto(self.dtype)
+
+
+def _encode_shape(shape: tuple[int, ...]) -> bytes:
+    parts = []
+    for d in shape:
+        dim = wire.varint_field(1, d)
+        parts.append(wire.len_field_header(2, len(dim)))
+        parts.append(dim)
+    body = b"".join(parts)
+    # Always present, even for a scalar (as TensorFlow writes it): rank 0 is known.
+    return wire.len_field_header(2, len(body)) + body
+
+
+def _encode_meta(proto_dtype: int, shape: tuple[int, ...]) -> bytes:
+    return wire.varint_field(1, proto_dtype) + _encode_shape(shape)
+
+
+def encode_meta(meta: TensorMeta) -> bytes:
+    """A TensorProto with dtype and tensor_shape only (the descriptor of a tensor)."""
+    return _encode_meta(meta.proto_dtype, meta.shape)
+
+
+def _string_items(arr: np.ndarray) -> list[bytes]:
+    items = arr.reshape(-1).tolist()
+    if arr.dtype == _OBJECT:
+        for x in items:
+            if not isinstance(x, bytes):
+                raise UnsupportedDType(
+                    f"object array holds a {type(x).__name__}; only bytes objects can be sent (as DT_STRING)")
+    return items
+
+
+def encode_header(arr: np.ndarray) -> tuple[bytes, memoryview | None]:
+    """(header, payload) whose concatenation is a whole TensorProto.
+
+    Fixed-size dtypes: the header holds dtype, shape and the tensor_content
+    tag and length (no content field when there are no bytes); the payload is
+    a flat byte memoryview of the array's data, copied only if the array is
+    not C-contiguous. Strings: (the whole serialization, None).
+    """
+    arr = as_array(arr)
+    proto_dtype = dtype_to_proto(arr.dtype)
+    shape = arr.shape
+    if proto_dtype == DT_STRING:
+        parts = [_encode_meta(DT_STRING, shape)]
+        for s in _string_items(arr):
+            parts.append(wire.len_field_header(8, len(s)))
+            parts.append(s)
+        return b"".join(parts), None
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    payload = memoryview(flat)
+    header = _encode_meta(proto_dtype, shape)
+    if flat.size:
+        header += wire.len_field_header(4, flat.size)
+    return header, payload
+
+
+def encode_tensor(obj) -> bytes:
+    """The TensorProto bytes of ``obj`` (one copy of a contiguous array's data)."""
+    header, payload = encode_header(as_array(obj))
+    if payload is None or not len(payload):
+        return header
+    return b"".join((header, payload))
+
+
+# --- decoding ------------------------------------------------------------------
+
+def _max_ndim() -> int:
+    for n in (64, 32):
+        try:
+            np.empty((1,) * n, dtype=np.uint8)
+        except ValueError:
+            continue
+        return n
+    return 32
+
+
+_MAX_NDIM = _max_ndim()
+_INT64_MAX = (1 << 63) - 1
+
+
+def _parse(buf, start: int, end: int | None):
+    """(buf, dtype value, dims, unknown_rank, content span or None, end) of a TensorProto."""
+    buf = wire.byte_buffer(buf)
+    if end is None:
+        end = len(buf)
+    dtype_value = 0
+    shapes: list[tuple[int, int]] = []
+    content = None
+    for num, wt, a, b in wire.iter_fields(buf, start, end):
+        if num == 4:
+            if wt == wire.LEN:
+                content = (a, b)
+        elif num == 1:
+            if wt == wire.VARINT:
+                # An enum is an int32: protobuf keeps the low 32 bits, signed.
+                v = a & 0xFFFFFFFF
+                dtype_value = v - (1 << 32) if v >= (1 << 31) else v
+        elif num == 2:
+            if wt == wire.LEN:
+                shapes.append((a, b))
+    # Repeated occurrences of a message field merge, as protobuf does.
+    dims: list[int] = []
+    unknown_rank = False
+    for s, e in shapes:
+        for num, wt, a, b in wire.iter_fields(buf, s, e):
+            if num == 2 and wt == wire.LEN:
+                size = 0
+                for dnum, dwt, da, _ in wire.iter_fields(buf, a, b):
+                    if dnum == 1 and dwt == wire.VARINT:
+                        size = wire.to_signed64(da)
+                dims.append(size)
+            elif num == 3 and wt == wire.VARINT:
+                unknown_rank = a != 0
+    return buf, dtype_value, dims, unknown_rank, content, end
+
+
+def _checked_meta(dtype_value: int, dims: list[int], unknown_rank: bool) -> TensorMeta:
+    dtype = proto_to_dtype(dtype_value)
+    if unknown_rank:
+        raise InvalidArgument("tensor_shape has unknown_rank set; a tensor needs a known shape")
+    if len(dims) > _MAX_NDIM:
+        raise InvalidArgument(f"tensor has {len(dims)} dimensions; numpy supports at most {_MAX_NDIM}")
+    n = 1
+    for d in dims:
+        if d < 0:
+            raise InvalidArgument(f"tensor_shape {dims} has a negative (unknown) dimension")
+        n *= d
+    if n > _INT64_MAX:
+        raise InvalidArgument(f"tensor_shape {dims} has more than 2**63-1 elements")
+    return TensorMeta(dtype, tuple(dims))
+
+
+def decode_meta(buf, start: int = 0, end: int | None = None) -> tuple[TensorMeta, int, int]:
+    """(meta, content_start, content_end) of the TensorProto in ``buf[start:end]``.
+
+    The span is where tensor_content lies in ``buf`` (empty, at the message
+    end, when there is none). Its length is not checked against the meta: the
+    first frame of a chunked reply carries only part of it.
+    """
+    buf, dtype_value, dims, unknown_rank, content, end = _parse(buf, start, end)
+    meta = _checked_meta(dtype_value, dims, unknown_rank)
+    cs, ce = content if content is not None else (end, end)
+    return meta, cs, ce
+
+
+def empty_like_meta(meta: TensorMeta) -> np.ndarray:
+    return np.empty(meta.shape, dtype=meta.dtype)
+
+
+def _decode_string_list(buf, cs: int, ce: int, n: int) -> list[bytes]:
+    """TensorFlow's tensor_content for DT_STRING: n varint32 lengths, then the bytes."""
+    sizes = []
+    pos = cs
+    for _ in range(n):
+        if pos >= ce:
+            raise InvalidArgument("DT_STRING tensor_content is truncated in its length list")
+        size, pos = wire.decode_varint(buf, pos)
+        if pos > ce or size > 0xFFFFFFFF:
+            raise InvalidArgument("DT_STRING tensor_content has a malformed length list")
+        sizes.append(size)
+    if sum(sizes) != ce - pos:
+        raise InvalidArgument(
+            f"DT_STRING tensor_content announces {sum(sizes)} bytes of strings but holds {ce - pos}")
+    out = []
+    for size in sizes:
+        out.append(bytes(buf[pos:pos + size]))
+        pos += size
+    return out
+
+
+def _object_array(items: list, shape: tuple[int, ...]) -> np.ndarray:
+    arr = np.empty(len(items), dtype=_OBJECT)
+    arr[:] = items
+    return arr.reshape(shape)
+
+
+def _typed_values(msg, proto_dtype: int, dtype: np.dtype) -> np.ndarray | list:
+    """The values in TensorFlow's typed field for this dtype, as a flat array."""
+    if proto_dtype == DT_STRING:
+        return list(msg.string_val)
+    if proto_dtype in (DT_HALF, DT_BFLOAT16):
+        bits = np.array(msg.half_val, dtype=np.int64) & 0xFFFF
+        return bits.astype(np.uint16).view(dtype)
+    if proto_dtype == DT_FLOAT:
+        return np.array(msg.float_val, dtype=np.float32)
+    if proto_dtype == DT_DOUBLE:
+        return np.array(msg.double_val, dtype=np.float64)
+    if proto_dtype in (DT_INT32, DT_INT16, DT_INT8, DT_UINT8):
+        return np.array(msg.int_val, dtype=np.int32).astype(dtype)
+    if proto_dtype == DT_UINT16:
+        # TensorFlow writes uint16 to int_val; accept uint32_val as well.
+        if len(msg.int_val):
+            return np.array(msg.int_val, dtype=np.int32).astype(dtype)
+        return np.array(msg.uint32_val, dtype=np.uint32).astype(dtype)
+    if proto_dtype == DT_UINT32:
+        return np.array(msg.uint32_val, dtype=np.uint32)
+    if proto_dtype == DT_INT64:
+        return np.array(msg.int64_val, dtype=np.int64)
+    if proto_dtype == DT_UINT64:
+        return np.array(msg.uint64_val, dtype=np.uint64)
+    if proto_dtype == DT_BOOL:
+        return np.array(msg.bool_val, dtype=np.bool_)
+    if proto_dtype == DT_COMPLEX64:
+        parts = np.array(msg.scomplex_val, dtype=np.float32)
+        return parts[: len(parts) // 2 * 2].view(np.complex64)
+    if proto_dtype == DT_COMPLEX128:
+        parts = np.array(msg.dcomplex_val, dtype=np.float64)
+        return parts[: len(parts) // 2 * 2].view(np.complex128)
+    raise UnsupportedDType(f"{_dt_name(proto_dtype)} has no typed field")  # pragma: no cover
+
+
+def _from_typed_fields(buf, start: int, end: int, meta: TensorMeta, proto_dtype: int) -> np.ndarray:
+    """TensorFlow's FromProtoField: copy up to n values, repeat the last to fill,
+    zeros (empty strings) when there are none."""
+    from google.protobuf.message import DecodeError
+
+    from .v1 import tensor_pb2
+
+    n = math.prod(meta.shape)
+    is_string = proto_dtype == DT_STRING
+    itemsize = 8 if is_string else meta.dtype.itemsize
+    if n * itemsize > MAX_TYPED_FIELD_BYTES:
+        raise InvalidArgument(
+            f"tensor of {n} elements from typed fields exceeds {MAX_TYPED_FIELD_BYTES} bytes")
+    if n == 0:
+        return np.empty(meta.shape, dtype=meta.dtype)
+    try:
+        msg = tensor_pb2.TensorProto.FromString(bytes(buf[start:end]))
+    except DecodeError as e:
+        raise InvalidArgument(f"malformed TensorProto: {e}") from None
+    values = _typed_values(msg, proto_dtype, meta.dtype)
+    in_n = len(values)
+    if is_string:
+        if in_n >= n:
+            items = values[:n]
+        else:
+            items = values + [values[-1] if in_n else b""] * (n - in_n)
+        return _object_array(items, meta.shape)
+    if in_n == 0:
+        return np.zeros(meta.shape, dtype=meta.dtype)
+    if in_n >= n:
+        flat = values[:n]
+    else:
+        flat = np.empty(n, dtype=meta.dtype)
+        flat[:in_n] = values
+        flat[in_n:] = values[-1]
+    return flat.reshape(meta.shape)
+
+
+def decode_tensor(buf, start: int = 0, end: int | None = None) -> np.ndarray:
+    """The array in the TensorProto bytes ``buf[start:end]``.
+
+    tensor_content decodes to a view on ``buf`` (no copy; read-only when
+    ``buf`` is bytes). Without it, TensorFlow's typed fields are read.
+    Unknown fields are skipped. Malformed bytes raise InvalidArgument, dtypes
+    without a numpy equivalent UnsupportedDType.
+    """
+    buf, dtype_value, dims, unknown_rank, content, end = _parse(buf, start, end)
+    meta = _checked_meta(dtype_value, dims, unknown_rank)
+    dtype = meta.dtype
+    n = math.prod(meta.shape)
+    # TensorFlow reads tensor_content only when it is non-empty.
+    if content is not None and content[1] > content[0]:
+        cs, ce = content
+        if dtype_value == DT_STRING:
+            if n == 0:
+                raise InvalidArgument(f"tensor of shape {meta.shape} has no elements but carries tensor_content")
+            return _object_array(_decode_string_list(buf, cs, ce, n), meta.shape)
+        need = n * dtype.itemsize
+        if ce - cs != need:
+            raise InvalidArgument(
+                f"tensor_content holds {ce - cs} bytes but dtype {dtype} and shape {meta.shape} "
+                f"need {need}")
+        return np.frombuffer(buf, dtype=dtype, count=n, offset=cs).reshape(meta.shape)
+    return _from_typed_fields(buf, start, end, meta, dtype_value)

@@ -1,0 +1,120 @@
+"""Answers by request_id, so a retried RecvTensor never consumes a second tensor.
+
+A request with a non-zero ``request_id`` takes its tensor from the waiting
+table in a task of its own; every request carrying the same id (a retry after
+a lost reply, or a duplicate in flight) awaits that same task and gets the same
+answer, tensor or error. Answers are kept ``window`` seconds after they
+complete, and at most ``max_bytes`` of tensors; after that only the id is
+remembered (bounded), and a late retry gets FAILED_PRECONDITION instead of a
+second tensor. ``drop_step`` forgets a cleaned-up step's answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from rendezvous.errors import FailedPrecondition, InvalidArgument
+from rendezvous.table import Received
+
+__all__ = ["RetryCache"]
+
+
+class _Entry:
+    __slots__ = ("step_id", "task", "waiters", "done_at", "nbytes")
+
+    def __init__(self, step_id: int, task: asyncio.Task) -> None:
+        self.step_id = step_id
+        self.task = task
+        self.waiters = 0
+        self.done_at: float | None = None
+        self.nbytes = 0
+
+
+class RetryCache:
+    def __init__(self, window: float, max_bytes: int, max_ids: int = 1 << 20) -> None:
+        self.window = window
+        self.max_bytes = max_bytes
+        self.max_ids = max_ids
+        self._entries: dict[int, _Entry] = {}
+        self._done: OrderedDict[int, _Entry] = OrderedDict()  # completed, oldest first
+        self._done_bytes = 0
+        self._answered: OrderedDict[int, None] = OrderedDict()  # ids whose answers were released
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def run(self, step_id: int, request_id: int,
+                  take: Callable[[], Awaitable[Received]]) -> Received:
+        """The answer for ``request_id``, taking a tensor only the first time."""
+        self._expire(time.monotonic())
+        entry = self._entries.get(request_id)
+        if entry is None:
+            if request_id in self._answered:
+                raise FailedPrecondition(
+                    f"request_id {request_id} was already answered and its reply is no longer held "
+                    f"(retry window {self.window:g}s); not consuming another tensor")
+            entry = _Entry(step_id, asyncio.ensure_future(take()))
+            entry.task.add_done_callback(lambda t, rid=request_id: self._completed(rid, t))
+            self._entries[request_id] = entry
+        elif entry.step_id != step_id:
+            raise InvalidArgument(
+                f"request_id {request_id} was first used for step {entry.step_id}, now for step {step_id}")
+        entry.waiters += 1
+        try:
+            return await asyncio.shield(entry.task)
+        except asyncio.CancelledError:
+            # The last interested caller went away before the tensor was taken:
+            # stop waiting, so nothing is consumed on its behalf.
+            if entry.waiters == 1 and not entry.task.done():
+                entry.task.cancel()
+                self._entries.pop(request_id, None)
+            raise
+        finally:
+            entry.waiters -= 1
+
+    def forget(self, request_id: int) -> None:
+        """Drop an answer that was put back unsent, as if never asked."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None and self._done.pop(request_id, None) is not None:
+            self._done_bytes -= entry.nbytes
+
+    def drop_step(self, step_id: int) -> None:
+        for rid in [r for r, e in self._entries.items() if e.step_id == step_id]:
+            self._release(rid)
+
+    def _completed(self, request_id: int, task: asyncio.Task) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.task is not task:
+            return
+        if task.cancelled():
+            self._entries.pop(request_id, None)
+            return
+        entry.done_at = time.monotonic()
+        if task.exception() is None:
+            value = task.result().value
+            entry.nbytes = int(getattr(value, "nbytes", 0) or 0)
+        self._done[request_id] = entry
+        self._done_bytes += entry.nbytes
+        self._expire(entry.done_at)
+
+    def _expire(self, now: float) -> None:
+        while self._done:
+            rid, entry = next(iter(self._done.items()))
+            if now - entry.done_at < self.window and self._done_bytes <= self.max_bytes:  # type: ignore[operator]
+                break
+            self._release(rid)
+
+    def _release(self, request_id: int) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        if self._done.pop(request_id, None) is not None:
+            self._done_bytes -= entry.nbytes
+            self._answered[request_id] = None
+            while len(self._answered) > self.max_ids:
+                self._answered.popitem(last=False)
+        elif not entry.task.done():
+            entry.task.cancel()

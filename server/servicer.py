@@ -1,0 +1,287 @@
+"""The producer side: RecvTensor over gRPC, unary and multiplexed stream.
+
+Handlers are registered as generic raw-bytes handlers so the reply's tensor
+bytes are written by hand (:mod:`rendezvous.frames`) instead of being copied
+through protobuf. Three methods are served:
+
+* ``/rendezvous.v1.Rendezvous/RecvTensor``: one recv per call (unary);
+* ``/tensorflow.WorkerService/RecvTensor``: the same handler, for stubs built
+  from TensorFlow's own ``worker.proto``;
+* ``/rendezvous.v1.Rendezvous/RecvTensorStream``: the multiplexed stream our
+  peer clients use (many recvs, chunked and interleaved replies).
+
+Every failure is answered with a status (``rendezvous.errors`` maps it); a bad
+request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from rendezvous import frames
+from rendezvous.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    RendezvousError,
+    Unavailable,
+    to_status,
+)
+from rendezvous.keys import TaskName, parse_key
+from rendezvous.stats import Stats
+from rendezvous.table import Received, WaitingTable
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+from .retry import RetryCache
+
+__all__ = ["RecvTensorServicer", "SERVICE", "TF_SERVICE"]
+
+SERVICE = "rendezvous.v1.Rendezvous"
+TF_SERVICE = "tensorflow.WorkerService"
+log = logging.getLogger("rendezvous.server")
+
+# Producer-side hook for faster transports (MPI): given the request and the
+# produced tensor, return the bytes of a descriptor RecvTensorResponse, or None
+# to send the tensor inline. Installed by the MPI data plane.
+ReplyPlanner = Callable[[pb.RecvTensorRequest, Received], "Any | None"]
+
+
+def _now_micros() -> int:
+    return time.time_ns() // 1000
+
+
+class RecvTensorServicer:
+    """Serves tensors from ``table`` to remote consumers."""
+
+    def __init__(self, table: WaitingTable, task: TaskName | None, *, stats: Stats,
+                 chunk_bytes: int, retry: RetryCache) -> None:
+        self.table = table
+        self.task = task
+        self.stats = stats
+        self.chunk_bytes = chunk_bytes
+        self.retry = retry
+        self.draining = False
+        self.planner: ReplyPlanner | None = None
+        self._streams: set[_StreamConn] = set()
+
+    # -- registration -----------------------------------------------------
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        unary = grpc.unary_unary_rpc_method_handler(self._unary)
+        stream = grpc.stream_stream_rpc_method_handler(self._stream)
+        return [
+            grpc.method_handlers_generic_handler(SERVICE, {"RecvTensor": unary, "RecvTensorStream": stream}),
+            grpc.method_handlers_generic_handler(TF_SERVICE, {"RecvTensor": unary}),
+        ]
+
+    # -- taking a tensor ----------------------------------------------------
+
+    async def take(self, req: pb.RecvTensorRequest) -> tuple[Received, str]:
+        """Wait for the tensor ``req`` asks for; (item, canonical key)."""
+        if self.draining:
+            raise Unavailable("server is draining; not accepting new recvs")
+        key = parse_key(req.rendezvous_key)
+        src = key.src_task
+        if src is not None and self.task is not None and src != self.task:
+            raise FailedPrecondition(
+                f"key {req.rendezvous_key!r} is produced by {src}, but this server is {self.task}")
+        canonical = key.format()
+        step = req.step_id
+        if req.request_id:
+            item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical))
+        else:
+            item = await self.table.recv(step, canonical)
+        return item, canonical
+
+    def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received) -> None:
+        """Return an item whose reply was never started (the consumer cancelled)."""
+        if req.request_id:
+            self.retry.forget(req.request_id)
+        try:
+            self.table.requeue(req.step_id, key, item)
+        except RendezvousError:
+            pass  # the step was aborted meanwhile: its tensors are dropped anyway
+
+    # -- unary --------------------------------------------------------------
+
+    async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            req = pb.RecvTensorRequest.FromString(request)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed RecvTensorRequest: {exc}")
+        try:
+            item, _ = await self.take(req)
+            # A dead-line shorter than the wait is enforced by gRPC itself.
+            reply = frames.unary_response(item, _now_micros())
+        except RendezvousError as exc:
+            self.stats.error("grpc")
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug of ours: report it, keep serving
+            log.exception("RecvTensor failed")
+            self.stats.error("grpc")
+            code, message = to_status(exc)
+            await context.abort(code, message)
+        self.stats.served("grpc", _nbytes(item))
+        return reply
+
+    # -- stream -------------------------------------------------------------
+
+    async def _stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        conn = _StreamConn(self, context)
+        self._streams.add(conn)
+        try:
+            await conn.run(requests)
+        finally:
+            self._streams.discard(conn)
+
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+
+def _nbytes(item: Received) -> int:
+    v = item.value
+    return int(v.nbytes) if isinstance(v, np.ndarray) and v.dtype != object else 0
+
+
+class _Reply:
+    __slots__ = ("frames", "req", "key", "item", "started", "path")
+
+    def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
+                 item: Received | None, path: str) -> None:
+        self.frames = frames_
+        self.req = req
+        self.key = key
+        self.item = item
+        self.started = False
+        self.path = path
+
+
+class _StreamConn:
+    """One RecvTensorStream: a reader of requests, a task per call, one writer.
+
+    The writer takes one frame at a time from each reply in turn (round
+    robin), so a chunked 512 MiB tensor and a 1 KiB one share the stream
+    fairly: no head-of-line blocking.
+    """
+
+    def __init__(self, servicer: RecvTensorServicer, context: grpc.aio.ServicerContext) -> None:
+        self.s = servicer
+        self.context = context
+        self.waiting: dict[int, asyncio.Task] = {}
+        self.replies: dict[int, _Reply] = {}
+        self.ready: collections.deque[int] = collections.deque()
+        self.wakeup = asyncio.Event()
+        self.reader_done = False
+
+    async def run(self, requests: AsyncIterator[bytes]) -> None:
+        reader = asyncio.create_task(self._read(requests))
+        try:
+            await self._write()
+            await reader  # re-raises a malformed-request error as the stream's status
+        except _BadStream as exc:
+            await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            reader.cancel()
+            for task in self.waiting.values():
+                task.cancel()
+            # Replies never started go back to the table: nothing produced is lost.
+            for reply in self.replies.values():
+                if not reply.started and reply.item is not None:
+                    self.s.put_back(reply.req, reply.key, reply.item)
+            self.replies.clear()
+
+    async def _read(self, requests: AsyncIterator[bytes]) -> None:
+        try:
+            async for raw in requests:
+                try:
+                    msg = pb.StreamRequest.FromString(raw)
+                except DecodeError as exc:
+                    raise _BadStream(f"malformed StreamRequest: {exc}") from None
+                kind = msg.WhichOneof("kind")
+                if kind == "recv":
+                    if msg.call_id in self.waiting or msg.call_id in self.replies:
+                        raise _BadStream(f"call_id {msg.call_id} is already in use on this stream")
+                    self.waiting[msg.call_id] = asyncio.create_task(self._serve(msg.call_id, msg.recv))
+                elif kind == "cancel":
+                    self._cancel(msg.call_id)
+                else:
+                    raise _BadStream(f"StreamRequest {msg.call_id} has neither recv nor cancel")
+        finally:
+            self.reader_done = True
+            self.wakeup.set()
+
+    def _cancel(self, call_id: int) -> None:
+        task = self.waiting.pop(call_id, None)
+        if task is not None:
+            task.cancel()
+            return
+        reply = self.replies.pop(call_id, None)
+        if reply is not None and not reply.started and reply.item is not None:
+            self.s.put_back(reply.req, reply.key, reply.item)
+
+    async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
+        try:
+            item, key = await self.s.take(req)
+            reply = None
+            planner = self.s.planner
+            if planner is not None and not item.is_dead:
+                reply = planner(req, item)
+            if reply is not None:
+                # A descriptor path: one frame, bytes travel elsewhere.
+                frames_iter, path, sent = iter([_frame_with_id(call_id, reply)]), "mpi", None
+            else:
+                frames_iter = frames.stream_frames(call_id, item, self.s.chunk_bytes, _now_micros())
+                path, sent = "grpc", item
+            self.s.stats.served(path, _nbytes(item))
+            self.replies[call_id] = _Reply(frames_iter, req, key, sent, path)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, RendezvousError):
+                log.exception("RecvTensorStream call %d failed", call_id)
+            self.s.stats.error("grpc")
+            self.replies[call_id] = _Reply(iter([frames.error_frame(call_id, exc)]), req, "", None, "grpc")
+        finally:
+            self.waiting.pop(call_id, None)
+        self.ready.append(call_id)
+        self.wakeup.set()
+
+    async def _write(self) -> None:
+        while True:
+            while self.ready:
+                call_id = self.ready.popleft()
+                reply = self.replies.get(call_id)
+                if reply is None:
+                    continue  # cancelled
+                frame = next(reply.frames, None)
+                if frame is None:
+                    del self.replies[call_id]
+                    continue
+                reply.started = True
+                await self.context.write(frame)
+                self.ready.append(call_id)
+            if self.reader_done and not self.waiting and not self.replies:
+                return
+            self.wakeup.clear()
+            await self.wakeup.wait()
+
+
+class _BadStream(Exception):
+    pass
+
+
+def _frame_with_id(call_id: int, response: bytes) -> bytes:
+    from rendezvous import wire
+
+    return b"".join([wire.tag(1, wire.VARINT), wire.encode_varint(call_id),
+                     wire.len_field_header(2, len(response)), response])

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from rendezvous import aio
+from rendezvous.keys import make_key
+
+
+def dev(job: str, task: int, kind: str = "CPU") -> str:
+    return f"/job:{job}/replica:0/task:{task}/device:{kind}:0"
+
+
+def key(src: int, dst: int, name: str, job: str = "worker") -> str:
+    """A key produced by task ``src`` for task ``dst`` of ``job``."""
+    return make_key(dev(job, src), dev(job, dst), name, incarnation=0x1234).format()
+
+
+@contextlib.asynccontextmanager
+async def cluster(n: int = 2, job: str = "worker", **overrides) -> AsyncIterator[list[aio.Server]]:
+    """``n`` started aio servers in this loop, on OS-chosen loopback ports."""
+    spec = {job: ["127.0.0.1:0"] * n}
+    servers = [aio.Server(spec, job, i, **overrides) for i in range(n)]
+    try:
+        for s in servers:
+            await s.start()
+        full = {job: [s.target for s in servers]}
+        for s in servers:
+            s.update_cluster(full)
+        yield servers
+    finally:
+        for s in servers:
+            await s.stop(0)
+
+
+def run(coro, timeout: float = 60.0):
+    """Run a coroutine on a fresh loop with a hard time limit."""
+    async def guarded():
+        return await asyncio.wait_for(coro, timeout)
+    return asyncio.run(guarded())
+
+
+
+async def until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Wait for ``predicate()`` to hold, checking on each loop turn (a condition
+    wait, not a timed sleep); fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
