@@ -15,6 +15,7 @@ import numpy as np
 from rendezvous.launch import run_local
 
 SIZES = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+REPS = 3  # the first transfer of a pair also sets up the connection: report the best
 
 
 def _key(src: str, dst: str, name: str) -> str:
@@ -27,16 +28,19 @@ def rank(server):
     workers = [f"/job:worker/replica:0/task:{i}" for i in range(2)]
     if me != ps:
         for i, n in enumerate(SIZES):
-            server.send(_key(me, ps, f"tensor{i}"), np.full(n // 4, i, np.float32), step_id=1)
+            for r in range(REPS):
+                server.send(_key(me, ps, f"tensor{i}"), np.full(n // 4, i, np.float32), step_id=r)
         return None
     rows = []
     for i, n in enumerate(SIZES):
         for w in workers:
-            t0 = time.perf_counter()
-            value = server.recv(_key(w, ps, f"tensor{i}"), step_id=1, timeout=60)
-            dt = time.perf_counter() - t0
-            assert value.nbytes == n and float(value[0]) == i and float(value[-1]) == i
-            rows.append((w, n, dt))
+            times = []
+            for r in range(REPS):
+                t0 = time.perf_counter()
+                value = server.recv(_key(w, ps, f"tensor{i}"), step_id=r, timeout=60)
+                times.append(time.perf_counter() - t0)
+                assert value.nbytes == n and float(value[0]) == i and float(value[-1]) == i
+            rows.append((w, n, min(times)))
     return {"rows": rows, "stats": server.stats()}
 
 
@@ -52,7 +56,8 @@ def main() -> None:
     print("starting 3 ranks (ps:0, worker:0, worker:1) on loopback ...")
     results = run_local(rank, {"ps": 1, "worker": 2}, timeout=120)
     ps = results["/job:ps/replica:0/task:0"]
-    print(f"\n{'from':<28} {'size':>9} {'path':>5} {'time':>10} {'rate':>10}")
+    print(f"\nbest of {REPS} recvs per size and worker:")
+    print(f"{'from':<28} {'size':>9} {'path':>5} {'time':>10} {'rate':>10}")
     for w, n, dt in ps["rows"]:
         print(f"{w:<28} {_human(n):>9} {'grpc':>5} {dt * 1e3:>8.2f}ms {n / dt / 1e9:>7.2f}GB/s")
     g = ps["stats"]["grpc"]

@@ -57,7 +57,6 @@ class Config:
     uvloop: bool = _knob(
         True, "RENDEZVOUS_UVLOOP",
         "Run the blocking Server's event loop on uvloop when it is installed.", parse=env_flag)
-    log_level: str = _knob("WARNING", "RENDEZVOUS_LOG_LEVEL", "Level of the 'rendezvous' logger.")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None,
