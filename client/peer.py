@@ -136,7 +136,12 @@ class _Stream:
         frame = frames.parse_stream_frame(buf)
         p = self.pending.get(frame.call_id)
         if p is None:
-            return  # cancelled, or timed out: drop the rest of its reply
+            # Cancelled or timed out: drop the rest of its reply. A descriptor's
+            # bytes are already coming over MPI and must still be received.
+            head = frame.head
+            if head is not None and head.transport_options is not None and self.client.on_orphan:
+                self.client.on_orphan(buf, head)
+            return
         try:
             if frame.error is not None:
                 raise frame.error
@@ -204,12 +209,14 @@ class PeerClient:
     def __init__(self, task: TaskName, address: str, config: Config, *,
                  transport_options: bytes | None = None,
                  on_descriptor: DescriptorHandler | None = None,
+                 on_orphan: Callable[[bytes, frames.ReplyHead], None] | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.task = task
         self.address = address
         self.config = config
         self.transport_options = transport_options
         self.on_descriptor = on_descriptor
+        self.on_orphan = on_orphan
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stream: _Stream | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,9 +66,17 @@ class Server:
         self._retry = RetryCache(self.config.retry_window, self.config.retry_cache_bytes)
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats,
                                            chunk_bytes=self.config.chunk_bytes, retry=self._retry)
+        self._world = None  # rendezvous.mpi.world.MpiWorld when MPI is in use
+        self._plane = None  # rendezvous.mpi.plane.MpiPlane once started
+        self._engine = None
+        if protocol == "grpc+mpi" and not self.config.mpi_disabled:
+            from .mpi.world import MpiWorld  # imports mpi4py: never with MPI_DISABLED=1
+
+            self._world = MpiWorld.join()
         self._grpc: grpc.aio.Server | None = None
         self._target: str | None = None
         self._peers: dict[TaskName, PeerClient] = {}
+        self.mpi_ranks: dict[TaskName, int] = {}  # tasks in this MPI job, once started
         self._remote: dict[int, set[asyncio.Task]] = {}
         self._stopped: asyncio.Event | None = None
         self._state = "new"
@@ -101,8 +110,54 @@ class Server:
         self._grpc = server
         self._target = f"{host}:{port}"
         self.cluster = self.cluster.with_address(self.task, self._target)
+        if self._world is not None:
+            try:
+                await self._start_mpi()
+            except BaseException:
+                await server.stop(0)
+                raise
         self._state = "serving"
         log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
+        if self.protocol == "grpc+mpi":
+            print(self.describe(), file=sys.stderr, flush=True)
+
+    async def _start_mpi(self) -> None:
+        from .mpi.engine import ProgressEngine
+        from .mpi.plane import MpiPlane
+
+        world = self._world
+        engine = ProgressEngine(None, poll_min_us=self.config.mpi_poll_min_us,
+                                poll_max_us=self.config.mpi_poll_max_us)
+        engine.start()
+        self._engine = engine
+        # The allgather is collective: every rank of the job reaches it in start().
+        ranks = await engine.call(lambda: world.exchange(self.task, self._target))
+        engine.comm = world.comm
+        self.mpi_ranks = {task: rank for task, (rank, _) in ranks.items()}
+        for task, (_, address) in ranks.items():
+            if task in self.cluster:
+                self.cluster = self.cluster.with_address(task, address)
+            else:
+                log.warning("MPI rank %d runs %s, which is not in the cluster", ranks[task][0], task)
+        outside = [str(t) for t in self.cluster.tasks() if t not in ranks]
+        if outside:
+            log.info("tasks outside this MPI job, served over gRPC: %s", ", ".join(outside))
+        self._plane = MpiPlane(world, engine, self.config, self._stats)
+        self.servicer.planner = self._plane.plan
+
+    def describe(self) -> str:
+        """One line: who this rank is and how it moves tensors (printed at start-up)."""
+        cfg = self.config
+        line = f"rendezvous: {self.task} on {self.target}, protocol {self.protocol}"
+        if self.protocol != "grpc+mpi":
+            return line
+        if cfg.mpi_disabled:
+            return line + "; MPI_DISABLED=1: MPI off, all transfers over gRPC"
+        world = self._world
+        src = cfg.sources.get("mpi_optimal_path", "default")
+        setting = f"MPI_OPTIMAL_PATH={int(cfg.mpi_optimal_path)} ({'unset, default' if src == 'default' else src})"
+        return (line + f"; MPI rank {world.rank}/{world.size} ({world.library}), thread level {world.thread_level}; "
+                f"{setting}, threshold {cfg.mpi_threshold} B")
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: refuse new recvs (UNAVAILABLE), fail waiters, let replies in flight
@@ -112,16 +167,31 @@ class Server:
                 await self._stopped.wait()
             return
         self._state = "stopping"
+        # Drain: no new waits; waiters fail; tensors already produced are still
+        # served to requests arriving within the grace period.
         self.servicer.draining = True
-        unconsumed = self.table.stats().get("tensors", 0)
-        self.table.close(Unavailable(f"server {self.task} is shutting down"))
-        if unconsumed:
-            log.warning("task %s stopped with %d produced tensors never consumed", self.task, unconsumed)
+        drained = Unavailable(f"server {self.task} is shutting down")
+        self.table.fail_waiters(drained)
         for peer in list(self._peers.values()):
             await peer.close()
         self._peers.clear()
         if self._grpc is not None:
-            await self._grpc.stop(grace)
+            # The peers' streams stay open for good, so gRPC's own grace would
+            # always run out: wait only while something is left to deliver.
+            loop = asyncio.get_running_loop()
+            end = loop.time() + (grace or 0.0)
+            while loop.time() < end and (self.servicer.busy() or self.table.stats()["tensors"]):
+                await asyncio.sleep(0.005)
+            await self._grpc.stop(0)
+        unconsumed = self.table.stats().get("tensors", 0)
+        self.table.close(drained)
+        if unconsumed:
+            log.warning("task %s stopped with %d produced tensors never consumed", self.task, unconsumed)
+        if self._engine is not None:
+            # Sends in flight finish (their consumers are posting receives); the
+            # engine must stop before MPI is finalized at exit.
+            engine, self._engine = self._engine, None
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop, grace or 5.0)
         self._state = "stopped"
         if self._stopped is not None:
             self._stopped.set()
@@ -229,8 +299,11 @@ class Server:
             task.cancel(_ABORT)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served, served_bytes}}."""
-        return self._stats.snapshot()
+        """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served,
+        served_bytes}}; "mpi" also has "in_flight" (MPI operations posted and not complete)."""
+        snap = self._stats.snapshot()
+        snap["mpi"]["in_flight"] = self._engine.in_flight if self._engine is not None else 0
+        return snap
 
     def pending(self) -> list[Any]:
         return self.table.pending()
@@ -240,7 +313,11 @@ class Server:
         if peer is None:
             if self._state != "serving":
                 raise Unavailable(f"server {self.task} is {self._state}")
-            peer = PeerClient(task, self.cluster.address(task), self.config)
+            plane = self._plane
+            peer = PeerClient(task, self.cluster.address(task), self.config,
+                              transport_options=plane.endpoint if plane else None,
+                              on_descriptor=plane.receive if plane else None,
+                              on_orphan=plane.drain if plane else None)
             self._peers[task] = peer
         return peer
 

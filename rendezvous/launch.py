@@ -24,7 +24,7 @@ from typing import Any
 from .errors import DeadlineExceeded, RendezvousError
 from .keys import TaskName
 
-__all__ = ["run_local", "RankFailed"]
+__all__ = ["run_local", "RankFailed", "launcher_rank"]
 
 
 class RankFailed(RendezvousError):
@@ -115,3 +115,20 @@ def run_local(fn: Callable[..., Any], jobs: Mapping[str, int], *, args: tuple = 
                 proc.kill()
                 proc.join()
             conn.close()
+
+
+#: Environment variables MPI launchers and schedulers set to a process's rank.
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
+def launcher_rank(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """(rank, size) as the launcher (mpiexec, srun) set them, without touching MPI.
+
+    Works with ``MPI_DISABLED=1`` too; None outside any launcher."""
+    env = os.environ if env is None else env
+    rank = next((env[v] for v in RANK_VARIABLES if env.get(v, "").isdigit()), None)
+    size = next((env[v] for v in SIZE_VARIABLES if env.get(v, "").isdigit()), None)
+    if rank is None:
+        return None
+    return int(rank), int(size) if size is not None else int(rank) + 1

@@ -347,6 +347,42 @@ class WaitingTable:
         if keys:
             self._fail(keys, Aborted(f"step {step_id} cleaned up"))
 
+    def try_take(self, step_id: int, key: Hashable) -> Received | None:
+        """The oldest item queued for ``key`` if there is one, else None; never waits.
+
+        Raises the step's error like :meth:`recv`."""
+        self._enter()
+        if self._closed is not None or self._tombstones:
+            err = self._dead(step_id)
+            if err is not None:
+                raise err.with_traceback(None)
+        keys = self._steps.get(step_id)
+        q = keys.get(key) if keys is not None else None
+        if type(q) is not _Tensors:
+            return None
+        item: Received = q.popleft()[0]
+        if not q:
+            del keys[key]  # type: ignore[union-attr]
+            if not keys:
+                del self._steps[step_id]
+        return item
+
+    def fail_waiters(self, error: RendezvousError) -> int:
+        """Fail every waiting receiver with ``error`` (draining), keeping queued
+        items and leaving later send/recv allowed. Returns how many failed."""
+        self._enter()
+        failed = 0
+        for step_id in list(self._steps):
+            keys = self._steps[step_id]
+            for key in [k for k, q in keys.items() if type(q) is _Waiters]:
+                for fut, _ in keys.pop(key):
+                    if not fut.done():
+                        fut.set_exception(error)
+                        failed += 1
+            if not keys:
+                del self._steps[step_id]
+        return failed
+
     def close(self, error: RendezvousError) -> None:
         """Shut down: fail every waiter with ``error``, drop everything, and
         fail every later send/recv with it. Idempotent: the first error stays."""

@@ -75,6 +75,9 @@ class RetryCache:
         finally:
             entry.waiters -= 1
 
+    def has(self, request_id: int) -> bool:
+        return request_id in self._entries
+
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""
         entry = self._entries.pop(request_id, None)

@@ -71,6 +71,7 @@ class RecvTensorServicer:
         self.draining = False
         self.planner: ReplyPlanner | None = None
         self._streams: set[_StreamConn] = set()
+        self._unary_active = 0
 
     # -- registration -----------------------------------------------------
 
@@ -85,9 +86,11 @@ class RecvTensorServicer:
     # -- taking a tensor ----------------------------------------------------
 
     async def take(self, req: pb.RecvTensorRequest) -> tuple[Received, str]:
-        """Wait for the tensor ``req`` asks for; (item, canonical key)."""
-        if self.draining:
-            raise Unavailable("server is draining; not accepting new recvs")
+        """Wait for the tensor ``req`` asks for; (item, canonical key).
+
+        While draining, only tensors already produced (or answers already
+        given, by request_id) are served; a recv that would wait gets
+        UNAVAILABLE."""
         key = parse_key(req.rendezvous_key)
         src = key.src_task
         if src is not None and self.task is not None and src != self.task:
@@ -95,11 +98,22 @@ class RecvTensorServicer:
                 f"key {req.rendezvous_key!r} is produced by {src}, but this server is {self.task}")
         canonical = key.format()
         step = req.step_id
+        if self.draining:
+            if req.request_id and self.retry.has(req.request_id):
+                return await self.retry.run(step, req.request_id, self._never), canonical
+            item = self.table.try_take(step, canonical)
+            if item is None:
+                raise Unavailable(f"server {self.task} is draining; not accepting new recvs")
+            return item, canonical
         if req.request_id:
             item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical))
         else:
             item = await self.table.recv(step, canonical)
         return item, canonical
+
+    @staticmethod
+    async def _never() -> Received:
+        raise Unavailable("server is draining")
 
     def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received) -> None:
         """Return an item whose reply was never started (the consumer cancelled)."""
@@ -113,6 +127,13 @@ class RecvTensorServicer:
     # -- unary --------------------------------------------------------------
 
     async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self._unary_active += 1
+        try:
+            return await self._unary_call(request, context)
+        finally:
+            self._unary_active -= 1
+
+    async def _unary_call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
             req = pb.RecvTensorRequest.FromString(request)
         except DecodeError as exc:
@@ -143,6 +164,10 @@ class RecvTensorServicer:
             await conn.run(requests)
         finally:
             self._streams.discard(conn)
+
+    def busy(self) -> bool:
+        """Whether any reply is still being written (or a unary call served)."""
+        return self._unary_active > 0 or any(c.replies for c in self._streams)
 
     def open_streams(self) -> int:
         return len(self._streams)
@@ -225,8 +250,13 @@ class _StreamConn:
         if task is not None:
             task.cancel()
             return
-        reply = self.replies.pop(call_id, None)
-        if reply is not None and not reply.started and reply.item is not None:
+        reply = self.replies.get(call_id)
+        if reply is None or reply.path == "mpi":
+            # A descriptor is always delivered: its MPI send is posted, and the
+            # consumer must receive those bytes even if it no longer wants them.
+            return
+        del self.replies[call_id]
+        if not reply.started and reply.item is not None:
             self.s.put_back(reply.req, reply.key, reply.item)
 
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:

@@ -33,6 +33,28 @@ class RecvTensorResponse(_message.Message):
     transport_options: _any_pb2.Any
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., send_start_micros: _Optional[int] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
 
+class MpiEndpoint(_message.Message):
+    __slots__ = ("world_id", "rank")
+    WORLD_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    world_id: int
+    rank: int
+    def __init__(self, world_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class MpiTransfer(_message.Message):
+    __slots__ = ("world_id", "source_rank", "tag", "nbytes", "chunk_bytes")
+    WORLD_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RANK_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    world_id: int
+    source_rank: int
+    tag: int
+    nbytes: int
+    chunk_bytes: int
+    def __init__(self, world_id: _Optional[int] = ..., source_rank: _Optional[int] = ..., tag: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
 class Cancel(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

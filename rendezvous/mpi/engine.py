@@ -1,0 +1,225 @@
+"""The MPI progress engine: one thread owns every MPI call.
+
+The event loop submits operations (non-blocking send, non-blocking receive,
+or a function to run on the MPI thread) through a thread-safe inbox and gets
+an asyncio future back. The engine thread posts them, polls every request in
+flight with ``Request.Testsome`` (no request blocks another: no head-of-line
+blocking), and resolves futures on their loop with ``call_soon_threadsafe``.
+
+Backoff: after a completion the thread polls again at once; each empty poll
+doubles the pause, from ``poll_min_us`` up to ``poll_max_us``, and a new
+submission wakes it immediately. With nothing in flight it sleeps on a
+condition variable and uses no CPU.
+
+Buffers are referenced by their operation until MPI is done with them, so a
+producer's tensor stays alive until its send completes without parking any
+thread. A cancelled receive stays posted until it matches (its message is
+already on the way), so its tag can never catch a later transfer's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rendezvous.errors import Internal, Unavailable
+
+__all__ = ["ProgressEngine"]
+
+log = logging.getLogger("rendezvous.mpi")
+
+
+class _Op:
+    __slots__ = ("kind", "buf", "peer", "tag", "chunk", "future", "loop", "fn", "remaining", "error")
+
+    def __init__(self, kind: str, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
+                 buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
+                 fn: Callable[[], Any] | None = None) -> None:
+        self.kind = kind
+        self.loop = loop
+        self.future = future
+        self.buf = buf  # kept until MPI is done with it
+        self.peer = peer
+        self.tag = tag
+        self.chunk = chunk
+        self.fn = fn
+        self.remaining = 0
+        self.error: BaseException | None = None
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None, value: Any) -> None:
+    if future.done():
+        return  # the waiter gave up (cancelled, deadline); MPI finished anyway
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+class ProgressEngine:
+    """Owns ``comm`` (an mpi4py communicator) on a thread of its own."""
+
+    def __init__(self, comm: Any, *, poll_min_us: int = 10, poll_max_us: int = 1000) -> None:
+        from mpi4py import MPI  # only reached with MPI enabled
+
+        self._MPI = MPI
+        self.comm = comm
+        self.poll_min = poll_min_us / 1e6
+        self.poll_max = poll_max_us / 1e6
+        self._cv = threading.Condition()
+        self._inbox: list[_Op] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.in_flight = 0  # operations posted and not complete (read by stats)
+        self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
+
+    # -- loop side ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rendezvous-mpi", daemon=True)
+        self._thread.start()
+
+    def _submit(self, op: _Op) -> asyncio.Future:
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("MPI progress engine is stopped")
+            self._inbox.append(op)
+            self._cv.notify()
+        return op.future
+
+    def isend(self, buf: Any, dest: int, tag: int, chunk: int) -> asyncio.Future:
+        """Send ``buf`` (bytes-like, C-contiguous) to ``dest`` on ``tag``; in ``chunk``-byte messages."""
+        loop = asyncio.get_running_loop()
+        return self._submit(_Op("send", loop, loop.create_future(), buf, dest, tag, chunk))
+
+    def irecv(self, buf: Any, source: int, tag: int, chunk: int) -> asyncio.Future:
+        """Receive into ``buf`` from ``source`` on ``tag``, in ``chunk``-byte messages."""
+        loop = asyncio.get_running_loop()
+        return self._submit(_Op("recv", loop, loop.create_future(), buf, source, tag, chunk))
+
+    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Run ``fn()`` on the MPI thread (collectives at start-up)."""
+        loop = asyncio.get_running_loop()
+        return self._submit(_Op("call", loop, loop.create_future(), fn=fn))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish what is in flight (up to ``timeout``), then cancel the rest and join.
+
+        Must run before MPI is finalized; idempotent."""
+        with self._cv:
+            self._stopping = True
+            self._stop_deadline = time.monotonic() + timeout
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+            self._thread = None
+
+    # -- MPI thread -----------------------------------------------------------
+
+    def _post(self, op: _Op, reqs: list, owners: list) -> None:
+        MPI = self._MPI
+        if op.kind == "call":
+            try:
+                value, error = op.fn(), None  # type: ignore[misc]
+            except BaseException as exc:  # handed to the caller, never fatal here
+                value, error = None, exc
+            op.loop.call_soon_threadsafe(_resolve, op.future, error, value)
+            return
+        view = memoryview(op.buf).cast("B")
+        n = len(view)
+        starts = range(0, n, op.chunk) if n else [0]
+        posted = 0
+        try:
+            for start in starts:
+                part = view[start:start + op.chunk]
+                if op.kind == "send":
+                    req = self.comm.Isend([part, MPI.BYTE], op.peer, op.tag)
+                else:
+                    req = self.comm.Irecv([part, MPI.BYTE], op.peer, op.tag)
+                reqs.append(req)
+                owners.append(op)
+                posted += 1
+        except MPI.Exception as exc:
+            op.error = Internal(f"MPI {op.kind} of {n} bytes with rank {op.peer} tag {op.tag} failed: "
+                                f"{exc.Get_error_string()}")
+        op.remaining = posted
+        if posted:
+            self.in_flight += 1
+        else:
+            op.loop.call_soon_threadsafe(_resolve, op.future, op.error, None)
+
+    def _complete(self, op: _Op) -> None:
+        op.remaining -= 1
+        if op.remaining == 0:
+            self.in_flight -= 1
+            op.buf = None
+            op.loop.call_soon_threadsafe(_resolve, op.future, op.error, None)
+
+    def _run(self) -> None:
+        MPI = self._MPI
+        reqs: list = []
+        owners: list[_Op] = []
+        pause = 0.0
+        while True:
+            with self._cv:
+                if not self._inbox:
+                    if not reqs:
+                        if self._stopping:
+                            return
+                        self._cv.wait()  # idle: no CPU until work arrives
+                    elif pause:
+                        self._cv.wait(pause)  # busy: back off, but wake for new work
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            for op in inbox:
+                self._post(op, reqs, owners)
+            if not reqs:
+                continue
+            try:
+                self.polls += 1
+                done = MPI.Request.Testsome(reqs)
+            except MPI.Exception as exc:
+                done = self._fail_one(reqs, owners, exc)
+            if done:
+                for i in sorted(done, reverse=True):
+                    op = owners.pop(i)
+                    reqs.pop(i)
+                    self._complete(op)
+                pause = 0.0
+            elif not inbox:
+                pause = min(self.poll_max, max(self.poll_min, pause * 2))
+            if stopping and reqs and time.monotonic() > self._stop_deadline:
+                self._cancel_all(reqs, owners)
+
+    def _fail_one(self, reqs: list, owners: list[_Op], exc: Any) -> list[int]:
+        """Testsome reported an error: find the failing requests, fail only their ops."""
+        MPI = self._MPI
+        failed = []
+        for i, req in enumerate(reqs):
+            try:
+                if req.Test():
+                    failed.append(i)
+            except MPI.Exception as one:
+                owners[i].error = Internal(f"MPI {owners[i].kind} with rank {owners[i].peer} failed: "
+                                           f"{one.Get_error_string()}")
+                failed.append(i)
+        log.warning("MPI error in progress engine: %s", exc.Get_error_string())
+        return failed
+
+    def _cancel_all(self, reqs: list, owners: list[_Op]) -> None:
+        MPI = self._MPI
+        log.warning("stopping MPI engine with %d transfers unfinished; cancelling them", len(reqs))
+        for req, op in zip(reqs, owners):
+            try:
+                req.Cancel()
+                req.Wait()
+            except MPI.Exception:
+                pass
+            op.error = Unavailable("MPI engine stopped before the transfer finished")
+            self._complete(op)
+        reqs.clear()
+        owners.clear()

@@ -1,0 +1,83 @@
+"""The MPI job this process is part of: initialization, identity, rank map.
+
+MPI is initialized (by importing ``mpi4py.MPI``) at the thread level
+MULTIPLE, which mpi4py requests by default. The design needs at least
+SERIALIZED: only the engine thread makes MPI calls, but it is not the thread
+that initialized MPI. A lower granted level is refused with a clear error.
+
+At start-up every rank contributes (task name, gRPC address) to an allgather
+over a private duplicate of ``MPI_COMM_WORLD`` (names of any length; a rank
+whose server does not take part is simply absent). Duplicate task names are
+refused on every rank alike. Rank 0 also picks a random ``world_id`` so a
+consumer in another MPI job (another ``mpiexec``) is never sent MPI bytes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from rendezvous.errors import FailedPrecondition, InvalidArgument
+from rendezvous.keys import TaskName
+
+__all__ = ["MpiWorld", "import_mpi"]
+
+_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
+
+
+def import_mpi() -> Any:
+    """``mpi4py.MPI``, initializing MPI; FailedPrecondition if it cannot be had."""
+    try:
+        import mpi4py
+    except ImportError:
+        raise FailedPrecondition(
+            "protocol grpc+mpi needs mpi4py: pip install 'rendezvous[mpi]' "
+            "(or set MPI_DISABLED=1 to run over gRPC only)") from None
+    mpi4py.rc.thread_level = "multiple"
+    try:
+        from mpi4py import MPI
+    except Exception as exc:  # the MPI library itself failed to load or initialize
+        raise FailedPrecondition(f"MPI could not be initialized: {exc} (MPI_DISABLED=1 runs over gRPC)") from exc
+    return MPI
+
+
+@dataclass
+class MpiWorld:
+    MPI: Any
+    comm: Any          # our private duplicate of COMM_WORLD
+    rank: int
+    size: int
+    thread_level: str
+    world_id: int
+    library: str
+
+    @classmethod
+    def join(cls) -> "MpiWorld":
+        """Initialize MPI (if needed) and check the thread level. Not collective."""
+        MPI = import_mpi()
+        level = MPI.Query_thread()
+        name = _LEVELS[level] if 0 <= level < len(_LEVELS) else str(level)
+        if level < MPI.THREAD_SERIALIZED:
+            raise FailedPrecondition(
+                f"MPI granted thread level {name}; grpc+mpi needs SERIALIZED or MULTIPLE "
+                "(its progress thread is not the thread that initialized MPI)")
+        world = MPI.COMM_WORLD
+        library = MPI.Get_library_version().splitlines()[0].strip()
+        return cls(MPI, None, world.Get_rank(), world.Get_size(), name, 0, library)
+
+    def exchange(self, task: TaskName, address: str) -> dict[TaskName, tuple[int, str]]:
+        """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""
+        world = self.MPI.COMM_WORLD
+        self.comm = world.Dup()
+        self.world_id = self.comm.bcast(secrets.randbits(63) | 1 if self.rank == 0 else None, root=0)
+        entries = self.comm.allgather((task.job, task.replica, task.task, address))
+        table: dict[TaskName, tuple[int, str]] = {}
+        for rank, (job, replica, index, addr) in enumerate(entries):
+            t = TaskName(job, replica, index)
+            if t in table:
+                raise InvalidArgument(
+                    f"task {t} is claimed by MPI ranks {table[t][0]} and {rank}; "
+                    "each rank must run a different task")
+            table[t] = (rank, addr)
+        return table

@@ -1,0 +1,277 @@
+"""Scenarios run under `mpiexec -n N python tests/mpi_scenarios.py NAME` by test_mpi.py.
+
+Each rank prints `RESULT <json>` lines for the test to check. Any exception
+aborts the whole MPI job (when MPI is up) so a failing rank never leaves the
+others hanging; without MPI the rank just exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+import rendezvous
+from rendezvous.launch import launcher_rank
+
+
+def _abort_job(exc_type, exc, tb):
+    traceback.print_exception(exc_type, exc, tb)
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:
+        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
+sys.excepthook = _abort_job
+threading.excepthook = lambda args: _abort_job(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+def key(src: str, dst: str, name: str) -> str:
+    return f"{src}/device:CPU:0;0000000000000001;{dst}/device:CPU:0;{name};0:0"
+
+
+def worker(i: int) -> str:
+    return f"/job:worker/replica:0/task:{i}"
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.uint64) * 2654435761 + seed).astype(np.uint8)
+
+
+def result(**fields) -> None:
+    sys.stdout.write("RESULT " + json.dumps(fields) + "\n")  # one write
+    sys.stdout.flush()
+
+
+def start(n: int, **overrides) -> rendezvous.Server:
+    rank, _ = launcher_rank() or (0, 1)
+    server = rendezvous.Server({"worker": ["127.0.0.1:0"] * n}, "worker", rank, protocol="grpc+mpi", **overrides)
+    server.start()
+    if server.config.mpi_disabled:
+        # No MPI allgather to publish the OS-chosen ports: ask the test's coordinator.
+        server.update_cluster({"worker": exchange_addresses(rank, server.target)})
+    return server
+
+
+def exchange_addresses(rank: int, address: str) -> list[str]:
+    import socket
+
+    host, port = os.environ["RENDEZVOUS_TEST_COORD"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall((json.dumps([rank, address]) + "\n").encode())
+        return json.loads(conn.makefile().readline())
+
+
+def finish(server: rendezvous.Server, step_id: int = 999) -> None:
+    """Tell the other rank we are done fetching, and wait for it to be done too,
+    so no rank stops while its peer still fetches from it."""
+    me = server.task.task
+    other = 1 - me
+    server.send(key(worker(me), worker(other), "finished"), np.ones(1), step_id=step_id)
+    server.recv(key(worker(other), worker(me), "finished"), step_id=step_id, timeout=120)
+
+
+def expected_path(nbytes: int, cfg) -> str:
+    if cfg.mpi_disabled or not cfg.mpi_optimal_path or nbytes < cfg.mpi_threshold:
+        return "grpc"
+    return "mpi"
+
+
+def sizes(arg: str = "full") -> None:
+    """Every size to the other rank and back, content checked, path checked."""
+    table = {
+        "full": [0, 1, 1023, 1024, 1 << 16, (1 << 20) + 7, 16 << 20, 256 << 20],
+        "small": [0, 100, 1023, 1024, 1 << 20],
+    }[arg]
+    server = start(2)
+    me = server.task.task
+    other = 1 - me
+    cfg = server.config
+    for i, n in enumerate(table):
+        server.send(key(worker(me), worker(other), f"t{i}"), pattern(n, me), step_id=1)
+    for i, n in enumerate(table):
+        before = server.stats()
+        got = server.recv(key(worker(other), worker(me), f"t{i}"), step_id=1, timeout=120)
+        after = server.stats()
+        assert got.dtype == np.uint8 and got.shape == (n,), (got.dtype, got.shape)
+        assert np.array_equal(got, pattern(n, other)), f"size {n}: content differs"
+        path = expected_path(n, cfg)
+        assert after[path]["transfers"] == before[path]["transfers"] + 1, (n, path, after)
+    # a non-memcpy-able dtype above the threshold falls back to gRPC
+    strings = np.array([b"x" * 2000, b"y"], dtype=object)
+    server.send(key(worker(me), worker(other), "strings"), strings, step_id=2)
+    got = server.recv(key(worker(other), worker(me), "strings"), step_id=2, timeout=60)
+    assert got.tolist() == strings.tolist()
+    finish(server)  # the peer has fetched everything we serve: our counters are final
+    stats = server.stats()
+    server.stop(5)
+    result(rank=me, stats=stats, mpi_disabled=cfg.mpi_disabled, optimal=cfg.mpi_optimal_path,
+           mpi_imported="mpi4py" in sys.modules)
+
+
+def abort() -> None:
+    """Abort while waiting for a descriptor, and while an MPI receive is held back."""
+    server = start(2)
+    me = server.task.task
+    if me == 1:
+        # producer: step 3 tensor only after the consumer has aborted; then a
+        # checked tensor on the same pair to prove no stale bytes are matched
+        server.send(key(worker(1), worker(0), "held"), pattern(4 << 20, 11), step_id=4)
+        server.recv(key(worker(0), worker(1), "go"), step_id=5, timeout=60)
+        server.send(key(worker(1), worker(0), "after"), pattern(4 << 20, 12), step_id=6)
+        server.recv(key(worker(0), worker(1), "done"), step_id=7, timeout=60)
+        result(rank=me, ok=True)
+        server.stop(5)
+        return
+    # 1) abort while the request waits in the producer's table (no descriptor yet)
+    aio = server.aio
+    import asyncio
+    import concurrent.futures
+
+    fut = asyncio.run_coroutine_threadsafe(aio.recv(key(worker(1), worker(0), "never"), step_id=3, timeout=60),
+                                           server.loop)
+    while not fut.done() and not server.aio._peers:
+        time.sleep(0.001)
+    server.abort(3, "stop step 3")
+    try:
+        fut.result(30)
+        raise AssertionError("recv of an aborted step returned")
+    except rendezvous.Aborted as exc:
+        assert "stop step 3" in exc.message
+    # 2) abort while the MPI receive for a descriptor is held back on our engine
+    engine = aio._engine
+    gate = threading.Event()
+    blocked = concurrent.futures.Future()
+
+    async def block_engine():
+        return await engine.call(lambda: (blocked.set_result(True), gate.wait(60)))
+
+    hold = asyncio.run_coroutine_threadsafe(block_engine(), server.loop)
+    blocked.result(30)
+    fut = asyncio.run_coroutine_threadsafe(aio.recv(key(worker(1), worker(0), "held"), step_id=4, timeout=60),
+                                           server.loop)
+    # wait until the descriptor arrived: a receive is queued behind the gate
+    while not engine._inbox:
+        time.sleep(0.001)
+    server.abort(4, "stop step 4")
+    try:
+        fut.result(30)
+        raise AssertionError("recv of an aborted step returned")
+    except rendezvous.Aborted as exc:
+        assert "stop step 4" in exc.message
+    gate.set()
+    hold.result(30)
+    server.send(key(worker(0), worker(1), "go"), np.ones(1), step_id=5)
+    got = server.recv(key(worker(1), worker(0), "after"), step_id=6, timeout=60)
+    assert np.array_equal(got, pattern(4 << 20, 12)), "bytes of the aborted transfer leaked into the next"
+    server.send(key(worker(0), worker(1), "done"), np.ones(1), step_id=7)
+    stats = server.stats()
+    assert stats["mpi"]["transfers"] == 1, stats
+    result(rank=me, ok=True, stats=stats)
+    server.stop(5)
+
+
+def idle(seconds: str = "2") -> None:
+    """CPU used by an idle rank (after a burst of MPI transfers) over a few seconds."""
+    server = start(2)
+    me = server.task.task
+    other = 1 - me
+    for i in range(20):
+        server.send(key(worker(me), worker(other), f"b{i}"), np.ones(1 << 18), step_id=i)
+    for i in range(20):
+        server.recv(key(worker(other), worker(me), f"b{i}"), step_id=i, timeout=60)
+    finish(server, step_id=998)  # both ranks have everything: no MPI operation is left
+    engine = server.aio._engine
+    polls0 = engine.polls
+    wall0, cpu0 = time.monotonic(), time.process_time()
+    time.sleep(float(seconds))  # measuring idleness itself, not synchronizing
+    cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    result(rank=me, cpu=cpu, polls=engine.polls - polls0, stats=server.stats())
+    finish(server)
+    server.stop(5)
+
+
+def fail() -> None:
+    """Rank 1 raises after start-up while rank 0 waits for its tensor."""
+    server = start(2)
+    if server.task.task == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    server.recv(key(worker(1), worker(0), "never"), timeout=600)
+
+
+def outside() -> None:
+    """Two MPI ranks plus a ps task outside the MPI job (launched on its own)."""
+    rank, _ = launcher_rank()
+    ps_address = os.environ["PS_ADDRESS"]
+    cluster = {"worker": ["127.0.0.1:0"] * 2, "ps": [ps_address]}
+    server = rendezvous.Server(cluster, "worker", rank, protocol="grpc+mpi")
+    server.start()
+    if rank == 0:
+        print("CLUSTER " + json.dumps(server.aio.cluster.as_dict()), flush=True)
+    me, other = worker(rank), worker(1 - rank)
+    ps = "/job:ps/replica:0/task:0"
+    big = pattern(1 << 20, rank)
+    server.send(key(me, ps, "to_ps"), big, step_id=1)
+    server.send(key(me, other, "peer"), big, step_id=1)
+    from_ps = server.recv(key(ps, me, "from_ps"), step_id=1, timeout=60)
+    assert np.array_equal(from_ps, pattern(1 << 20, 100 + rank))
+    assert np.array_equal(server.recv(key(other, me, "peer"), step_id=1, timeout=60), pattern(1 << 20, 1 - rank))
+    server.recv(key(ps, me, "done"), step_id=2, timeout=60)
+    stats = server.stats()
+    result(rank=rank, stats=stats)
+    server.stop(5)
+
+
+def outside_ps() -> None:
+    """The ps side of `outside`: a plain process, no MPI (MPI_DISABLED=1)."""
+    server = rendezvous.Server({"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                               "ps", 0, protocol="grpc+mpi")
+    server.start()
+    print("ADDRESS " + server.target, flush=True)
+    cluster = json.loads(sys.stdin.readline())
+    server.update_cluster(cluster)
+    ps = "/job:ps/replica:0/task:0"
+    for w in range(2):
+        server.send(key(ps, worker(w), "from_ps"), pattern(1 << 20, 100 + w), step_id=1)
+    for w in range(2):
+        got = server.recv(key(worker(w), ps, "to_ps"), step_id=1, timeout=60)
+        assert np.array_equal(got, pattern(1 << 20, w))
+    for w in range(2):
+        server.send(key(ps, worker(w), "done"), np.ones(1), step_id=2)
+    # wait for the workers to take "done" before stopping
+    while server.pending():
+        time.sleep(0.01)
+    result(role="ps", stats=server.stats(), mpi_imported="mpi4py" in sys.modules)
+    server.stop(5)
+
+
+def huge() -> None:
+    """A tensor over 2 GiB over MPI."""
+    server = start(2)
+    me = server.task.task
+    n = (2 << 30) + 4099
+    if me == 1:
+        value = np.ones(n, np.uint8)
+        value[-4099:] = 3
+        server.send(key(worker(1), worker(0), "huge"), value, step_id=1)
+        server.recv(key(worker(0), worker(1), "done"), step_id=1, timeout=300)
+        finish(server)
+    else:
+        got = server.recv(key(worker(1), worker(0), "huge"), step_id=1, timeout=300)
+        assert got.nbytes == n and got[0] == 1 and got[-1] == 3 and got[-4100] == 1
+        assert server.stats()["mpi"]["bytes"] == n
+        server.send(key(worker(0), worker(1), "done"), np.ones(1), step_id=1)
+        finish(server)
+    result(rank=me, ok=True)
+    server.stop(5)
+
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    globals()[name](*args)

@@ -1,0 +1,224 @@
+"""Multi-rank tests under mpiexec (scenarios in mpi_scenarios.py).
+
+The launcher is `mpiexec` from the virtualenv (the `mpich` wheel) unless
+RENDEZVOUS_MPIEXEC names another, e.g. RENDEZVOUS_MPIEXEC="mpirun --oversubscribe".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+HERE = Path(__file__).resolve().parent
+SCRIPT = str(HERE / "mpi_scenarios.py")
+
+
+def mpiexec() -> list[str]:
+    custom = os.environ.get("RENDEZVOUS_MPIEXEC")
+    if custom:
+        return shlex.split(custom)
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec (pip install 'rendezvous[mpi]')")
+    return [found]
+
+
+def parse_results(text: str) -> list[dict]:
+    """Every `RESULT {json}` record, even when the launcher glued two ranks'
+    lines together."""
+    decoder = json.JSONDecoder()
+    found = []
+    for part in text.split("RESULT ")[1:]:
+        found.append(decoder.raw_decode(part)[0])
+    return found
+
+
+class Coordinator:
+    """Hands each rank the list of all ranks' addresses (for runs without MPI,
+    where no allgather can publish the ports the OS chose)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(100)
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conns, table = [], [""] * self.n
+        try:
+            while len(conns) < self.n:
+                conn, _ = self.sock.accept()
+                rank, address = json.loads(conn.makefile().readline())
+                table[rank] = address
+                conns.append(conn)
+            for conn in conns:
+                conn.sendall((json.dumps(table) + "\n").encode())
+        except OSError:
+            pass  # the job ended before every rank checked in
+        finally:
+            for conn in conns:
+                conn.close()
+            self.sock.close()
+
+
+def launch(n: int, scenario: str, *args: str, env: dict | None = None, timeout: float = 120,
+           check: bool = True) -> tuple[int, list[dict], str]:
+    cmd = [*mpiexec(), "-n", str(n), sys.executable, SCRIPT, scenario, *args]
+    coordinator = Coordinator(n)
+    full_env = {**os.environ, **(env or {}), "RENDEZVOUS_TEST_COORD": coordinator.address}
+    for var in ("MPI_DISABLED", "MPI_OPTIMAL_PATH"):
+        if env is None or var not in env:
+            full_env.pop(var, None)
+    # stdout carries only RESULT lines; stderr is kept apart so the ranks'
+    # log lines can never run into them.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{scenario} hung past {timeout}s:\n{stdout[-2000:]}{stderr[-4000:]}") from None
+    results = parse_results(stdout)
+    out = stdout + stderr
+    if check:
+        assert proc.returncode == 0, f"{scenario} failed ({proc.returncode}):\n{out[-6000:]}"
+        assert len(results) == n, out[-4000:]
+    return proc.returncode, results, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_sizes_on_the_optimal_path():
+    _, results, out = launch(2, "sizes", "full", env={"MPI_OPTIMAL_PATH": "1"}, timeout=280)
+    for r in results:
+        assert r["stats"]["mpi"]["transfers"] == 5  # 1 KiB, 64 KiB, 1 MiB+7, 16 MiB, 256 MiB
+        assert r["stats"]["grpc"]["transfers"] == 5  # 0, 1, 1023 B, the strings, the finish handshake
+        assert r["stats"]["grpc"]["fallbacks"] == 1  # the string tensor
+        assert r["stats"]["mpi"]["in_flight"] == 0
+    assert "MPI_OPTIMAL_PATH=1 (env MPI_OPTIMAL_PATH)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_all_sizes_on_the_default_path():
+    _, results, _ = launch(2, "sizes", "full", env={"MPI_OPTIMAL_PATH": "0"}, timeout=280)
+    for r in results:
+        assert r["stats"]["mpi"]["transfers"] == 0 and r["stats"]["grpc"]["transfers"] == 10
+
+
+TOGGLES = [
+    ({}, "mpi"),
+    ({"MPI_OPTIMAL_PATH": "1"}, "mpi"),
+    ({"MPI_OPTIMAL_PATH": "0"}, "grpc"),
+    ({"MPI_DISABLED": "0"}, "mpi"),
+    ({"MPI_DISABLED": "0", "MPI_OPTIMAL_PATH": "0"}, "grpc"),
+    ({"MPI_DISABLED": "1"}, "grpc"),
+    ({"MPI_DISABLED": "1", "MPI_OPTIMAL_PATH": "1"}, "grpc"),
+    ({"MPI_DISABLED": "1", "MPI_OPTIMAL_PATH": "0"}, "grpc"),
+    ({"MPI_DISABLED": "true"}, "mpi"),  # only a leading '1' means on, as in TensorFlow
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env,large_path", TOGGLES, ids=[json.dumps(e) for e, _ in TOGGLES])
+def test_toggles(env, large_path):
+    _, results, out = launch(2, "sizes", "small", env=env, timeout=100)
+    for r in results:
+        s = r["stats"]
+        assert s[large_path]["transfers"] >= 2, s  # 1024 B and 1 MiB
+        if large_path == "grpc":
+            assert s["mpi"]["transfers"] == 0
+        disabled = env.get("MPI_DISABLED", "")[:1] == "1"
+        assert r["mpi_disabled"] is disabled
+        assert r["mpi_imported"] is (not disabled), "MPI_DISABLED=1 must not import mpi4py"
+    if env.get("MPI_DISABLED", "")[:1] == "1":
+        assert "MPI_DISABLED=1: MPI off" in out
+    else:
+        assert "MPI_OPTIMAL_PATH=" in out and "thread level MULTIPLE" in out
+
+
+@pytest.mark.timeout(120)
+def test_abort_before_and_during_a_transfer():
+    launch(2, "abort", timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_idle_rank_uses_almost_no_cpu():
+    _, results, _ = launch(2, "idle", "3", timeout=100)
+    for r in results:
+        assert r["stats"]["mpi"]["transfers"] == 20
+        assert r["polls"] == 0, "the progress thread polled while nothing was in flight"
+        assert r["cpu"] < 0.05, f"idle rank used {r['cpu']:.1%} of a core"
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_aborts_the_job():
+    # rank 0 waits 600 s for a tensor rank 1 never sends: only MPI_Abort ends
+    # the job before launch()'s 100 s limit fails the test.
+    code, _, out = launch(2, "fail", timeout=100, check=False)
+    assert code != 0, out
+
+
+@pytest.mark.timeout(180)
+def test_task_outside_the_mpi_world_is_served_over_grpc():
+    ps = subprocess.Popen([sys.executable, SCRIPT, "outside_ps"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env={**os.environ, "MPI_DISABLED": "1"},
+                          start_new_session=True)
+    try:
+        line = ps.stdout.readline()
+        assert line.startswith("ADDRESS "), line + ps.stderr.read()
+        env = {"PS_ADDRESS": line.split()[1]}
+        cmd = [*mpiexec(), "-n", "2", sys.executable, SCRIPT, "outside"]
+        errors = tempfile.TemporaryFile("w+")  # kept apart: stderr lines would interleave
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True,
+                               env={**os.environ, **env}, start_new_session=True)
+        lines = []
+        try:
+            for out_line in job.stdout:
+                lines.append(out_line)
+                if out_line.startswith("CLUSTER "):
+                    ps.stdin.write(out_line[8:])
+                    ps.stdin.flush()
+            if job.wait(timeout=150) != 0:
+                errors.seek(0)
+                raise AssertionError("".join(lines)[-3000:] + errors.read()[-5000:])
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+        ps_out, ps_err = ps.communicate(timeout=30)
+        assert ps.returncode == 0, ps_err[-4000:]
+        ps_result = parse_results(ps_out)[0]
+        assert ps_result["mpi_imported"] is False
+        assert ps_result["stats"]["grpc"]["transfers"] == 2
+        workers = parse_results("".join(lines))
+        assert len(workers) == 2
+        for w in workers:
+            s = w["stats"]
+            assert s["mpi"]["transfers"] == 1, s  # the other worker, same MPI job
+            assert s["grpc"]["transfers"] >= 2, s  # from the ps, outside the job
+            assert s["grpc"]["fallbacks"] >= 1, s  # what it served to the ps went by gRPC
+    finally:
+        if ps.poll() is None:
+            os.killpg(ps.pid, signal.SIGKILL)
+
+
+@pytest.mark.huge
+@pytest.mark.timeout(600)
+def test_over_two_gib_over_mpi():
+    launch(2, "huge", timeout=580)
