@@ -7,7 +7,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all venv demo test test-fast protos bench clean
+BENCH_ARGS ?=
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: all venv demo demo-loopback test protos bench clean
 
 all: test
 
@@ -20,7 +23,17 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/python examples/ps_training.py
+
+demo-loopback: $(STAMP)
 	$(BIN)/python examples/loopback_demo.py
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,mpi,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m rendezvous bench $(BENCH_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
