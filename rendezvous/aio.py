@@ -10,6 +10,7 @@ thread.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import sys
 from collections.abc import Mapping
@@ -130,6 +131,9 @@ class Server:
                                 poll_max_us=self.config.mpi_poll_max_us)
         engine.start()
         self._engine = engine
+        # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
+        # this stops the engine before that even if stop() is never called.
+        atexit.register(engine.stop, 5.0)
         # The allgather is collective: every rank of the job reaches it in start().
         ranks = await engine.call(lambda: world.exchange(self.task, self._target))
         engine.comm = world.comm
@@ -192,6 +196,7 @@ class Server:
             # engine must stop before MPI is finalized at exit.
             engine, self._engine = self._engine, None
             await asyncio.get_running_loop().run_in_executor(None, engine.stop, grace or 5.0)
+            atexit.unregister(engine.stop)
         self._state = "stopped"
         if self._stopped is not None:
             self._stopped.set()

@@ -1,0 +1,87 @@
+"""The MPI progress engine in one process (a singleton MPI world sending to itself)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mpi4py")
+
+from rendezvous.errors import Internal, Unavailable  # noqa: E402
+from rendezvous.mpi.engine import ProgressEngine  # noqa: E402
+
+from conftest import run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def comm():
+    from rendezvous.mpi.world import import_mpi
+
+    MPI = import_mpi()
+    c = MPI.COMM_WORLD.Dup()
+    yield c
+    c.Free()
+
+
+def test_pairs_by_tag_not_order_and_chunks(comm):
+    async def main():
+        engine = ProgressEngine(comm, poll_min_us=5, poll_max_us=200)
+        engine.start()
+        try:
+            a = np.arange(10_000, dtype=np.uint8)
+            b = (np.arange(3_001, dtype=np.uint8) * 7).astype(np.uint8)
+            got_a, got_b = np.empty_like(a), np.empty_like(b)
+            # receives posted in the opposite order of the sends; a is chunked
+            ra = engine.irecv(got_a, 0, 11, 1000)
+            rb = engine.irecv(got_b, 0, 12, 1000)
+            await asyncio.gather(engine.isend(b, 0, 12, 1000), engine.isend(a, 0, 11, 1000), ra, rb)
+            assert np.array_equal(got_a, a) and np.array_equal(got_b, b)
+            empty = np.empty(0, np.uint8)
+            await asyncio.gather(engine.isend(empty, 0, 13, 1000), engine.irecv(np.empty(0, np.uint8), 0, 13, 1000))
+            assert engine.in_flight == 0
+        finally:
+            engine.stop()
+    run(main())
+
+
+def test_errors_are_values_and_call_runs_on_the_mpi_thread(comm):
+    async def main():
+        import threading
+
+        engine = ProgressEngine(comm)
+        engine.start()
+        try:
+            with pytest.raises(Internal, match="rank 5"):
+                await engine.isend(np.ones(4, np.uint8), 5, 1, 1000)  # no such rank
+            name = await engine.call(lambda: threading.current_thread().name)
+            assert name == "rendezvous-mpi"
+            with pytest.raises(ZeroDivisionError):
+                await engine.call(lambda: 1 / 0)
+            # still working after the errors
+            buf = np.empty(8, np.uint8)
+            await asyncio.gather(engine.isend(np.full(8, 3, np.uint8), 0, 2, 1000), engine.irecv(buf, 0, 2, 1000))
+            assert buf.tolist() == [3] * 8
+        finally:
+            engine.stop()
+        with pytest.raises(Unavailable):
+            engine.isend(np.ones(1, np.uint8), 0, 3, 1000)
+        engine.stop()  # twice is fine
+    run(main())
+
+
+def test_idle_engine_does_not_poll_and_stop_cancels_unmatched(comm):
+    async def main():
+        engine = ProgressEngine(comm, poll_min_us=5, poll_max_us=100)
+        engine.start()
+        await engine.call(lambda: None)
+        before = engine.polls
+        await asyncio.get_running_loop().run_in_executor(None, engine._thread.join, 0.3)
+        assert engine.polls == before, "polled with nothing in flight"
+        # a receive nobody sends to: stop() cancels it after its timeout
+        pending = engine.irecv(np.empty(4, np.uint8), 0, 99, 1000)
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop, 0.2)
+        with pytest.raises(Unavailable):
+            await pending
+    run(main())
