@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import logging
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -33,7 +32,7 @@ from .errors import (
 from .keys import Key, TaskName, as_key
 from .server.retry import RetryCache
 from .server.servicer import RecvTensorServicer
-from .stats import Stats
+from .stats import Stats, payload_nbytes
 from .table import Received, WaitingTable
 from .tensors import as_array
 
@@ -264,7 +263,7 @@ class Server:
                     item = await self.table.recv(step_id, canonical)
             except TimeoutError:
                 raise DeadlineExceeded(f"recv of {canonical!r} (step {step_id}) timed out after {timeout:g}s") from None
-            self._stats.received("local", _nbytes(item))
+            self._stats.received("local", payload_nbytes(item.value))
             return item
         peer = self._peer(src)
         task = asyncio.current_task()
@@ -285,7 +284,7 @@ class Server:
             waits.discard(task)  # type: ignore[arg-type]
             if not waits:
                 self._remote.pop(step_id, None)
-        self._stats.received(path, _nbytes(item))
+        self._stats.received(path, payload_nbytes(item.value))
         return item
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
@@ -326,7 +325,3 @@ class Server:
             self._peers[task] = peer
         return peer
 
-
-def _nbytes(item: Received) -> int:
-    v = item.value
-    return int(v.nbytes) if isinstance(v, np.ndarray) and v.dtype != object else 0

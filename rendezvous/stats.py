@@ -9,8 +9,9 @@ a faster one could not be used); on the producer side ``served`` replies and
 from __future__ import annotations
 
 import copy
+from typing import Any
 
-__all__ = ["Stats", "PATHS", "COUNTERS"]
+__all__ = ["Stats", "PATHS", "COUNTERS", "payload_nbytes"]
 
 PATHS = ("local", "grpc", "mpi")
 COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes")
@@ -38,3 +39,9 @@ class Stats:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return copy.deepcopy(self._paths)
+
+
+def payload_nbytes(value: Any) -> int:
+    """Bytes a transfer of ``value`` carries (0 for dead tensors and strings)."""
+    nbytes = getattr(value, "nbytes", 0)
+    return int(nbytes) if getattr(value, "dtype", None) != object else 0

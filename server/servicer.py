@@ -24,19 +24,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from rendezvous import frames
 from rendezvous.errors import (
     FailedPrecondition,
-    InvalidArgument,
     RendezvousError,
     Unavailable,
     to_status,
 )
 from rendezvous.keys import TaskName, parse_key
-from rendezvous.stats import Stats
+from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -152,7 +150,7 @@ class RecvTensorServicer:
             self.stats.error("grpc")
             code, message = to_status(exc)
             await context.abort(code, message)
-        self.stats.served("grpc", _nbytes(item))
+        self.stats.served("grpc", payload_nbytes(item.value))
         return reply
 
     # -- stream -------------------------------------------------------------
@@ -172,10 +170,6 @@ class RecvTensorServicer:
     def open_streams(self) -> int:
         return len(self._streams)
 
-
-def _nbytes(item: Received) -> int:
-    v = item.value
-    return int(v.nbytes) if isinstance(v, np.ndarray) and v.dtype != object else 0
 
 
 class _Reply:
@@ -272,7 +266,7 @@ class _StreamConn:
             else:
                 frames_iter = frames.stream_frames(call_id, item, self.s.chunk_bytes, _now_micros())
                 path, sent = "grpc", item
-            self.s.stats.served(path, _nbytes(item))
+            self.s.stats.served(path, payload_nbytes(item.value))
             self.replies[call_id] = _Reply(frames_iter, req, key, sent, path)
         except asyncio.CancelledError:
             raise
