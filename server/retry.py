@@ -4,9 +4,9 @@ A request with a non-zero ``request_id`` takes its tensor from the waiting
 table in a task of its own; every request carrying the same id (a retry after
 a lost reply, or a duplicate in flight) awaits that same task and gets the same
 answer, tensor or error. Answers are kept ``window`` seconds after they
-complete, and at most ``max_bytes`` of tensors; after that only the id is
-remembered (bounded), and a late retry gets FAILED_PRECONDITION instead of a
-second tensor. ``drop_step`` forgets a cleaned-up step's answers.
+complete, at most ``max_bytes`` of tensors and ``max_entries`` answers; after
+that only the id is remembered (the last ``max_ids`` of them), and a late
+retry gets FAILED_PRECONDITION instead of a second tensor. ``drop_step`` forgets a cleaned-up step's answers.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ class _Entry:
 
 
 class RetryCache:
-    def __init__(self, window: float, max_bytes: int, max_ids: int = 1 << 20) -> None:
+    def __init__(self, window: float, max_bytes: int, max_entries: int = 1 << 16,
+                 max_ids: int = 1 << 17) -> None:
         self.window = window
         self.max_bytes = max_bytes
-        self.max_ids = max_ids
+        self.max_entries = max_entries  # answers held at once
+        self.max_ids = max_ids          # released ids remembered (about 100 bytes each)
         self._entries: dict[int, _Entry] = {}
         self._done: OrderedDict[int, _Entry] = OrderedDict()  # completed, oldest first
         self._done_bytes = 0
@@ -106,7 +108,8 @@ class RetryCache:
     def _expire(self, now: float) -> None:
         while self._done:
             rid, entry = next(iter(self._done.items()))
-            if now - entry.done_at < self.window and self._done_bytes <= self.max_bytes:  # type: ignore[operator]
+            if (now - entry.done_at < self.window  # type: ignore[operator]
+                    and self._done_bytes <= self.max_bytes and len(self._done) <= self.max_entries):
                 break
             self._release(rid)
 

@@ -1,0 +1,69 @@
+"""Answers by request_id: same answer, nothing consumed twice, bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from rendezvous.errors import Aborted, FailedPrecondition
+from rendezvous.table import WaitingTable
+from rendezvous.server.retry import RetryCache
+
+from conftest import run
+
+
+def test_retry_gets_the_same_answer_and_expired_ids_never_consume():
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30, max_entries=2, max_ids=10)
+        for i in range(5):
+            table.send(1, "k", np.array([i]))
+        take = lambda: table.recv(1, "k")  # noqa: E731
+        first = await cache.run(1, 100, take)
+        again = await cache.run(1, 100, take)
+        assert first is again and first.value[0] == 0
+        await cache.run(1, 101, take)
+        await cache.run(1, 102, take)  # three answers held, limit two: 100 is released
+        with pytest.raises(FailedPrecondition, match="already answered"):
+            await cache.run(1, 100, take)
+        assert table.stats()["tensors"] == 2  # 100 consumed one tensor, not two
+    run(main())
+
+
+def test_duplicates_in_flight_share_one_take_and_errors_are_answers_too():
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        take = lambda: table.recv(2, "k")  # noqa: E731
+        a = asyncio.ensure_future(cache.run(2, 7, take))
+        b = asyncio.ensure_future(cache.run(2, 7, take))
+        await asyncio.sleep(0)
+        table.send(2, "k", np.array([1]))
+        table.send(2, "k", np.array([2]))
+        ra, rb = await asyncio.gather(a, b)
+        assert ra is rb and ra.value[0] == 1
+        assert table.stats()["tensors"] == 1
+        table.abort(3, Aborted("gone"))
+        with pytest.raises(Aborted):
+            await cache.run(3, 8, lambda: table.recv(3, "k"))
+        with pytest.raises(Aborted, match="gone"):
+            await cache.run(3, 8, lambda: table.recv(3, "k"))
+    run(main())
+
+
+def test_cancelled_sole_caller_withdraws_the_take():
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        task = asyncio.ensure_future(cache.run(4, 9, lambda: table.recv(4, "k")))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        assert len(cache) == 0 and table.stats()["waiters"] == 0
+        table.send(4, "k", np.array([5]))
+        assert (await cache.run(4, 9, lambda: table.recv(4, "k"))).value[0] == 5
+    run(main())
