@@ -252,6 +252,7 @@ class PeerClient:
                         if attempts > self.config.reconnect_attempts or not isinstance(broken.error, PeerUnavailable):
                             raise broken.error from None
                         log.info("re-sending recv of %s to %s (attempt %d)", key, self.describe(), attempts)
+                        await asyncio.sleep(min(1.0, 0.05 * 2 ** attempts))  # a restarting peer gets a moment
                     except BaseException:
                         stream.cancel(call_id)
                         raise
