@@ -38,7 +38,6 @@ from rendezvous.errors import (
 )
 from rendezvous.keys import TaskName
 from rendezvous.table import Received
-from rendezvous.v1 import rendezvous_pb2 as pb
 
 __all__ = ["PeerClient", "channel_options", "DescriptorHandler"]
 
@@ -97,12 +96,21 @@ class _Stream:
 
     def cancel(self, call_id: int) -> None:
         if self.pending.pop(call_id, None) is not None and self.alive:
-            self.outbox.put_nowait(pb.StreamRequest(call_id=call_id, cancel=pb.Cancel()).SerializeToString())
+            self.outbox.put_nowait(frames.cancel_request(call_id))
 
     async def _write(self) -> None:
+        outbox = self.outbox
         try:
             while True:
-                await self.call.write(await self.outbox.get())
+                first = await outbox.get()
+                if outbox.empty():
+                    await self.call.write(first)
+                    continue
+                # Everything queued while the last write was in flight goes as one message.
+                queued = [first]
+                while not outbox.empty() and len(queued) < 4096:
+                    queued.append(outbox.get_nowait())
+                await self.call.write(frames.batch(queued, 4))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the reader sees the status; just stop
@@ -133,7 +141,10 @@ class _Stream:
             self.pending.clear()
 
     def _dispatch(self, buf: bytes) -> None:
-        frame = frames.parse_stream_frame(buf)
+        for frame in frames.iter_stream_frames(buf):
+            self._dispatch_frame(buf, frame)
+
+    def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
         p = self.pending.get(frame.call_id)
         if p is None:
             # Cancelled or timed out: drop the rest of its reply. A descriptor's
@@ -232,10 +243,8 @@ class PeerClient:
         """Fetch ``key`` of ``step_id`` from the peer: ((value, is_dead), path)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        req = pb.RecvTensorRequest(step_id=step_id, rendezvous_key=key,
-                                   request_id=secrets.randbits(63) or 1)
-        if self.transport_options is not None:
-            req.transport_options.ParseFromString(self.transport_options)
+        key_bytes = key.encode()
+        request_id = secrets.randbits(63) or 1
         attempts = 0
         try:
             async with asyncio.timeout_at(deadline):
@@ -243,8 +252,8 @@ class PeerClient:
                     stream = await self._get_stream(deadline)
                     call_id = next(self._ids)
                     pending = _Pending(loop.create_future(), key)
-                    stream.submit(call_id, pending,
-                                  pb.StreamRequest(call_id=call_id, recv=req).SerializeToString())
+                    stream.submit(call_id, pending, frames.recv_request(
+                        call_id, step_id, key_bytes, request_id, self.transport_options))
                     try:
                         return await pending.future
                     except _Broken as broken:

@@ -37,6 +37,10 @@ __all__ = [
     "ReplyHead",
     "StreamFrame",
     "parse_stream_frame",
+    "iter_stream_frames",
+    "recv_request",
+    "cancel_request",
+    "batch",
     "parse_response",
     "Assembly",
     "MAX_MESSAGE_BYTES",
@@ -135,6 +139,30 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
         pos = end
 
 
+def recv_request(call_id: int, step_id: int, key: bytes, request_id: int,
+                 transport_options: bytes | None = None) -> bytes:
+    """A StreamRequest carrying one RecvTensorRequest, written by hand (it is
+    on every recv's path; building protobuf objects costs more than this)."""
+    req = b"".join([
+        wire.varint_field(1, step_id),
+        wire.len_field_header(2, len(key)), key,
+        wire.len_field_header(6, len(transport_options)) if transport_options else b"",
+        transport_options or b"",
+        wire.varint_field(7, request_id),
+    ])
+    return b"".join([wire.varint_field(1, call_id), wire.len_field_header(2, len(req)), req])
+
+
+def cancel_request(call_id: int) -> bytes:
+    """A StreamRequest cancelling ``call_id`` (an empty Cancel message)."""
+    return wire.varint_field(1, call_id) + wire.len_field_header(3, 0)
+
+
+def batch(messages: list[bytes], field_number: int) -> bytes:
+    """Several stream messages packed as one: the ``batch`` entries of an outer message."""
+    return b"".join(part for m in messages for part in (wire.len_field_header(field_number, len(m)), m))
+
+
 def error_frame(call_id: int, error: BaseException) -> bytes:
     from .errors import to_status
 
@@ -176,10 +204,21 @@ class StreamFrame:
     error: RendezvousError | None = None
 
 
-def parse_stream_frame(buf: bytes) -> StreamFrame:
+def iter_stream_frames(buf: bytes) -> Iterator[StreamFrame]:
+    """The frames in one StreamResponse message: itself, or the entries of its
+    ``batch`` (field 5) in order. Offsets point into ``buf``; nothing is copied."""
+    spans = [(a, b) for num, wt, a, b in wire.iter_fields(buf) if num == 5 and wt == wire.LEN]
+    if not spans:
+        yield parse_stream_frame(buf)
+        return
+    for a, b in spans:
+        yield parse_stream_frame(buf, a, b)
+
+
+def parse_stream_frame(buf: bytes, start: int = 0, end: int | None = None) -> StreamFrame:
     """Split one StreamResponse into its parts (offsets into ``buf``, no copies)."""
     frame = StreamFrame(call_id=-1)
-    for num, wt, a, b in wire.iter_fields(buf):
+    for num, wt, a, b in wire.iter_fields(buf, start, end):
         if num == 1 and wt == wire.VARINT:
             frame.call_id = a
         elif num == 2 and wt == wire.LEN:

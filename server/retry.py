@@ -80,6 +80,17 @@ class RetryCache:
     def has(self, request_id: int) -> bool:
         return request_id in self._entries
 
+    def known(self, request_id: int) -> bool:
+        """Held, in flight, or answered and released: a retry, not a new request."""
+        return request_id in self._entries or request_id in self._answered
+
+    def record(self, step_id: int, request_id: int, item: Received) -> None:
+        """Note an answer taken without waiting (the tensor was already there)."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(item)
+        self._entries[request_id] = _Entry(step_id, future)  # type: ignore[arg-type]
+        self._completed(request_id, future)  # type: ignore[arg-type]
+
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""
         entry = self._entries.pop(request_id, None)

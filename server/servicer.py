@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames
+from rendezvous import frames, wire
 from rendezvous.errors import (
     FailedPrecondition,
     RendezvousError,
@@ -89,12 +89,7 @@ class RecvTensorServicer:
         While draining, only tensors already produced (or answers already
         given, by request_id) are served; a recv that would wait gets
         UNAVAILABLE."""
-        key = parse_key(req.rendezvous_key)
-        src = key.src_task
-        if src is not None and self.task is not None and src != self.task:
-            raise FailedPrecondition(
-                f"key {req.rendezvous_key!r} is produced by {src}, but this server is {self.task}")
-        canonical = key.format()
+        canonical = self._check_key(req)
         step = req.step_id
         if self.draining:
             if req.request_id and self.retry.has(req.request_id):
@@ -108,6 +103,30 @@ class RecvTensorServicer:
         else:
             item = await self.table.recv(step, canonical)
         return item, canonical
+
+    def take_now(self, req: pb.RecvTensorRequest) -> tuple[Received, str] | None:
+        """(item, key) if the tensor is already produced, else None (then use
+        :meth:`take`). Retries of a known request_id always go through take."""
+        if self.draining:
+            return None
+        key = self._check_key(req)
+        rid = req.request_id
+        if rid and self.retry.known(rid):
+            return None
+        item = self.table.try_take(req.step_id, key)
+        if item is None:
+            return None
+        if rid:
+            self.retry.record(req.step_id, rid, item)
+        return item, key
+
+    def _check_key(self, req: pb.RecvTensorRequest) -> str:
+        key = parse_key(req.rendezvous_key)
+        src = key.src_task
+        if src is not None and self.task is not None and src != self.task:
+            raise FailedPrecondition(
+                f"key {req.rendezvous_key!r} is produced by {src}, but this server is {self.task}")
+        return key.format()
 
     @staticmethod
     async def _never() -> Received:
@@ -173,11 +192,15 @@ class RecvTensorServicer:
 
 
 class _Reply:
-    __slots__ = ("frames", "req", "key", "item", "started", "path")
+    """A reply being written: its next frame is made one step ahead, so the
+    writer knows when a reply ends without an extra turn."""
+
+    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "path")
 
     def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
                  item: Received | None, path: str) -> None:
         self.frames = frames_
+        self.next_frame: bytes | None = next(frames_, None)
         self.req = req
         self.key = key
         self.item = item
@@ -185,12 +208,19 @@ class _Reply:
         self.path = path
 
 
+# Frames up to this size are packed together into one message (a `batch`);
+# larger ones (tensor chunks) go alone, never copied again.
+_SMALL_FRAME = 64 << 10
+_BATCH_BYTES = 1 << 20
+
+
 class _StreamConn:
-    """One RecvTensorStream: a reader of requests, a task per call, one writer.
+    """One RecvTensorStream: a reader of requests, a task per waiting call, one writer.
 
     The writer takes one frame at a time from each reply in turn (round
     robin), so a chunked 512 MiB tensor and a 1 KiB one share the stream
-    fairly: no head-of-line blocking.
+    fairly: no head-of-line blocking. Small frames ready at the same time are
+    packed into one gRPC message.
     """
 
     def __init__(self, servicer: RecvTensorServicer, context: grpc.aio.ServicerContext) -> None:
@@ -226,18 +256,37 @@ class _StreamConn:
                     msg = pb.StreamRequest.FromString(raw)
                 except DecodeError as exc:
                     raise _BadStream(f"malformed StreamRequest: {exc}") from None
-                kind = msg.WhichOneof("kind")
-                if kind == "recv":
-                    if msg.call_id in self.waiting or msg.call_id in self.replies:
-                        raise _BadStream(f"call_id {msg.call_id} is already in use on this stream")
-                    self.waiting[msg.call_id] = asyncio.create_task(self._serve(msg.call_id, msg.recv))
-                elif kind == "cancel":
-                    self._cancel(msg.call_id)
+                if msg.batch:
+                    if msg.WhichOneof("kind") is not None:
+                        self._handle(msg)
+                    for one in msg.batch:
+                        self._handle(one)
                 else:
-                    raise _BadStream(f"StreamRequest {msg.call_id} has neither recv nor cancel")
+                    self._handle(msg)
         finally:
             self.reader_done = True
             self.wakeup.set()
+
+    def _handle(self, msg: pb.StreamRequest) -> None:
+        kind = msg.WhichOneof("kind")
+        call_id = msg.call_id
+        if kind == "recv":
+            if call_id in self.waiting or call_id in self.replies:
+                raise _BadStream(f"call_id {call_id} is already in use on this stream")
+            req = msg.recv
+            try:
+                taken = self.s.take_now(req)
+            except Exception as exc:
+                self._reply_error(call_id, req, exc)
+                return
+            if taken is not None:  # produced already: answer without a task
+                self._reply(call_id, req, *taken)
+            else:
+                self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
+        elif kind == "cancel":
+            self._cancel(call_id)
+        else:
+            raise _BadStream(f"StreamRequest {call_id} has neither recv nor cancel")
 
     def _cancel(self, call_id: int) -> None:
         task = self.waiting.pop(call_id, None)
@@ -256,44 +305,80 @@ class _StreamConn:
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:
             item, key = await self.s.take(req)
-            reply = None
-            planner = self.s.planner
-            if planner is not None and not item.is_dead:
-                reply = planner(req, item)
-            if reply is not None:
-                # A descriptor path: one frame, bytes travel elsewhere.
-                frames_iter, path, sent = iter([_frame_with_id(call_id, reply)]), "mpi", None
-            else:
-                frames_iter = frames.stream_frames(call_id, item, self.s.chunk_bytes, _now_micros())
-                path, sent = "grpc", item
-            self.s.stats.served(path, payload_nbytes(item.value))
-            self.replies[call_id] = _Reply(frames_iter, req, key, sent, path)
         except asyncio.CancelledError:
+            self.waiting.pop(call_id, None)
             raise
         except Exception as exc:
-            if not isinstance(exc, RendezvousError):
-                log.exception("RecvTensorStream call %d failed", call_id)
-            self.s.stats.error("grpc")
-            self.replies[call_id] = _Reply(iter([frames.error_frame(call_id, exc)]), req, "", None, "grpc")
-        finally:
             self.waiting.pop(call_id, None)
+            self._reply_error(call_id, req, exc)
+            return
+        self.waiting.pop(call_id, None)
+        self._reply(call_id, req, item, key)
+
+    def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
+        try:
+            descriptor = None
+            planner = self.s.planner
+            if planner is not None and not item.is_dead:
+                descriptor = planner(req, item)
+            if descriptor is not None:
+                # bytes travel by MPI: one frame, and nothing to put back
+                reply = _Reply(iter([_frame_with_id(call_id, descriptor)]), req, key, None, "mpi")
+            else:
+                frames_iter = frames.stream_frames(call_id, item, self.s.chunk_bytes, _now_micros())
+                reply = _Reply(frames_iter, req, key, item, "grpc")
+        except Exception as exc:
+            self._reply_error(call_id, req, exc)
+            return
+        self.s.stats.served(reply.path, payload_nbytes(item.value))
+        self._ready(call_id, reply)
+
+    def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
+        if not isinstance(exc, RendezvousError):
+            log.error("RecvTensorStream call %d failed", call_id, exc_info=exc)
+        self.s.stats.error("grpc")
+        self._ready(call_id, _Reply(iter([frames.error_frame(call_id, exc)]), req, "", None, "grpc"))
+
+    def _ready(self, call_id: int, reply: _Reply) -> None:
+        self.replies[call_id] = reply
         self.ready.append(call_id)
         self.wakeup.set()
 
+    def _next_message(self) -> bytes | None:
+        """The next message to write: one large frame, or small frames packed."""
+        batch: list[bytes] = []
+        size = 0
+        while self.ready and size < _BATCH_BYTES:
+            call_id = self.ready[0]
+            reply = self.replies.get(call_id)
+            if reply is None:  # cancelled
+                self.ready.popleft()
+                continue
+            frame = reply.next_frame
+            assert frame is not None
+            if batch and len(frame) > _SMALL_FRAME:
+                break  # goes alone, next time
+            self.ready.popleft()
+            reply.started = True
+            reply.next_frame = next(reply.frames, None)
+            if reply.next_frame is None:
+                del self.replies[call_id]
+            else:
+                self.ready.append(call_id)
+            batch.append(frame)
+            size += len(frame)
+            if len(frame) > _SMALL_FRAME:
+                break
+        if not batch:
+            return None
+        return batch[0] if len(batch) == 1 else frames.batch(batch, 5)
+
     async def _write(self) -> None:
         while True:
-            while self.ready:
-                call_id = self.ready.popleft()
-                reply = self.replies.get(call_id)
-                if reply is None:
-                    continue  # cancelled
-                frame = next(reply.frames, None)
-                if frame is None:
-                    del self.replies[call_id]
-                    continue
-                reply.started = True
-                await self.context.write(frame)
-                self.ready.append(call_id)
+            message = self._next_message()
+            if message is not None:
+                await self.context.write(message)
+                continue
             if self.reader_done and not self.waiting and not self.replies:
                 return
             self.wakeup.clear()
@@ -305,7 +390,5 @@ class _BadStream(Exception):
 
 
 def _frame_with_id(call_id: int, response: bytes) -> bytes:
-    from rendezvous import wire
-
     return b"".join([wire.tag(1, wire.VARINT), wire.encode_varint(call_id),
                      wire.len_field_header(2, len(response)), response])

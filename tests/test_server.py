@@ -313,3 +313,27 @@ def test_blocking_server_threads():
         with pytest.raises(errors.DeadlineExceeded):
             a.recv(key(1, 0, "never"), step_id=5, timeout=0.2)
         assert a.stats()["grpc"]["transfers"] == 200
+
+
+def test_batched_stream_messages_with_the_generated_stub():
+    """One StreamRequest with a batch of recvs; replies may come packed in `batch`."""
+    from rendezvous.v1 import rendezvous_pb2_grpc
+
+    async def main():
+        async with cluster(2) as (a, b):
+            for i in range(50):
+                b.send(key(1, 0, f"s{i}"), np.array([i], np.int32), step_id=1)
+            async with grpc.aio.insecure_channel(b.target) as channel:
+                call = rendezvous_pb2_grpc.RendezvousStub(channel).RecvTensorStream()
+                await call.write(pb.StreamRequest(batch=[
+                    pb.StreamRequest(call_id=100 + i, recv=pb.RecvTensorRequest(step_id=1, rendezvous_key=key(1, 0, f"s{i}")))
+                    for i in range(50)]))
+                got = {}
+                while len(got) < 50:
+                    msg = await call.read()
+                    for frame in (msg.batch or [msg]):
+                        got[frame.call_id] = np.frombuffer(frame.response.tensor.tensor_content, np.int32)[0]
+                call.cancel()
+            assert got == {100 + i: i for i in range(50)}
+            assert b.pending() == []
+    run(main())

@@ -1,8 +1,9 @@
 from google.protobuf import any_pb2 as _any_pb2
 from rendezvous.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -60,14 +61,16 @@ class Cancel(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("call_id", "recv", "cancel")
+    __slots__ = ("call_id", "recv", "cancel", "batch")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RECV_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     recv: RecvTensorRequest
     cancel: Cancel
-    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[StreamRequest]
+    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamRequest, _Mapping]]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -78,13 +81,15 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("call_id", "response", "chunk", "error")
+    __slots__ = ("call_id", "response", "chunk", "error", "batch")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     response: RecvTensorResponse
     chunk: bytes
     error: Status
-    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[RecvTensorResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[StreamResponse]
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[RecvTensorResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamResponse, _Mapping]]] = ...) -> None: ...
