@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/loopback_demo.py
+	$(BIN)/python examples/ps_training.py
 
 demo-loopback: $(STAMP)
 	$(BIN)/python examples/loopback_demo.py

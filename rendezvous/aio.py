@@ -119,7 +119,8 @@ class Server:
         self._state = "serving"
         log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
         if self.protocol == "grpc+mpi":
-            print(self.describe(), file=sys.stderr, flush=True)
+            sys.stderr.write(self.describe() + "\n")  # one write: ranks' lines must not interleave
+            sys.stderr.flush()
 
     async def _start_mpi(self) -> None:
         from .mpi.engine import ProgressEngine

@@ -1,0 +1,267 @@
+"""Parameter-server training over rendezvous: the product's main job (`make demo`).
+
+One ps task and two worker tasks train a softmax (multinomial logistic)
+regression, 1024 features x 512 classes: 2 MiB of parameters, so the
+parameters and gradients take the MPI optimal path while the per-step losses
+(4 bytes) go inline over gRPC. Each step every worker sends its gradients to
+the ps, keyed by step; the ps averages them in a fixed order, applies SGD and
+sends the new parameters back.
+
+    python examples/ps_training.py            # launches both runs below
+    mpiexec -n 3 python examples/ps_training.py --cluster cluster.json
+    MPI_DISABLED=1 mpiexec -n 3 python examples/ps_training.py --cluster cluster.json
+
+Launched without --cluster, it picks three free loopback ports, writes a
+cluster file, and runs the job twice under `mpiexec -n 3`: protocol grpc+mpi
+with MPI on, then with MPI_DISABLED=1. The two runs must reach the same loss
+(the transport never changes a byte), and it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FEATURES, CLASSES = 1024, 512
+SAMPLES_PER_WORKER, BATCH = 2048, 256
+LEARNING_RATE = 300.0  # large because the features are scaled by 1/sqrt(FEATURES)
+WORKERS = 2
+
+
+# --- the model -----------------------------------------------------------------
+
+def make_shard(worker: int) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic data: labels from a hidden linear model shared by all workers."""
+    truth = np.random.default_rng(1234).standard_normal((FEATURES, CLASSES)).astype(np.float32)
+    rng = np.random.default_rng(100 + worker)
+    x = rng.standard_normal((SAMPLES_PER_WORKER, FEATURES)).astype(np.float32) / np.sqrt(FEATURES)
+    noise = rng.standard_normal((SAMPLES_PER_WORKER, CLASSES)).astype(np.float32) * 0.1
+    y = np.argmax(x @ truth + noise, axis=1)
+    return x, y
+
+
+def loss_and_grads(w: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray):
+    logits = x @ w + b
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    n = len(y)
+    loss = -np.log(p[np.arange(n), y] + 1e-12).mean()
+    p[np.arange(n), y] -= 1.0
+    p /= n
+    return np.float32(loss), (x.T @ p).astype(np.float32), p.sum(axis=0).astype(np.float32)
+
+
+# --- one rank ------------------------------------------------------------------
+
+PS = "/job:ps/replica:0/task:0"
+
+
+def worker_task(i: int) -> str:
+    return f"/job:worker/replica:0/task:{i}"
+
+
+def key(src: str, dst: str, name: str) -> str:
+    return f"{src}/device:CPU:0;0000000000000001;{dst}/device:CPU:0;{name};0:0"
+
+
+def run_ps(server, steps: int) -> None:
+    w = np.zeros((FEATURES, CLASSES), np.float32)
+    b = np.zeros(CLASSES, np.float32)
+    toggles = ", ".join(f"{v}={os.environ[v]!r}" if v in os.environ else f"{v} unset"
+                        for v in ("MPI_DISABLED", "MPI_OPTIMAL_PATH"))
+    print(f"parameter-server training: 1 ps + {WORKERS} workers, softmax regression "
+          f"{FEATURES}x{CLASSES} ({(w.nbytes + b.nbytes) / 2**20:.1f} MiB of parameters), "
+          f"{steps} steps; protocol {server.aio.protocol} ({toggles})", flush=True)
+    print(f"{'step':>6} {'loss':>10}", flush=True)
+    start = time.perf_counter()
+    loss = float("nan")
+    for step in range(steps):
+        grads_w, grads_b, losses = [], [], []
+        for i in range(WORKERS):  # fixed order: the sum is the same in every run
+            src = worker_task(i)
+            grads_w.append(server.recv(key(src, PS, "grad_w"), step_id=step, timeout=120))
+            grads_b.append(server.recv(key(src, PS, "grad_b"), step_id=step, timeout=120))
+            losses.append(float(server.recv(key(src, PS, "loss"), step_id=step, timeout=120)))
+        w = w - LEARNING_RATE * (grads_w[0] + grads_w[1]) / WORKERS
+        b = b - LEARNING_RATE * (grads_b[0] + grads_b[1]) / WORKERS
+        loss = sum(losses) / WORKERS
+        if step % 10 == 0 or step == steps - 1:
+            print(f"{step:>6} {loss:>10.6f}", flush=True)
+        for i in range(WORKERS):
+            server.send(key(PS, worker_task(i), "w"), w, step_id=step + 1)
+            server.send(key(PS, worker_task(i), "b"), b, step_id=step + 1)
+    elapsed = time.perf_counter() - start
+    totals = _counters(server.stats())
+    for i in range(WORKERS):
+        totals += server.recv(key(worker_task(i), PS, "stats"), step_id=steps + 1, timeout=120)
+    for i in range(WORKERS):
+        server.send(key(PS, worker_task(i), "bye"), np.ones(1, np.int8), step_id=steps + 2)
+    _report(totals, elapsed)
+    print(f"final loss: {loss:.6f}", flush=True)
+
+
+def run_worker(server, index: int, steps: int) -> None:
+    me = worker_task(index)
+    x, y = make_shard(index)
+    w = np.zeros((FEATURES, CLASSES), np.float32)
+    b = np.zeros(CLASSES, np.float32)
+    for step in range(steps):
+        lo = (step * BATCH) % SAMPLES_PER_WORKER
+        loss, gw, gb = loss_and_grads(w, b, x[lo:lo + BATCH], y[lo:lo + BATCH])
+        server.send(key(me, PS, "grad_w"), gw, step_id=step)
+        server.send(key(me, PS, "grad_b"), gb, step_id=step)
+        server.send(key(me, PS, "loss"), np.array(loss, np.float32), step_id=step)
+        w = server.recv(key(PS, me, "w"), step_id=step + 1, timeout=120)
+        b = server.recv(key(PS, me, "b"), step_id=step + 1, timeout=120)
+    server.send(key(me, PS, "stats"), _counters(server.stats()), step_id=steps + 1)
+    server.recv(key(PS, me, "bye"), step_id=steps + 2, timeout=120)
+
+
+COUNTERS = [("grpc", "transfers"), ("grpc", "bytes"), ("mpi", "transfers"), ("mpi", "bytes"),
+            ("grpc", "fallbacks"), ("local", "transfers")]
+
+
+def _counters(stats: dict) -> np.ndarray:
+    return np.array([stats[path][name] for path, name in COUNTERS], np.int64)
+
+
+def _report(totals: np.ndarray, elapsed: float) -> None:
+    t = dict(zip(COUNTERS, (int(v) for v in totals)))
+    moved = t[("grpc", "bytes")] + t[("mpi", "bytes")]
+    print("\nwhat moved (all ranks, received side):")
+    print(f"  {'path':<12} {'transfers':>10} {'bytes':>14}")
+    print(f"  {'gRPC inline':<12} {t[('grpc', 'transfers')]:>10} {t[('grpc', 'bytes')]:>14,}")
+    print(f"  {'MPI':<12} {t[('mpi', 'transfers')]:>10} {t[('mpi', 'bytes')]:>14,}")
+    print(f"  fallbacks to gRPC: {t[('grpc', 'fallbacks')]}")
+    print(f"training took {elapsed:.2f} s; {moved / 2**20:,.1f} MiB moved, "
+          f"{moved / elapsed / 1e9:.2f} GB/s of tensor traffic while training")
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    import rendezvous
+    from rendezvous.launch import launcher_rank
+
+    found = launcher_rank()
+    if found is None:
+        print("run me under mpiexec -n 3 (or without --cluster to launch everything)", file=sys.stderr)
+        return 2
+    rank, size = found
+    if size != 1 + WORKERS:
+        print(f"this job needs exactly {1 + WORKERS} ranks, got {size}", file=sys.stderr)
+        return 2
+    job, index = ("ps", 0) if rank == 0 else ("worker", rank - 1)
+    server = rendezvous.Server(args.cluster, job, index, protocol=args.protocol)
+    server.start()
+    try:
+        if job == "ps":
+            run_ps(server, args.steps)
+        else:
+            run_worker(server, index, args.steps)
+    finally:
+        server.stop(10)
+    return 0
+
+
+# --- launcher ------------------------------------------------------------------
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _mpiexec() -> list[str]:
+    custom = os.environ.get("RENDEZVOUS_MPIEXEC")
+    if custom:
+        return shlex.split(custom)
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("no mpiexec found: pip install 'rendezvous[mpi]' or set RENDEZVOUS_MPIEXEC")
+    return [found]
+
+
+def _run(title: str, cluster: str, steps: int, env: dict[str, str], timeout: float) -> float | None:
+    print(f"\n=== {title} ===", flush=True)
+    cmd = [*_mpiexec(), "-n", str(1 + WORKERS), sys.executable, "-m", "mpi4py", __file__,
+           "--cluster", cluster, "--steps", str(steps)]
+    if env.get("MPI_DISABLED", "")[:1] == "1":
+        # no MPI at all in the ranks: plain python, not python -m mpi4py
+        cmd = [*_mpiexec(), "-n", str(1 + WORKERS), sys.executable, __file__,
+               "--cluster", cluster, "--steps", str(steps)]
+    # the run's own toggles only: a MPI_DISABLED from the caller's shell must not leak into run 1
+    full_env = {**{k: v for k, v in os.environ.items() if k != "MPI_DISABLED"}, **env}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
+    final = None
+    deadline = time.monotonic() + timeout
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            print(line, end="", flush=True)
+            m = re.match(r"final loss: ([0-9.eE+-]+)", line)
+            if m:
+                final = float(m.group(1))
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        print(f"{title}: timed out after {timeout:g}s", file=sys.stderr)
+        return None
+    if code != 0:
+        print(f"{title}: exited with {code}", file=sys.stderr)
+        return None
+    return final
+
+
+def launcher_main(args: argparse.Namespace) -> int:
+    ps_port, *worker_ports = _free_ports(1 + WORKERS)
+    cluster = {"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cluster.json")
+        with open(path, "w") as f:
+            json.dump(cluster, f)
+        with_mpi = _run("run 1: protocol grpc+mpi, MPI on", path, args.steps, {}, args.timeout)
+        without = _run("run 2: protocol grpc+mpi with MPI_DISABLED=1 (gRPC only)", path, args.steps,
+                       {"MPI_DISABLED": "1"}, args.timeout)
+    print()
+    if with_mpi is None or without is None:
+        print("a run failed", file=sys.stderr)
+        return 1
+    same = abs(with_mpi - without) <= 1e-6 * max(1.0, abs(with_mpi))
+    print(f"final loss with MPI: {with_mpi:.6f}; with MPI_DISABLED=1: {without:.6f} -> "
+          f"{'the same' if same else 'DIFFERENT'}")
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", help="cluster JSON file: run as one rank under mpiexec")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--protocol", default="grpc+mpi", choices=["grpc", "grpc+mpi"])
+    p.add_argument("--timeout", type=float, default=300, help="seconds each launched run may take")
+    args = p.parse_args(argv)
+    return rank_main(args) if args.cluster else launcher_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

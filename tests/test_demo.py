@@ -1,0 +1,34 @@
+"""The main job (`make demo`): parameter-server training, with MPI and with MPI_DISABLED=1."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_parameter_server_job_converges_on_both_paths():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ps_training.py"), "--steps", "21",
+                          "--timeout", "100"], capture_output=True, text=True, timeout=230)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    runs = out.stdout.split("=== run ")[1:]
+    assert len(runs) == 2
+    finals = []
+    for run in runs:
+        losses = [float(m) for m in re.findall(r"^\s+\d+\s+([0-9.]+)$", run, re.M)]
+        assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3, losses  # it learns
+        finals.append(float(re.search(r"final loss: ([0-9.]+)", run).group(1)))
+    assert finals[0] == finals[1]
+    mpi_run, grpc_run = runs
+    mpi_row = re.search(r"MPI\s+(\d+)\s+([\d,]+)", mpi_run)
+    assert int(mpi_row.group(1)) > 0, "parameters and gradients should move over MPI"
+    assert int(re.search(r"MPI\s+(\d+)", grpc_run).group(1)) == 0
+    assert "-> the same" in out.stdout
