@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -31,11 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run one rank server until SIGINT/SIGTERM",
-                       description="Run the rank server of one task. Ctrl-C or SIGTERM drains and exits 0.")
-    s.add_argument("--cluster", required=True, metavar="FILE|JSON",
-                   help='cluster spec: a JSON file, or inline JSON like \'{"worker": ["127.0.0.1:50051"]}\'')
-    s.add_argument("--job-name", required=True, metavar="J")
-    s.add_argument("--task-index", type=int, default=0, metavar="N")
+                       description="Run the rank server of one task. Ctrl-C or SIGTERM drains and exits 0. "
+                                   "Each flag falls back to an environment variable.")
+    s.add_argument("--cluster", default=os.environ.get("RENDEZVOUS_CLUSTER"), metavar="FILE|JSON",
+                   help='cluster spec: a JSON file, or inline JSON like \'{"worker": ["127.0.0.1:50051"]}\' '
+                        "(env RENDEZVOUS_CLUSTER)")
+    s.add_argument("--job-name", default=os.environ.get("RENDEZVOUS_JOB_NAME"), metavar="J",
+                   help="this task's job (env RENDEZVOUS_JOB_NAME)")
+    s.add_argument("--task-index", type=int, default=_default_task_index(), metavar="N",
+                   help="this task's index (env RENDEZVOUS_TASK_INDEX; under mpiexec or srun: the rank; else 0)")
     s.add_argument("--protocol", default="grpc", choices=["grpc", "grpc+mpi"])
     s.add_argument("--grace", type=float, default=5.0, metavar="S",
                    help="seconds replies in flight may take to finish at shutdown (default 5)")
@@ -51,8 +56,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _default_task_index() -> int:
+    raw = os.environ.get("RENDEZVOUS_TASK_INDEX")
+    if raw is not None and raw.isdigit():
+        return int(raw)
+    from .launch import launcher_rank
+
+    found = launcher_rank()
+    return found[0] if found else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and (not args.cluster or not args.job_name):
+        parser.error("serve needs --cluster and --job-name (or RENDEZVOUS_CLUSTER and RENDEZVOUS_JOB_NAME)")
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

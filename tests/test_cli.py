@@ -92,3 +92,23 @@ def test_wheel_holds_every_subpackage(tmp_path):
     for module in ("rendezvous/__init__.py", "rendezvous/aio.py", "rendezvous/server/servicer.py",
                    "rendezvous/client/peer.py", "rendezvous/v1/rendezvous_pb2.py", "rendezvous/py.typed"):
         assert module in names, f"{module} missing from {wheel.name}"
+
+
+def test_serve_takes_its_settings_from_the_environment(tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:0"]}))
+    env = {**os.environ, "RENDEZVOUS_CLUSTER": str(cluster), "RENDEZVOUS_JOB_NAME": "worker",
+           "RENDEZVOUS_TASK_INDEX": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "rendezvous", "serve"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "task /job:worker/replica:0/task:0 serving on 127.0.0.1:" in line, line + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    missing = _cli("serve")
+    assert missing.returncode == 2 and "--cluster and --job-name" in missing.stderr
