@@ -114,6 +114,10 @@ class Server:
             try:
                 await self._start_mpi()
             except BaseException:
+                if self._engine is not None:
+                    engine, self._engine = self._engine, None
+                    engine.stop(0)
+                    atexit.unregister(engine.stop)
                 await server.stop(0)
                 raise
         self._state = "serving"

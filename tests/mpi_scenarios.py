@@ -251,6 +251,29 @@ def outside_ps() -> None:
     server.stop(5)
 
 
+def names() -> None:
+    """Task names of any length map to ranks; two ranks claiming one task are refused."""
+    rank, _ = launcher_rank()
+    long_job = "j" + "x" * 299  # far past the old design's 128-byte limit
+    server = rendezvous.Server({long_job: ["127.0.0.1:0"] * 2}, long_job, rank, protocol="grpc+mpi")
+    server.start()
+    other = f"/job:{long_job}/replica:0/task:{1 - rank}"
+    me = f"/job:{long_job}/replica:0/task:{rank}"
+    server.send(key(me, other, "hi"), pattern(4096, rank), step_id=1)
+    assert np.array_equal(server.recv(key(other, me, "hi"), step_id=1, timeout=60), pattern(4096, 1 - rank))
+    ranks = {str(t): r for t, r in server.aio.mpi_ranks.items()}
+    server.send(key(me, other, "finished"), np.ones(1), step_id=2)
+    server.recv(key(other, me, "finished"), step_id=2, timeout=60)
+    server.stop(5)
+    dup = rendezvous.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", 0, protocol="grpc+mpi")
+    try:
+        dup.start()
+        message = None
+    except rendezvous.InvalidArgument as exc:
+        message = exc.message
+    result(rank=rank, ranks=ranks, duplicate_error=message)
+
+
 def huge() -> None:
     """A tensor over 2 GiB over MPI."""
     server = start(2)

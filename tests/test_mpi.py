@@ -218,6 +218,15 @@ def test_task_outside_the_mpi_world_is_served_over_grpc():
             os.killpg(ps.pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(120)
+def test_long_task_names_and_duplicate_tasks():
+    _, results, _ = launch(2, "names", timeout=100)
+    long_job = "j" + "x" * 299
+    for r in results:
+        assert r["ranks"] == {f"/job:{long_job}/replica:0/task:0": 0, f"/job:{long_job}/replica:0/task:1": 1}
+        assert r["duplicate_error"] and "claimed by MPI ranks 0 and 1" in r["duplicate_error"]
+
+
 @pytest.mark.huge
 @pytest.mark.timeout(600)
 def test_over_two_gib_over_mpi():
