@@ -190,7 +190,10 @@ class Server:
             end = loop.time() + (grace or 0.0)
             while loop.time() < end and (self.servicer.busy() or self.table.stats()["tensors"]):
                 await asyncio.sleep(0.005)
-            await self._grpc.stop(0)
+            # End the streams after their last reply; gRPC then waits (briefly)
+            # for those handlers to send their status before it cancels the rest.
+            self.servicer.close_streams()
+            await self._grpc.stop(max(0.2, min(1.0, end - loop.time())))
         unconsumed = self.table.stats().get("tensors", 0)
         self.table.close(drained)
         if unconsumed:

@@ -93,8 +93,6 @@ def _serve(args: argparse.Namespace) -> int:
     async def run() -> None:
         server = aio.Server(_cluster_arg(args.cluster), args.job_name, args.task_index, args.protocol)
         await server.start()
-        print(f"rendezvous: task {server.task} serving on {server.target} (protocol {server.protocol})",
-              flush=True)
         loop = asyncio.get_running_loop()
         stopping = False
 
@@ -108,6 +106,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        # Announce only once the handlers are in place: whoever reads this line may signal at once.
+        print(f"rendezvous: task {server.task} serving on {server.target} (protocol {server.protocol})",
+              flush=True)
         await server.wait_for_termination()
 
     loop = new_event_loop()

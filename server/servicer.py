@@ -184,7 +184,15 @@ class RecvTensorServicer:
 
     def busy(self) -> bool:
         """Whether any reply is still being written (or a unary call served)."""
-        return self._unary_active > 0 or any(c.replies for c in self._streams)
+        return self._unary_active > 0 or any(c.replies or c.writing for c in self._streams)
+
+    def close_streams(self) -> None:
+        """End every stream once its replies are written (used when draining):
+        the handlers return, so the consumers see a clean end of stream after
+        the last byte instead of a cancellation that could cut it off."""
+        for conn in self._streams:
+            conn.closing = True
+            conn.wakeup.set()
 
     def open_streams(self) -> int:
         return len(self._streams)
@@ -231,12 +239,15 @@ class _StreamConn:
         self.ready: collections.deque[int] = collections.deque()
         self.wakeup = asyncio.Event()
         self.reader_done = False
+        self.closing = False  # set while draining: end once nothing is left to write
+        self.writing = False  # a message is being handed to gRPC
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         reader = asyncio.create_task(self._read(requests))
         try:
             await self._write()
-            await reader  # re-raises a malformed-request error as the stream's status
+            if not self.closing:
+                await reader  # re-raises a malformed-request error as the stream's status
         except _BadStream as exc:
             await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
@@ -377,9 +388,13 @@ class _StreamConn:
         while True:
             message = self._next_message()
             if message is not None:
-                await self.context.write(message)
+                self.writing = True
+                try:
+                    await self.context.write(message)
+                finally:
+                    self.writing = False
                 continue
-            if self.reader_done and not self.waiting and not self.replies:
+            if (self.reader_done or self.closing) and not self.waiting and not self.replies:
                 return
             self.wakeup.clear()
             await self.wakeup.wait()

@@ -89,9 +89,13 @@ def test_wheel_holds_every_subpackage(tmp_path):
                    env={**os.environ, "PIP_NO_INDEX": "1"})
     wheel = next(tmp_path.glob("rendezvous-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("rendezvous/__init__.py", "rendezvous/aio.py", "rendezvous/server/servicer.py",
-                   "rendezvous/client/peer.py", "rendezvous/v1/rendezvous_pb2.py", "rendezvous/py.typed"):
-        assert module in names, f"{module} missing from {wheel.name}"
+    expected = {"rendezvous/py.typed"}
+    for folder, package in (("rendezvous", "rendezvous"), ("server", "rendezvous/server"),
+                            ("client", "rendezvous/client")):
+        for source in (ROOT / folder).rglob("*.py"):
+            expected.add(f"{package}/{source.relative_to(ROOT / folder).as_posix()}")
+    missing = sorted(expected - names)
+    assert not missing, f"missing from {wheel.name}: {missing}"
 
 
 def test_serve_takes_its_settings_from_the_environment(tmp_path):

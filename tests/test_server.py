@@ -203,6 +203,25 @@ def test_draining_server_answers_unavailable():
     run(main())
 
 
+def test_drain_delivers_every_byte_of_a_reply_in_flight():
+    """A stopping producer finishes the replies it has started: the consumer
+    gets the whole tensor, then a clean end of stream, never a cut-off."""
+    async def main():
+        async with cluster(2, chunk_bytes=1 << 20) as (a, b):
+            value = np.random.default_rng(3).integers(0, 255, 48 << 20, dtype=np.uint8)
+            b.send(key(1, 0, "big"), value, step_id=1)
+            b.send(key(1, 0, "small"), np.arange(3), step_id=1)
+            big = asyncio.ensure_future(a.recv(key(1, 0, "big"), step_id=1, timeout=30))
+            small = asyncio.ensure_future(a.recv(key(1, 0, "small"), step_id=1, timeout=30))
+            await until(lambda: b.servicer.busy() or not b.pending(), what="the replies to start")
+            await b.stop(grace=20)
+            np.testing.assert_array_equal(await big, value)
+            np.testing.assert_array_equal(await small, np.arange(3))
+            with pytest.raises(errors.PeerUnavailable):
+                await a.recv(key(1, 0, "later"), step_id=1, timeout=10)
+    run(main())
+
+
 def test_retry_with_same_request_id_does_not_consume_twice():
     async def main():
         async with cluster(2) as (a, b):
