@@ -11,15 +11,21 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["Stats", "PATHS", "COUNTERS", "payload_nbytes"]
+__all__ = ["Stats", "PATHS", "COUNTERS", "GPU_COUNTERS", "payload_nbytes"]
 
 PATHS = ("local", "grpc", "mpi")
 COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes")
+#: GPU tensors: staged (through pinned host buffers) or direct (CUDA-aware MPI)
+#: MPI transfers per direction, and whole-tensor host<->device copies
+#: (default gRPC path, local hand-offs to another device).
+GPU_COUNTERS = ("staged_sends", "staged_recvs", "direct_sends", "direct_recvs", "staged_bytes",
+                "to_host", "to_device")
 
 
 class Stats:
     def __init__(self) -> None:
         self._paths: dict[str, dict[str, int]] = {p: dict.fromkeys(COUNTERS, 0) for p in PATHS}
+        self._gpu: dict[str, int] = dict.fromkeys(GPU_COUNTERS, 0)
 
     def received(self, path: str, nbytes: int) -> None:
         c = self._paths[path]
@@ -37,8 +43,14 @@ class Stats:
     def fallback(self, path: str) -> None:
         self._paths[path]["fallbacks"] += 1
 
+    def gpu(self, counter: str, n: int = 1) -> None:
+        self._gpu[counter] += n
+
     def snapshot(self) -> dict[str, dict[str, int]]:
         return copy.deepcopy(self._paths)
+
+    def gpu_snapshot(self) -> dict[str, int]:
+        return dict(self._gpu)
 
 
 def payload_nbytes(value: Any) -> int:

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import numpy as np
 
 from . import aio
 from .cluster import ClusterLike
@@ -158,12 +157,15 @@ class Server:
         canonical, arr = self._aio.prepare_send(key, tensor, is_dead)
         self._aio.table.send_threadsafe(self._loop, step_id, canonical, arr, is_dead).result()
 
-    def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
-        """Block until the tensor is here (None if dead); errors as in the aio form."""
-        return self._call(self._aio.recv(key, step_id, timeout))
+    def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+             device: str | None = None) -> Any:
+        """Block until the tensor is here (None if dead): numpy, or a cupy array when
+        the key's dst_device (or ``device="gpu:N"``) is a GPU; errors as in the aio form."""
+        return self._call(self._aio.recv(key, step_id, timeout, device))
 
-    def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
-        return self._call(self._aio.recv_item(key, step_id, timeout))
+    def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                  device: str | None = None) -> Received:
+        return self._call(self._aio.recv_item(key, step_id, timeout, device))
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         self._call(_as_coro(self._aio.abort, step_id, message))

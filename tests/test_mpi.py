@@ -77,8 +77,8 @@ class Coordinator:
 
 
 def launch(n: int, scenario: str, *args: str, env: dict | None = None, timeout: float = 120,
-           check: bool = True) -> tuple[int, list[dict], str]:
-    cmd = [*mpiexec(), "-n", str(n), sys.executable, SCRIPT, scenario, *args]
+           check: bool = True, script: str = SCRIPT) -> tuple[int, list[dict], str]:
+    cmd = [*mpiexec(), "-n", str(n), sys.executable, script, scenario, *args]
     coordinator = Coordinator(n)
     full_env = {**os.environ, **(env or {}), "RENDEZVOUS_TEST_COORD": coordinator.address}
     for var in ("MPI_DISABLED", "MPI_OPTIMAL_PATH"):

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rendezvous.errors import Internal, Unavailable
+from rendezvous.errors import Internal, RendezvousError, Unavailable
 
 __all__ = ["ProgressEngine"]
 
@@ -49,6 +49,14 @@ class _Op:
         self.fn = fn
         self.remaining = 0
         self.error: BaseException | None = None
+
+
+def _mpi_error(MPI: Any, exc: BaseException, what: str) -> BaseException:
+    if isinstance(exc, MPI.Exception):
+        return Internal(f"MPI error {what}: {exc.Get_error_string()}")
+    if isinstance(exc, Exception) and not isinstance(exc, RendezvousError):
+        return Internal(f"error {what}: {exc}")
+    return exc
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None, value: Any) -> None:
@@ -74,6 +82,7 @@ class ProgressEngine:
         self._inbox: list[_Op] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._pipes: list[_Op] = []  # pipeline ops (op.buf is the pipeline), MPI thread only
         self.in_flight = 0  # operations posted and not complete (read by stats)
         self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
 
@@ -106,6 +115,12 @@ class ProgressEngine:
         loop = asyncio.get_running_loop()
         return self._submit(_Op("call", loop, loop.create_future(), fn=fn))
 
+    def pipeline(self, make: Callable[[Any, Any], Any]) -> asyncio.Future:
+        """Build a transfer pipeline on the MPI thread with ``make(comm, MPI)`` (see
+        :mod:`rendezvous.mpi.staging`) and advance it there until it is done."""
+        loop = asyncio.get_running_loop()
+        return self._submit(_Op("pipeline", loop, loop.create_future(), fn=make))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Finish what is in flight (up to ``timeout``), then cancel the rest and join.
 
@@ -122,6 +137,15 @@ class ProgressEngine:
 
     def _post(self, op: _Op, reqs: list, owners: list) -> None:
         MPI = self._MPI
+        if op.kind == "pipeline":
+            try:
+                op.buf = op.fn(self.comm, MPI)  # type: ignore[misc]
+            except BaseException as exc:
+                op.loop.call_soon_threadsafe(_resolve, op.future, _mpi_error(MPI, exc, "posting a transfer"), None)
+                return
+            self._pipes.append(op)
+            self.in_flight += 1
+            return
         if op.kind == "call":
             try:
                 value, error = op.fn(), None  # type: ignore[misc]
@@ -167,7 +191,7 @@ class ProgressEngine:
         while True:
             with self._cv:
                 if not self._inbox:
-                    if not reqs:
+                    if not reqs and not self._pipes:
                         if self._stopping:
                             return
                         self._cv.wait()  # idle: no CPU until work arrives
@@ -177,22 +201,27 @@ class ProgressEngine:
                 stopping = self._stopping
             for op in inbox:
                 self._post(op, reqs, owners)
+            moved = self._advance_pipes()
             if not reqs:
+                if self._pipes:
+                    pause = 0.0 if moved else min(self.poll_max, max(self.poll_min, pause * 2))
+                    if stopping and time.monotonic() > self._stop_deadline:
+                        self._cancel_all(reqs, owners)
                 continue
             try:
                 self.polls += 1
                 done = MPI.Request.Testsome(reqs)
             except MPI.Exception as exc:
                 done = self._fail_one(reqs, owners, exc)
-            if done:
-                for i in sorted(done, reverse=True):
+            if done or moved:
+                for i in sorted(done or (), reverse=True):
                     op = owners.pop(i)
                     reqs.pop(i)
                     self._complete(op)
                 pause = 0.0
             elif not inbox:
                 pause = min(self.poll_max, max(self.poll_min, pause * 2))
-            if stopping and reqs and time.monotonic() > self._stop_deadline:
+            if stopping and (reqs or self._pipes) and time.monotonic() > self._stop_deadline:
                 self._cancel_all(reqs, owners)
 
     def _fail_one(self, reqs: list, owners: list[_Op], exc: Any) -> list[int]:
@@ -210,8 +239,28 @@ class ProgressEngine:
         log.warning("MPI error in progress engine: %s", exc.Get_error_string())
         return failed
 
+    def _advance_pipes(self) -> bool:
+        moved = False
+        for op in list(self._pipes):
+            pipe = op.buf
+            moved = pipe.step() or moved
+            if pipe.done:
+                self._pipes.remove(op)
+                self.in_flight -= 1
+                op.buf = None
+                op.loop.call_soon_threadsafe(_resolve, op.future, pipe.error, None)
+        return moved
+
     def _cancel_all(self, reqs: list, owners: list[_Op]) -> None:
         MPI = self._MPI
+        for op in self._pipes:
+            op.buf.cancel()
+            self.in_flight -= 1
+            op.loop.call_soon_threadsafe(_resolve, op.future, op.buf.error, None)
+            op.buf = None
+        self._pipes.clear()
+        if not reqs:
+            return
         log.warning("stopping MPI engine with %d transfers unfinished; cancelling them", len(reqs))
         for req, op in zip(reqs, owners):
             try:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 from google.protobuf import any_pb2
 
-from rendezvous import frames
+from rendezvous import devices, frames
 from rendezvous.config import Config
+from rendezvous.devices import DeviceTensor, Placement
 from rendezvous.errors import Internal, InvalidArgument
 from rendezvous.stats import Stats
 from rendezvous.table import Received
@@ -31,6 +33,7 @@ from rendezvous.tensors import TensorMeta, decode_meta, is_memcpyable
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .engine import ProgressEngine
+from .staging import DirectRecv, DirectSend, StagedRecv, StagedSend
 from .world import MpiWorld
 
 __all__ = ["MpiPlane"]
@@ -43,6 +46,12 @@ _FIRST_TAG = 1
 
 def _string_bytes(arr: np.ndarray) -> int:
     return sum(len(v) for v in arr.flat if isinstance(v, (bytes, bytearray)))
+
+
+def _pack(message: Any) -> bytes:
+    wrapped = any_pb2.Any()
+    wrapped.Pack(message)
+    return wrapped.SerializeToString()
 
 
 class _Tags:
@@ -76,19 +85,24 @@ class MpiPlane:
         self.stats = stats
         tag_ub = world.comm.Get_attr(world.MPI.TAG_UB) or 32767
         self._tags = _Tags(min(int(tag_ub), 1 << 30))
-        endpoint = any_pb2.Any()
-        endpoint.Pack(pb.MpiEndpoint(world_id=world.world_id, rank=world.rank))
+        if config.cuda_aware is None:
+            self.cuda_aware, self.cuda_aware_source = world.probe_cuda_aware()
+        else:
+            self.cuda_aware, self.cuda_aware_source = config.cuda_aware, "RENDEZVOUS_CUDA_AWARE"
         #: what every request of ours carries (RecvTensorRequest.transport_options)
-        self.endpoint = endpoint.SerializeToString()
+        self.endpoint = _pack(pb.MpiEndpoint(world_id=world.world_id, rank=world.rank))
+        self._staged_endpoint = _pack(pb.MpiEndpoint(world_id=world.world_id, rank=world.rank,
+                                                     max_chunk_bytes=config.gpu_staging_chunk_bytes))
 
     # -- producer -----------------------------------------------------------
 
     def plan(self, req: pb.RecvTensorRequest, item: Received) -> bytes | None:
         """A descriptor reply with the MPI send posted, or None for inline."""
         arr = item.value
-        if not self.config.mpi_optimal_path or not isinstance(arr, np.ndarray):
+        on_device = isinstance(arr, DeviceTensor)
+        if not self.config.mpi_optimal_path or not (on_device or isinstance(arr, np.ndarray)):
             return None
-        if not is_memcpyable(arr):
+        if not is_memcpyable(arr.dtype):
             # strings and the like cannot go buffer to buffer; a fallback when
             # they are big enough that MPI would otherwise have carried them
             if arr.dtype == object and _string_bytes(arr) >= self.config.mpi_threshold:
@@ -106,20 +120,34 @@ class MpiPlane:
             return None
         if not 0 <= endpoint.rank < self.world.size:
             raise InvalidArgument(f"MPI rank {endpoint.rank} is outside this world of {self.world.size}")
-        buf = np.ascontiguousarray(arr)  # no copy for a C-contiguous array
+        chunk = self.config.mpi_chunk_bytes
+        if endpoint.max_chunk_bytes > 0:
+            chunk = min(chunk, endpoint.max_chunk_bytes)
         rank = endpoint.rank
         tag = self._tags.take(rank)
-        chunk = self.config.mpi_chunk_bytes
         try:
-            done = self.engine.isend(buf, rank, tag, chunk)
+            if not on_device:
+                buf = np.ascontiguousarray(arr)  # no copy for a C-contiguous array
+                done = self.engine.isend(buf, rank, tag, chunk)
+            elif self.cuda_aware:
+                done = self.engine.pipeline(
+                    lambda comm, MPI, t=tag, c=chunk: DirectSend(comm, MPI, arr, rank, t, c))
+                self.stats.gpu("direct_sends")
+            else:
+                chunk = min(chunk, self.config.gpu_staging_chunk_bytes)
+                pool = devices.pool(arr.backend, chunk, self.config.gpu_staging_depth)
+                done = self.engine.pipeline(
+                    lambda comm, MPI, t=tag, c=chunk: StagedSend(comm, MPI, arr, rank, t, c, pool))
+                self.stats.gpu("staged_sends")
+                self.stats.gpu("staged_bytes", arr.nbytes)
         except BaseException:
             self._tags.give_back(rank, tag)
             raise
         done.add_done_callback(lambda f, r=rank, t=tag: self._sent(f, r, t))
         transfer = any_pb2.Any()
         transfer.Pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
-                                     tag=tag, nbytes=buf.nbytes, chunk_bytes=chunk))
-        return frames.descriptor_response(TensorMeta(buf.dtype, buf.shape), transfer.SerializeToString())
+                                     tag=tag, nbytes=arr.nbytes, chunk_bytes=chunk))
+        return frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), transfer.SerializeToString())
 
     def _sent(self, future: asyncio.Future, rank: int, tag: int) -> None:
         self._tags.give_back(rank, tag)
@@ -129,14 +157,45 @@ class MpiPlane:
 
     # -- consumer -----------------------------------------------------------
 
-    async def receive(self, buf: bytes, head: frames.ReplyHead) -> np.ndarray:
-        """Move the bytes a descriptor reply announces; the tensor once they are here."""
+    def endpoint_for(self, placement: Placement | None) -> bytes:
+        """What a request for a tensor bound for ``placement`` carries: our MPI
+        endpoint, asking for staging-sized messages when the bytes will be staged
+        onto a GPU."""
+        staged = placement is not None and placement.is_gpu and not self.cuda_aware
+        return self._staged_endpoint if staged else self.endpoint
+
+    async def receive(self, buf: bytes, head: frames.ReplyHead, placement: Placement | None = None) -> Any:
+        """Move the bytes a descriptor reply announces; the tensor once they are here,
+        on ``placement`` (a resolved placement: a GPU one has a usable backend).
+
+        If this await is cancelled (deadline, abort) the receive stays posted and
+        completes into its destination: its bytes are already on the way."""
         transfer, meta = self._parse(buf, head)
-        dest = np.empty(meta.shape, dtype=meta.dtype)
-        # If this await is cancelled (deadline, abort) the receive stays posted and
-        # completes into ``dest``: its bytes are already on the way.
-        await self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
-        return dest
+        backend = devices.gpu_backend() if placement is not None and placement.is_gpu else None
+        if backend is None:
+            dest = np.empty(meta.shape, dtype=meta.dtype)
+            await self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
+            return dest
+        device = placement.index  # type: ignore[union-attr]
+        dst = backend.empty(meta, device)
+        nbytes, src, tag, chunk = meta.nbytes, transfer.source_rank, transfer.tag, transfer.chunk_bytes
+        if self.cuda_aware:
+            await self.engine.pipeline(lambda comm, MPI: DirectRecv(comm, MPI, backend, dst, nbytes, src, tag, chunk))
+            self.stats.gpu("direct_recvs")
+        elif chunk <= self.config.gpu_staging_chunk_bytes:
+            pool = devices.pool(backend, chunk, self.config.gpu_staging_depth)
+            await self.engine.pipeline(
+                lambda comm, MPI: StagedRecv(comm, MPI, backend, dst, device, nbytes, src, tag, chunk, pool))
+            self.stats.gpu("staged_recvs")
+            self.stats.gpu("staged_bytes", nbytes)
+        else:
+            # A producer that ignored our chunk size: land on the host, then copy over.
+            host = np.empty(meta.shape, dtype=meta.dtype)
+            await self.engine.irecv(host, src, tag, chunk)
+            pool = devices.pool(backend, self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
+            dst = await asyncio.get_running_loop().run_in_executor(None, backend.from_host, host, device, pool)
+            self.stats.gpu("to_device")
+        return backend.user_array(dst)
 
     def drain(self, buf: bytes, head: frames.ReplyHead) -> None:
         """A descriptor for a recv nobody waits for any more: receive and drop its

@@ -14,6 +14,7 @@ consumer in another MPI job (another ``mpiexec``) is never sent MPI bytes.
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,21 @@ from rendezvous.errors import FailedPrecondition, InvalidArgument
 from rendezvous.keys import TaskName
 
 __all__ = ["MpiWorld", "import_mpi"]
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    """Paths of the MPI shared libraries mapped into this process (Linux)."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                name = os.path.basename(path)
+                if name.startswith("libmpi") and ".so" in name and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
 
 _LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
 
@@ -65,6 +81,31 @@ class MpiWorld:
         world = MPI.COMM_WORLD
         library = MPI.Get_library_version().splitlines()[0].strip()
         return cls(MPI, None, world.Get_rank(), world.Get_size(), name, 0, library)
+
+    def probe_cuda_aware(self) -> tuple[bool, str]:
+        """(whether MPI takes CUDA device buffers, how that was found). Call after init.
+
+        Asks the loaded MPI library itself: MPICH's ``MPIX_GPU_query_support``
+        (CUDA), else ``MPIX_Query_cuda_support`` (Open MPI, MPICH). A library
+        with neither is taken as not CUDA-aware."""
+        import ctypes
+
+        for path in _loaded_mpi_libraries():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            query = getattr(lib, "MPIX_GPU_query_support", None)
+            if query is not None:
+                flag = ctypes.c_int(0)
+                query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+                if query(0, ctypes.byref(flag)) == 0:  # 0: MPIX_GPU_SUPPORT_CUDA
+                    return bool(flag.value), f"MPIX_GPU_query_support in {os.path.basename(path)}"
+            query = getattr(lib, "MPIX_Query_cuda_support", None)
+            if query is not None:
+                query.restype = ctypes.c_int
+                return bool(query()), f"MPIX_Query_cuda_support in {os.path.basename(path)}"
+        return False, "the MPI library offers no CUDA query"
 
     def exchange(self, task: TaskName, address: str) -> dict[TaskName, tuple[int, str]]:
         """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""

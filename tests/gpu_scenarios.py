@@ -1,0 +1,91 @@
+"""GPU scenarios under `mpiexec -n 2 python tests/gpu_scenarios.py NAME` (test_gpu.py).
+
+Each rank registers a FakeBackend (host memory and threads standing in for a
+GPU and its streams), so the staging pipelines, the stream synchronization
+before MPI and the device-aware receive run over real MPI on any machine.
+A failing rank aborts the job (mpi_scenarios' excepthook).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+from mpi_scenarios import finish, pattern, result, start, worker
+
+from rendezvous import devices
+from rendezvous.fakegpu import FakeBackend
+
+
+def gkey(src: int, dst: int, name: str, dst_kind: str = "GPU") -> str:
+    return (f"{worker(src)}/device:GPU:0;0000000000000001;"
+            f"{worker(dst)}/device:{dst_kind}:0;{name};0:0")
+
+
+SIZES = [1024, (3 << 20) + 5, (1 << 20)]  # one chunk, several chunks (1 MiB staging), exactly one
+
+
+def transfers() -> None:
+    """GPU->GPU, GPU->CPU and CPU->GPU with content checked; the producer's
+    stream is synchronized before MPI reads the buffer; pinned buffers reused."""
+    fake = FakeBackend()
+    devices.register_backend(fake)
+    server = start(2, gpu_staging_chunk_bytes=1 << 20, gpu_staging_depth=3)
+    me = server.task.task
+    other = 1 - me
+    for i, n in enumerate(SIZES):
+        server.send(gkey(me, other, f"g2g{i}"), fake.array(pattern(n, me)), step_id=1)
+        server.send(gkey(me, other, f"g2c{i}", "CPU"), fake.array(pattern(n, 10 + me)), step_id=1)
+        # a host tensor bound for the peer's GPU
+        server.send(gkey(me, other, f"c2g{i}").replace("device:GPU:0;0000", "device:CPU:0;0000", 1),
+                    pattern(n, 20 + me), step_id=1)
+    for rnd in range(3):  # pinned buffers are reused across transfers
+        for i, n in enumerate(SIZES):
+            if rnd:
+                server.send(gkey(me, other, f"again{rnd}_{i}"), fake.array(pattern(n, rnd)), step_id=2)
+        for i, n in enumerate(SIZES):
+            if rnd == 0:
+                got = server.recv(gkey(other, me, f"g2g{i}"), step_id=1, timeout=60)
+                assert type(got).__name__ == "FakeDeviceArray", type(got)
+                assert np.array_equal(got.get(), pattern(n, other)), f"g2g {n}"
+                got = server.recv(gkey(other, me, f"g2c{i}", "CPU"), step_id=1, timeout=60)
+                assert isinstance(got, np.ndarray) and np.array_equal(got, pattern(n, 10 + other)), f"g2c {n}"
+                got = server.recv(gkey(other, me, f"c2g{i}").replace("device:GPU:0;0000", "device:CPU:0;0000", 1),
+                                  step_id=1, timeout=60)
+                assert type(got).__name__ == "FakeDeviceArray", type(got)
+                assert np.array_equal(got.get(), pattern(n, 20 + other)), f"c2g {n}"
+            else:
+                got = server.recv(gkey(other, me, f"again{rnd}_{i}"), step_id=2, timeout=60)
+                assert np.array_equal(got.get(), pattern(n, rnd))
+
+    # Stream synchronization: the producer's kernel writing the tensor is still
+    # running (held by a gate) when the descriptor goes out; MPI must not read
+    # the buffer before the kernel is done.
+    n = 2 << 20
+    late = fake.array(np.zeros(n, np.uint8))
+    gate = threading.Event()
+    fake.stream(0).enqueue(lambda: (gate.wait(60), late._data.__setitem__(slice(None), pattern(n, 77))))
+    before = server.stats()["mpi"]["served"]
+    server.send(gkey(me, other, "late"), late, step_id=3)
+
+    def release_after_descriptor() -> None:
+        while server.stats()["mpi"]["served"] == before:
+            threading.Event().wait(0.001)
+        gate.set()
+
+    releaser = threading.Thread(target=release_after_descriptor, daemon=True)
+    releaser.start()
+    got = server.recv(gkey(other, me, "late"), step_id=3, timeout=60)
+    assert np.array_equal(got.get(), pattern(n, 77)), "MPI read the device buffer before its stream was done"
+    releaser.join(60)
+    finish(server)
+    stats = server.stats()
+    server.stop(5)
+    result(rank=me, stats=stats, pinned_allocs=fake.pinned_allocs, copies=fake.copies)
+
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1:]
+    globals()[name](*args)
