@@ -27,11 +27,33 @@ def gkey(src: int, dst: int, name: str, dst_kind: str = "GPU") -> str:
 SIZES = [1024, (3 << 20) + 5, (1 << 20)]  # one chunk, several chunks (1 MiB staging), exactly one
 
 
-def transfers() -> None:
+class _Cupy:
+    """The real thing, for GPU machines: same calls as FakeBackend's helpers."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cp = cupy
+        self.pinned_allocs = 0
+        self.copies = {}
+
+    def array(self, data):
+        return self.cp.asarray(data)
+
+
+def _host(arr) -> np.ndarray:
+    return arr.get()
+
+
+def transfers(backend: str = "fake") -> None:
     """GPU->GPU, GPU->CPU and CPU->GPU with content checked; the producer's
     stream is synchronized before MPI reads the buffer; pinned buffers reused."""
-    fake = FakeBackend()
-    devices.register_backend(fake)
+    if backend == "fake":
+        fake = FakeBackend()
+        devices.register_backend(fake)
+    else:
+        fake = _Cupy()
+    gpu_type = type(fake.array(np.zeros(1))).__name__
     server = start(2, gpu_staging_chunk_bytes=1 << 20, gpu_staging_depth=3)
     me = server.task.task
     other = 1 - me
@@ -48,22 +70,30 @@ def transfers() -> None:
         for i, n in enumerate(SIZES):
             if rnd == 0:
                 got = server.recv(gkey(other, me, f"g2g{i}"), step_id=1, timeout=60)
-                assert type(got).__name__ == "FakeDeviceArray", type(got)
-                assert np.array_equal(got.get(), pattern(n, other)), f"g2g {n}"
+                assert type(got).__name__ == gpu_type, type(got)
+                assert np.array_equal(_host(got), pattern(n, other)), f"g2g {n}"
                 got = server.recv(gkey(other, me, f"g2c{i}", "CPU"), step_id=1, timeout=60)
                 assert isinstance(got, np.ndarray) and np.array_equal(got, pattern(n, 10 + other)), f"g2c {n}"
                 got = server.recv(gkey(other, me, f"c2g{i}").replace("device:GPU:0;0000", "device:CPU:0;0000", 1),
                                   step_id=1, timeout=60)
-                assert type(got).__name__ == "FakeDeviceArray", type(got)
-                assert np.array_equal(got.get(), pattern(n, 20 + other)), f"c2g {n}"
+                assert type(got).__name__ == gpu_type, type(got)
+                assert np.array_equal(_host(got), pattern(n, 20 + other)), f"c2g {n}"
             else:
                 got = server.recv(gkey(other, me, f"again{rnd}_{i}"), step_id=2, timeout=60)
-                assert np.array_equal(got.get(), pattern(n, rnd))
+                assert np.array_equal(_host(got), pattern(n, rnd))
 
     # Stream synchronization: the producer's kernel writing the tensor is still
     # running (held by a gate) when the descriptor goes out; MPI must not read
     # the buffer before the kernel is done.
     n = 2 << 20
+    if backend != "fake":  # a real kernel cannot be held at a gate; the rest is the same
+        server.send(gkey(me, other, "late"), fake.array(pattern(n, 77)), step_id=3)
+        assert np.array_equal(_host(server.recv(gkey(other, me, "late"), step_id=3, timeout=60)), pattern(n, 77))
+        finish(server)
+        stats = server.stats()
+        server.stop(5)
+        result(rank=me, stats=stats, pinned_allocs=0, copies={"d2h": 0, "h2d": 0})
+        return
     late = fake.array(np.zeros(n, np.uint8))
     gate = threading.Event()
     fake.stream(0).enqueue(lambda: (gate.wait(60), late._data.__setitem__(slice(None), pattern(n, 77))))
@@ -78,7 +108,7 @@ def transfers() -> None:
     releaser = threading.Thread(target=release_after_descriptor, daemon=True)
     releaser.start()
     got = server.recv(gkey(other, me, "late"), step_id=3, timeout=60)
-    assert np.array_equal(got.get(), pattern(n, 77)), "MPI read the device buffer before its stream was done"
+    assert np.array_equal(_host(got), pattern(n, 77)), "MPI read the device buffer before its stream was done"
     releaser.join(60)
     finish(server)
     stats = server.stats()
