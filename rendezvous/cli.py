@@ -18,6 +18,7 @@ examples:
   rendezvous serve --cluster cluster.json --job-name worker --task-index 0
   rendezvous get '/job:worker/replica:0/task:1/device:CPU:0;0000000000000001;/job:worker/replica:0/task:0/device:CPU:0;grad;0:0' \\
       --from 127.0.0.1:50052 --step 3 --text
+  rendezvous bench --quick
 """
 
 
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=30.0, metavar="S", help="deadline in seconds (default 30)")
     g.add_argument("--text", action="store_true", help="print the reply's TensorProto in protobuf text format")
     g.add_argument("--save", metavar="FILE.npy", help="also save the tensor with numpy.save")
+
+    b = sub.add_parser("bench", help="benchmark every path against raw MPI, raw gRPC, gloo and memcpy",
+                       description="Run the benchmark suite under mpiexec -n 2 (launched for you): table, "
+                                   "JSON and plot. See BENCHMARKS.md.")
+    from .bench.cli import add_arguments as bench_arguments  # stdlib only at import
+
+    bench_arguments(b)
     return p
 
 
@@ -77,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "get":
         return _get(args)
+    if args.command == "bench":
+        from .bench.cli import run as bench
+
+        return bench(args)
     _parser().print_help()
     return 2
 

@@ -1,0 +1,410 @@
+"""The contenders: each moves ``n`` bytes from rank 1 (producer) to rank 0
+(consumer) and rank 0 times every transfer, one round trip each: a request
+goes out, the bytes come back, the array is in hand.
+
+A contender is driven in batches by :mod:`rendezvous.bench.worker`:
+
+* producer (rank 1): ``prepare`` (make the bytes available), then the worker
+  tells rank 0 it is ready, then ``serve`` (answer the requests; a no-op for
+  the gRPC-served contenders, whose servers answer from the event loop);
+* consumer (rank 0): ``consume`` performs and times ``count`` transfers and
+  returns one duration (ns) per transfer;
+* both: ``finish`` after the batch.
+
+Blocking contenders (raw MPI, gloo, memcpy) make their blocking calls on the
+event-loop thread: nothing else runs during their batch, which is what a user
+of those libraries would see. gRPC-served ones run on the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Contender", "RawMpi", "RawGrpc", "Rendezvous", "Gloo", "Memcpy", "pattern", "check"]
+
+_RAW_METHOD = "/rendezvous.bench.Raw/Get"
+_TAG_DATA = 17
+_TAG_RATE = 18
+_TAG_GO = 19
+
+
+def pattern(n: int) -> np.ndarray:
+    """``n`` bytes where byte ``k`` is ``k % 256`` (all pages touched)."""
+    reps = -(-n // 256)
+    return np.tile(np.arange(256, dtype=np.uint8), reps)[:n]
+
+
+def check(value: Any, n: int) -> None:
+    """Spot-check a received buffer against :func:`pattern` (outside the timed part)."""
+    arr = np.asarray(value).reshape(-1).view(np.uint8) if not isinstance(value, (bytes, bytearray)) else \
+        np.frombuffer(value, np.uint8)
+    if arr.nbytes != n:
+        raise AssertionError(f"received {arr.nbytes} bytes, expected {n}")
+    for k in (0, n // 2, n - 1):
+        if int(arr[k]) != k % 256:
+            raise AssertionError(f"byte {k} of a {n}-byte transfer is {int(arr[k])}, expected {k % 256}")
+
+
+class Contender:
+    """A way to move bytes from rank 1 to rank 0; see the module docstring."""
+
+    name = ""
+    label = ""
+    #: whether it takes part in the rate test (many recvs outstanding)
+    rate = False
+    #: whether it takes part in the peak-RSS test
+    rss = True
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    async def setup(self) -> None:
+        """Connect; runs on both ranks, in the same contender order."""
+
+    async def prepare(self, n: int, count: int, batch: int) -> None:
+        """Producer: make ``count`` transfers of ``n`` bytes available."""
+
+    async def serve(self, n: int, count: int, batch: int) -> None:
+        """Producer: answer the consumer's requests (blocking contenders)."""
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        """Consumer: ``count`` timed transfers; their durations in ns."""
+        raise NotImplementedError
+
+    async def rate_prepare(self, n: int, count: int, batch: int) -> None:
+        await self.prepare(n, count, batch)
+
+    async def rate_serve(self, n: int, count: int, batch: int) -> None:
+        await self.serve(n, count, batch)
+
+    async def rate_consume(self, n: int, count: int, batch: int) -> tuple[int, int]:
+        """Consumer: ``count`` transfers all outstanding at once; (elapsed ns, errors)."""
+        raise NotImplementedError
+
+    async def finish(self, n: int, batch: int) -> None:
+        """Both ranks, after a batch."""
+
+    def release(self) -> None:
+        """Drop buffers kept between batches (before the RSS test)."""
+
+    async def close(self) -> None:
+        """Both ranks, at the end."""
+
+
+class RawMpi(Contender):
+    """(a) mpi4py ``Send``/``Recv`` of a numpy buffer: a small request, then the bytes.
+
+    With ``fresh=True`` the consumer receives into a new ``np.empty`` array each
+    time, as any API that hands back a new array must (page faults included);
+    otherwise into one buffer reused across transfers: the transport's limit."""
+
+    rate = True
+
+    def __init__(self, ctx: Any, fresh: bool = False) -> None:
+        super().__init__(ctx)
+        self.fresh = fresh
+        self.name = "mpi_alloc" if fresh else "mpi"
+        self.label = "raw MPI, new array" if fresh else "raw MPI"
+        self.rate = not fresh
+        self._buf: np.ndarray | None = None
+        self._req = np.zeros(1, np.int64)
+
+    def _dest(self, n: int) -> np.ndarray:
+        if self.fresh:
+            return np.empty(n, np.uint8)
+        if self._buf is None or self._buf.nbytes != n:
+            self._buf = None
+            self._buf = np.empty(n, np.uint8)
+        return self._buf
+
+    async def serve(self, n: int, count: int, batch: int) -> None:
+        comm, src, req = self.ctx.comm, self.ctx.source(n), self._req
+        for _ in range(count):
+            comm.Recv(req, 0, _TAG_DATA)
+            comm.Send(src, 0, _TAG_DATA)
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        comm, req = self.ctx.comm, self._req
+        req[0] = n
+        out = []
+        clock = time.perf_counter_ns
+        dest = None
+        for _ in range(count):
+            t0 = clock()
+            dest = self._dest(n)
+            comm.Send(req, 1, _TAG_DATA)
+            comm.Recv(dest, 1, _TAG_DATA)
+            out.append(clock() - t0)
+        check(dest, n)
+        return out
+
+    async def rate_serve(self, n: int, count: int, batch: int) -> None:
+        MPI = self.ctx.MPI
+        comm, src = self.ctx.comm, self.ctx.source(n)
+        comm.Recv(self._req, 0, _TAG_GO)
+        MPI.Request.Waitall([comm.Isend(src, 0, _TAG_RATE) for _ in range(count)])
+
+    async def rate_consume(self, n: int, count: int, batch: int) -> tuple[int, int]:
+        MPI = self.ctx.MPI
+        comm = self.ctx.comm
+        bufs = np.empty((count, n), np.uint8)
+        bufs.fill(0)  # pages touched before timing, like the reused buffer above
+        t0 = time.perf_counter_ns()
+        reqs = [comm.Irecv(bufs[i], 1, _TAG_RATE) for i in range(count)]
+        comm.Send(self._req, 1, _TAG_GO)
+        MPI.Request.Waitall(reqs)
+        elapsed = time.perf_counter_ns() - t0
+        check(bufs[-1], n)
+        return elapsed, 0
+
+    def release(self) -> None:
+        self._buf = None
+
+
+class RawGrpc(Contender):
+    """(b) A grpc.aio unary call answered with the same bytes: a generic handler
+    returning a prebuilt ``bytes`` (no protobuf), read as a numpy view."""
+
+    name = "grpc"
+    label = "raw grpc.aio unary"
+    rate = True
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._server = None
+        self._channel = None
+        self._call = None
+        self._payload: dict[int, bytes] = {}
+
+    async def setup(self) -> None:
+        import grpc
+
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        if self.ctx.rank == 1:
+            server = grpc.aio.server(options=options)
+
+            async def get(request: bytes, context: Any) -> bytes:
+                return self._payload[int.from_bytes(request, "little")]
+
+            handler = grpc.unary_unary_rpc_method_handler(get)
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+                "rendezvous.bench.Raw", {"Get": handler})])
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self._server = server
+            await self.ctx.control.send({"grpc": f"127.0.0.1:{port}"})
+        else:
+            address = (await self.ctx.control.recv())["grpc"]
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+            await asyncio.wait_for(self._channel.channel_ready(), 60)
+            self._call = self._channel.unary_unary(_RAW_METHOD)
+
+    async def prepare(self, n: int, count: int, batch: int) -> None:
+        if n not in self._payload:
+            self._payload.clear()
+            self._payload[n] = self.ctx.source(n).tobytes()
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        call = self._call
+        request = n.to_bytes(8, "little")
+        out = []
+        clock = time.perf_counter_ns
+        value = None
+        for _ in range(count):
+            t0 = clock()
+            value = np.frombuffer(await call(request, timeout=300), np.uint8)
+            out.append(clock() - t0)
+        check(value, n)
+        return out
+
+    async def rate_consume(self, n: int, count: int, batch: int) -> tuple[int, int]:
+        call = self._call
+        request = n.to_bytes(8, "little")
+        t0 = time.perf_counter_ns()
+        replies = await asyncio.gather(*(call(request, timeout=300) for _ in range(count)),
+                                       return_exceptions=True)
+        elapsed = time.perf_counter_ns() - t0
+        good = [r for r in replies if isinstance(r, bytes)]
+        if good:
+            check(good[-1], n)
+        return elapsed, count - len(good)
+
+    def release(self) -> None:
+        self._payload.clear()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        if self._server is not None:
+            await self._server.stop(0)
+
+
+class Rendezvous(Contender):
+    """(c)/(d) ``await server.recv(key, step)`` on a rendezvous rank server
+    (``rendezvous.aio.Server``, protocol ``grpc+mpi``), the tensor already
+    produced on rank 1: the full RecvTensor round trip, numpy array in hand."""
+
+    rate = True
+
+    def __init__(self, ctx: Any, optimal: bool) -> None:
+        super().__init__(ctx)
+        self.optimal = optimal
+        self.name = "optimal" if optimal else "default"
+        self.label = "rendezvous MPI_OPTIMAL_PATH=1" if optimal else "rendezvous MPI_OPTIMAL_PATH=0"
+        self.job = "opt" if optimal else "dflt"
+        self.server: Any = None
+        self._keys: dict[tuple[int, int], str] = {}
+
+    async def setup(self) -> None:
+        from rendezvous import aio
+
+        cluster = {"dflt": ["127.0.0.1:0"] * 2, "opt": ["127.0.0.1:0"] * 2}
+        # Collective (an MPI allgather): both ranks start the same servers in the same order.
+        self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",
+                                 mpi_optimal_path=self.optimal, mpi_disabled=False)
+        await self.server.start()
+
+    def key(self, n: int, i: int = 0) -> str:
+        k = self._keys.get((n, i))
+        if k is None:
+            k = (f"/job:{self.job}/replica:0/task:1/device:CPU:0;0000000000000001;"
+                 f"/job:{self.job}/replica:0/task:0/device:CPU:0;bench_{n}_{i};0:0")
+            self._keys[(n, i)] = k
+        return k
+
+    async def prepare(self, n: int, count: int, batch: int) -> None:
+        src, key = self.ctx.source(n), self.key(n)
+        for _ in range(count):
+            self.server.send(key, src, step_id=batch)
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        recv, key = self.server.recv, self.key(n)
+        out = []
+        clock = time.perf_counter_ns
+        value = None
+        for _ in range(count):
+            t0 = clock()
+            value = await recv(key, batch, 300)
+            out.append(clock() - t0)
+        check(value, n)
+        return out
+
+    async def rate_prepare(self, n: int, count: int, batch: int) -> None:
+        src = self.ctx.source(n)
+        for i in range(count):
+            self.server.send(self.key(n, i), src, step_id=batch)
+
+    async def rate_consume(self, n: int, count: int, batch: int) -> tuple[int, int]:
+        recv = self.server.recv
+        keys = [self.key(n, i) for i in range(count)]
+        t0 = time.perf_counter_ns()
+        values = await asyncio.gather(*(recv(k, batch, 300) for k in keys), return_exceptions=True)
+        elapsed = time.perf_counter_ns() - t0
+        good = [v for v in values if isinstance(v, np.ndarray)]
+        if good:
+            check(good[-1], n)
+        return elapsed, count - len(good)
+
+    async def finish(self, n: int, batch: int) -> None:
+        self.server.cleanup(batch)  # the producer forgets the step's retry answers
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop(1.0)
+
+
+class Gloo(Contender):
+    """(e) ``torch.distributed`` gloo ``send``/``recv``: a small request tensor,
+    then the bytes into a reused tensor (torch is never a dependency)."""
+
+    name = "gloo"
+    label = "torch.distributed gloo"
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._buf = None
+        self._src = None
+
+    async def setup(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        comm = self.ctx.comm
+        if self.ctx.rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+            comm.bcast(store.port, root=0)
+        else:
+            port = comm.bcast(None, root=0)
+            store = dist.TCPStore("127.0.0.1", port, 2, False)
+        dist.init_process_group("gloo", store=store, rank=self.ctx.rank, world_size=2)
+        self._store = store
+        self._req = torch.zeros(1, dtype=torch.int64)
+
+    def _tensor(self, n: int) -> Any:
+        if self.ctx.rank == 1:
+            if self._src is None or self._src.numel() != n:
+                self._src = self.torch.from_numpy(self.ctx.source(n))  # shares memory
+            return self._src
+        if self._buf is None or self._buf.numel() != n:
+            self._buf = None
+            self._buf = self.torch.empty(n, dtype=self.torch.uint8)
+        return self._buf
+
+    async def serve(self, n: int, count: int, batch: int) -> None:
+        src = self._tensor(n)
+        for _ in range(count):
+            self.dist.recv(self._req, 0)
+            self.dist.send(src, 0)
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        dest = self._tensor(n)
+        out = []
+        clock = time.perf_counter_ns
+        for _ in range(count):
+            t0 = clock()
+            self.dist.send(self._req, 1)
+            self.dist.recv(dest, 1)
+            out.append(clock() - t0)
+        check(dest.numpy(), n)
+        return out
+
+    def release(self) -> None:
+        self._buf = self._src = None
+
+    async def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+class Memcpy(Contender):
+    """A copy of the same bytes within rank 0 (``numpy.copyto`` between two
+    warm buffers): the physical ceiling on one host."""
+
+    name = "memcpy"
+    label = "memcpy (numpy.copyto)"
+    rss = False
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._bufs: tuple[np.ndarray, np.ndarray] | None = None
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        if self._bufs is None or self._bufs[0].nbytes != n:
+            self._bufs = None
+            self._bufs = (pattern(n), np.zeros(n, np.uint8))
+        src, dst = self._bufs
+        out = []
+        clock = time.perf_counter_ns
+        for _ in range(count):
+            t0 = clock()
+            np.copyto(dst, src)
+            out.append(clock() - t0)
+        check(dst, n)
+        return out
+
+    def release(self) -> None:
+        self._bufs = None

@@ -1,0 +1,447 @@
+"""The benchmark suite: its numbers, its results document, and a tiny run.
+
+The targets are judged by the benchmark itself (``make bench``), never here:
+nothing below asserts a time. Run as a script under ``mpiexec`` this file is
+also the scenario for the failing-rank test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rendezvous.bench import report, rss, stats
+from rendezvous.bench.cli import JSON_NAME, PLOT_NAME, Progress, add_arguments
+from rendezvous.bench.contenders import check, pattern
+
+HERE = Path(__file__).resolve()
+MiB = 1 << 20
+
+
+# -- stats --------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("text,value", [("1024", 1024), ("1K", 1024), ("64k", 64 << 10), ("16M", 16 << 20),
+                                        ("16MiB", 16 << 20), ("1G", 1 << 30), ("7B", 7)])
+def test_parse_size(text, value):
+    assert stats.parse_size(text) == value
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("text", ["", "K", "1T", "-1K", "1.5M", "0", "M1"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError):
+        stats.parse_size(text)
+
+
+@pytest.mark.timeout(10)
+def test_format_size_is_exact():
+    assert stats.format_size(1024) == "1 KiB"
+    assert stats.format_size(512 << 20) == "512 MiB"
+    assert stats.format_size(2 << 30) == "2 GiB"
+    assert stats.format_size(1536) == "1536 B"
+    assert stats.format_size((1 << 20) + 1024) == "1025 KiB"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    values = sorted(np.random.default_rng(q).exponential(100, 37).tolist())
+    assert stats.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+@pytest.mark.timeout(10)
+def test_percentile_edges():
+    assert stats.percentile([5.0], 99) == 5.0
+    assert stats.percentile([1, 3], 50) == 2
+    with pytest.raises(ValueError):
+        stats.percentile([], 50)
+    with pytest.raises(ValueError):
+        stats.percentile([1], 101)
+
+
+@pytest.mark.timeout(10)
+def test_summarize_units_and_bandwidth():
+    # 1 MiB in 1, 2 and 3 ms: median 2 ms
+    s = stats.summarize([3_000_000, 1_000_000, 2_000_000], MiB)
+    assert s["samples"] == 3
+    assert s["median_us"] == 2000
+    assert s["min_us"] == 1000
+    assert s["mean_us"] == 2000
+    assert s["p99_us"] == pytest.approx(2980)
+    assert s["gbps"] == pytest.approx(MiB / 2e6)  # bytes per ns = GB/s
+    with pytest.raises(ValueError):
+        stats.summarize([], 1)
+
+
+@pytest.mark.timeout(10)
+def test_ratio_and_samples_for():
+    assert stats.ratio(3, 2) == 1.5
+    assert stats.ratio(None, 2) is None and stats.ratio(1, None) is None and stats.ratio(1, 0) is None
+    assert stats.samples_for(1 << 10, budget_bytes=1 << 30, least=8, most=1000) == 1000
+    assert stats.samples_for(512 << 20, budget_bytes=1 << 30, least=8, most=1000) == 8
+    assert stats.samples_for(64 << 20, budget_bytes=1 << 30, least=3, most=1000) == 16
+
+
+@pytest.mark.timeout(10)
+def test_pattern_and_check():
+    p = pattern(1000)
+    assert p.dtype == np.uint8 and p.nbytes == 1000 and p[255] == 255 and p[256] == 0 and p[999] == 999 % 256
+    check(p, 1000)
+    check(p.tobytes(), 1000)
+    with pytest.raises(AssertionError, match="999"):
+        check(pattern(999), 1000)
+    bad = p.copy()
+    bad[500] ^= 1
+    with pytest.raises(AssertionError, match="byte 500"):
+        check(bad, 1000)
+
+
+# -- the results document -------------------------------------------------------------
+
+SIZES = [1024, MiB, 16 * MiB, 128 * MiB]
+
+
+def _raw(with_gloo: bool = True) -> dict:
+    """Raw measurements as rank 0 returns them, with known ratios: at every size
+    the optimal path takes 1.25x raw MPI's time (0.8x its bandwidth), the
+    default path half raw gRPC's time (2x its bandwidth)."""
+    def ns(base_us: float) -> list[int]:
+        return [int(base_us * 1000 * f) for f in (1.0, 0.9, 1.1, 1.0, 1.0)]
+
+    samples: dict[str, dict[int, list[int]]] = {n: {} for n in ("mpi", "grpc", "default", "optimal", "memcpy")}
+    if with_gloo:
+        samples["gloo"] = {}
+    for size in SIZES:
+        mpi_us = 5 + size / 5000
+        grpc_us = 600 + size / 700
+        samples["mpi"][size] = ns(mpi_us)
+        samples["optimal"][size] = ns(mpi_us * 1.25)
+        samples["grpc"][size] = ns(grpc_us)
+        samples["default"][size] = ns(grpc_us * 0.5)
+        samples["memcpy"][size] = ns(size / 12000)
+        if with_gloo:
+            samples["gloo"][size] = ns(mpi_us * 3)
+    contenders = {"mpi": "raw MPI", "grpc": "raw grpc.aio unary", "default": "rendezvous MPI_OPTIMAL_PATH=0",
+                  "optimal": "rendezvous MPI_OPTIMAL_PATH=1", "memcpy": "memcpy"}
+    if with_gloo:
+        contenders["gloo"] = "torch.distributed gloo"
+    size = 128 * MiB
+    return {
+        "samples": samples,
+        "rates": {"mpi": [{"elapsed_ns": 10_000_000, "errors": 0}],
+                  "grpc": [{"elapsed_ns": 500_000_000, "errors": 0}, {"elapsed_ns": 400_000_000, "errors": 100}],
+                  "default": [{"elapsed_ns": 200_000_000, "errors": 0}],
+                  "optimal": [{"elapsed_ns": 250_000_000, "errors": 0}]},
+        "rss": {"size": size, "by_contender": {
+            "mpi": [{"rank": 0, "baseline_bytes": 100 * MiB, "peak_bytes": 100 * MiB + size},
+                    {"rank": 1, "baseline_bytes": 90 * MiB, "peak_bytes": 90 * MiB + size}],
+            "default": [{"rank": 0, "baseline_bytes": 100 * MiB, "peak_bytes": 100 * MiB + 2 * size},
+                        {"rank": 1, "baseline_bytes": 90 * MiB, "peak_bytes": 90 * MiB + size + 8 * MiB}],
+            "optimal": [{"rank": 0, "baseline_bytes": 100 * MiB, "peak_bytes": 100 * MiB + 2 * size},
+                        {"rank": 1, "baseline_bytes": 90 * MiB, "peak_bytes": 90 * MiB + size}]}},
+        "idle": [{"rank": 0, "seconds": 10.0, "cpu_seconds": 0.05, "cpu_fraction": 0.005},
+                 {"rank": 1, "seconds": 10.0, "cpu_seconds": 0.3, "cpu_fraction": 0.03}],
+        "contenders": contenders,
+        "notes": [] if with_gloo else ["torch is not installed: gloo not measured"],
+        "environment": {"python": "3.11", "cpus": 2},
+        "outstanding": 1000,
+        "rate_bytes": 1024,
+    }
+
+
+NOW = datetime.datetime(2030, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
+
+
+def _doc(**kw) -> dict:
+    return report.build(_raw(**kw), quick=True, args={"sizes": "x"}, now=NOW)
+
+
+def _target(doc, tid):
+    return next(t for t in doc["targets"] if t["id"] == tid)
+
+
+@pytest.mark.timeout(10)
+def test_build_computes_ratios_from_the_same_run():
+    doc = _doc()
+    report.validate(doc)
+    assert doc["schema"] == report.SCHEMA and doc["created"] == "2030-01-02T03:04:05+00:00"
+    assert doc["sizes"] == SIZES
+    cell = next(t for t in doc["transfers"] if t["contender"] == "optimal" and t["size"] == 16 * MiB)
+    assert cell["vs_mpi"]["gbps"] == pytest.approx(0.8)
+    assert cell["vs_mpi"]["median_us"] == pytest.approx(1.25)
+    cell = next(t for t in doc["transfers"] if t["contender"] == "default" and t["size"] == MiB)
+    assert cell["vs_grpc"]["gbps"] == pytest.approx(2.0)
+    mpi = next(t for t in doc["transfers"] if t["contender"] == "mpi" and t["size"] == 1024)
+    assert mpi["vs_mpi"]["gbps"] == 1.0
+    # rate: median over rounds, errors discount the round
+    rate = {r["contender"]: r for r in doc["rate"]["results"]}
+    assert rate["grpc"]["per_s"] == pytest.approx((2000 + 2250) / 2)
+    assert rate["grpc"]["errors"] == 100
+    assert rate["default"]["vs_grpc"] == pytest.approx(5000 / 2125)
+    # rss: what the transfer added, in tensor sizes and against raw MPI
+    rss_rows = {r["contender"]: r for r in doc["rss"]["results"]}
+    assert [row["x_size"] for row in rss_rows["default"]["ranks"]] == [2.0, pytest.approx(1 + 8 / 128)]
+    assert rss_rows["optimal"]["vs_mpi"] == [2.0, 1.0]
+
+
+@pytest.mark.timeout(10)
+def test_targets_are_judged_from_the_ratios():
+    doc = _doc()
+    assert _target(doc, f"optimal_vs_mpi_{MiB}")["ok"] is False  # 0.8 < 0.9
+    assert _target(doc, f"optimal_vs_mpi_{MiB}")["measured"] == pytest.approx(0.8)
+    assert _target(doc, f"optimal_vs_gloo_{16 * MiB}")["ok"] is True  # 2.4 >= 2
+    assert _target(doc, f"default_vs_grpc_{16 * MiB}")["ok"] is True  # 2 >= 1
+    assert _target(doc, f"default_vs_grpc_{128 * MiB}")["ok"] is True  # 2 >= 2
+    assert _target(doc, "latency_1k_default")["measured"] == pytest.approx(0.5)
+    assert _target(doc, "rate_default")["ok"] is True
+    assert _target(doc, "rate_optimal")["measured"] == pytest.approx(4000 / 2125)
+    assert _target(doc, "rate_optimal")["ok"] is False
+    assert _target(doc, "rss_default")["ok"] is True  # 2 <= 3
+    assert _target(doc, "rss_optimal")["ok"] is False  # 2 > 1.5
+    assert _target(doc, "idle_cpu")["ok"] is False  # rank 1 used 3%
+    assert not any(t["id"].startswith("optimal_vs_mpi_1024") for t in doc["targets"])  # from 1 MiB up only
+
+
+@pytest.mark.timeout(10)
+def test_targets_without_gloo_are_not_judged():
+    doc = _doc(with_gloo=False)
+    t = _target(doc, f"optimal_vs_gloo_{MiB}")
+    assert t["ok"] is None and t["measured"] is None and "not measured" in t["note"]
+    assert "gloo" not in doc["contenders"]
+    report.validate(doc)
+
+
+@pytest.mark.timeout(10)
+def test_validate_names_the_bad_field():
+    good = _doc()
+    cases = [
+        (lambda d: d.pop("transfers"), "missing 'transfers'"),
+        (lambda d: d["transfers"][3].update(gbps="fast"), r"\$.transfers\[3\].gbps"),
+        (lambda d: d["transfers"][0].update(samples=True), "got bool"),
+        (lambda d: d["transfers"][0].update(contender="carrier pigeon"), "not a listed contender"),
+        (lambda d: d["transfers"][0].update(size=12345), "not a listed size"),
+        (lambda d: d["rss"]["results"][0]["ranks"][1].pop("peak_bytes"), "peak_bytes"),
+        (lambda d: d["targets"][0].update(ok="yes"), r"\$.targets\[0\].ok"),
+        (lambda d: d.update(schema="other/9"), "schema"),
+        (lambda d: d["contenders"].update(mpi=3), r"\$.contenders.mpi"),
+    ]
+    for change, message in cases:
+        doc = copy.deepcopy(good)
+        change(doc)
+        with pytest.raises(report.SchemaError, match=message):
+            report.validate(doc)
+    relaxed = copy.deepcopy(good)
+    relaxed["rate"] = relaxed["rss"] = None  # phases that may be skipped
+    report.validate(relaxed)
+
+
+@pytest.mark.timeout(10)
+def test_json_round_trip(tmp_path):
+    doc = _doc()
+    path = tmp_path / "b.json"
+    report.write_json(doc, path)
+    assert report.load(path) == json.loads(json.dumps(doc))
+    path.write_text(json.dumps({**doc, "idle": "none"}))
+    with pytest.raises(report.SchemaError):
+        report.load(path)
+
+
+@pytest.mark.timeout(10)
+def test_render_shows_every_cell_ratio_and_target():
+    doc = _doc()
+    text = report.render(doc)
+    for label in doc["contenders"].values():
+        assert label in text
+    for size in ("1 KiB", "1 MiB", "16 MiB", "128 MiB"):
+        assert size in text
+    assert "MISSED optimal path bandwidth at 1 MiB vs raw MPI: 0.80 >= 0.9" in text
+    assert "met    default path bandwidth at 16 MiB vs raw gRPC unary: 2.00 >= 1" in text
+    assert "1000 recvs outstanding" in text and "rank 1 3.00% of a core" in text
+    assert "n/a" not in text
+    assert "not measured" in report.render(_doc(with_gloo=False))
+
+
+@pytest.mark.timeout(60)
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "b.png"
+    assert report.write_plot(_doc(), path) is True
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 400 and height > 300
+
+
+# -- peak RSS, progress, flags ---------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_peak_rss_sees_one_allocation():
+    if not rss.supported():
+        pytest.skip("no resettable VmHWM on this platform")
+    base = rss.reset_peak()
+    assert rss.peak() < base + 16 * MiB
+    block = np.ones(64 * MiB, np.uint8)  # touched: resident
+    del block
+    assert rss.peak() >= base + 60 * MiB
+    assert rss.current() < rss.peak()
+    rss.reset_peak()
+    assert rss.peak() < base + 16 * MiB
+
+
+class _Sink:
+    def __init__(self, tty: bool) -> None:
+        self.text = ""
+        self.tty = tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.timeout(10)
+def test_progress_bar_on_a_terminal_and_in_a_log():
+    tty = _Sink(True)
+    bar = Progress(tty)
+    bar.update(5, 10, "1 MiB mpi")
+    assert "\r[" in tty.text and "50%" in tty.text and "1 MiB mpi" in tty.text
+    bar.close()
+    assert tty.text.endswith("\n")
+    log = _Sink(False)
+    bar = Progress(log)
+    for i in range(1, 101):
+        bar.update(i, 100, f"step {i}")
+    lines = log.text.splitlines()
+    assert len(lines) == 11 and "\r" not in log.text  # the first, then one line per tenth
+    assert "100%" in lines[-1]
+
+
+@pytest.mark.timeout(10)
+def test_options_from_flags():
+    from rendezvous.bench.cli import _argv, _options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--quick", "--sizes", "4K,1K,4K", "--contenders", "mpi,grpc", "--samples", "5"])
+    opts = _options(args)
+    assert opts.sizes == (1024, 4096) and opts.contenders == ("mpi", "grpc")
+    assert opts.quick and opts.least == opts.most == 5 and opts.idle_seconds == 5.0
+    assert p.parse_args(_argv(args)) == args  # what the ranks are handed means the same
+    with pytest.raises(SystemExit, match="carrier"):
+        _options(p.parse_args(["--contenders", "mpi,carrier"]))
+
+
+# -- the real thing, tiny --------------------------------------------------------------
+
+def _bench(tmp_path: Path, *flags: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rendezvous", "bench", "--sizes", "1K,64K", "--samples", "3", "--rounds", "2",
+           "--outstanding", "16", "--rate-rounds", "1", "--idle-seconds", "0.2", "--out", str(tmp_path), *flags]
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI_DISABLED", "MPI_OPTIMAL_PATH")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"bench hung:\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _needs_mpiexec() -> None:
+    if not (Path(sys.executable).parent / "mpiexec").exists() and not os.environ.get("RENDEZVOUS_MPIEXEC"):
+        pytest.skip("no mpiexec (pip install 'rendezvous[mpi]')")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_tiny_run_writes_table_json_and_plot(tmp_path):
+    _needs_mpiexec()
+    done = _bench(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    doc = report.load(tmp_path / JSON_NAME)
+    names = {"mpi", "mpi_alloc", "grpc", "default", "optimal", "memcpy"}
+    assert names <= set(doc["contenders"])
+    assert ("gloo" in doc["contenders"]) != any("gloo not measured" in n for n in doc["notes"])
+    cells = {(t["contender"], t["size"]): t for t in doc["transfers"]}
+    for name in doc["contenders"]:
+        for size in (1024, 65536):
+            cell = cells[(name, size)]
+            assert cell["samples"] == 4  # 2 rounds of ceil(3 / 2)
+            assert cell["gbps"] > 0 and cell["p99_us"] >= cell["median_us"] >= cell["min_us"] > 0
+    assert {r["contender"] for r in doc["rate"]["results"]} == {"mpi", "grpc", "default", "optimal"}
+    assert all(r["errors"] == 0 for r in doc["rate"]["results"])
+    if rss.supported():
+        assert doc["rss"]["size"] == 65536 and len(doc["rss"]["results"][0]["ranks"]) == 2
+    assert [r["rank"] for r in doc["idle"]] == [0, 1]
+    ids = {t["id"] for t in doc["targets"]}
+    assert {"latency_1k_default", "rate_default", "idle_cpu"} <= ids
+    # the table, with ratios and targets, went to the terminal
+    assert "raw grpc.aio unary" in done.stdout and "x mpi" in done.stdout and "Targets" in done.stdout
+    assert "bench: 100%" in done.stderr  # progress, as plain lines when not on a terminal
+    if report.write_plot(doc, tmp_path / "again.png"):
+        assert (tmp_path / PLOT_NAME).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_a_failing_rank_ends_the_job(tmp_path):
+    """Rank 1 raises in the middle of the run; rank 0, waiting for it, must not
+    hang: the job is aborted and the command fails, naming the error."""
+    _needs_mpiexec()
+    from rendezvous.bench.cli import _mpiexec
+
+    cmd = [*_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(HERE), "fail", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("the job hung after a rank failed") from None
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in err
+    assert not (tmp_path / JSON_NAME).exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_gives_up_after_its_timeout(tmp_path):
+    _needs_mpiexec()
+    done = _bench(tmp_path, "--timeout", "0.5", "--samples", "1000", timeout=60)
+    assert done.returncode == 1
+    assert "ran past --timeout 0.5s" in done.stderr
+
+
+def _failing_rank(out: str) -> None:
+    """Under mpiexec: the tiny run, with rank 1's raw-gRPC producer raising."""
+    from rendezvous.bench import cli, contenders
+
+    async def broken(self, n, count, batch):
+        raise RuntimeError("rank 1 fails on purpose")
+
+    if os.environ.get("PMI_RANK") == "1":
+        contenders.RawGrpc.prepare = broken
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--sizes", "1K", "--samples", "2", "--contenders", "mpi,grpc", "--out", out])
+    sys.exit(cli.run(args))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fail":
+        _failing_rank(sys.argv[2])
