@@ -17,7 +17,7 @@ all: test
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,mpi]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,mpi,daemon]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,7 +29,7 @@ demo-loopback: $(STAMP)
 	$(BIN)/python examples/loopback_demo.py
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,mpi,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,mpi,daemon,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

@@ -84,6 +84,7 @@ class _Stream:
     def __init__(self, client: "PeerClient", call: grpc.aio.StreamStreamCall) -> None:
         self.client = client
         self.call = call
+        frames.prime_allocator(client.config.chunk_bytes)
         self.pending: dict[int, _Pending] = {}
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.alive = True

@@ -13,6 +13,8 @@ import asyncio
 import atexit
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -43,6 +45,20 @@ PROTOCOLS = ("grpc", "grpc+mpi")
 _ABORT = "rendezvous: step aborted"  # cancel message that marks an abort, not a user cancel
 
 
+@dataclass(frozen=True)
+class GrpcSetup:
+    """How a rank's gRPC server and its channels to peers are secured and extended
+    (``rendezvousd`` fills this in): TLS credentials for both sides, metadata
+    every peer call carries (a token), server interceptors (the token check),
+    and callables that add services (health, reflection) before the server starts."""
+
+    server_credentials: grpc.ServerCredentials | None = None
+    channel_credentials: grpc.ChannelCredentials | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+    interceptors: tuple[Any, ...] = ()
+    services: tuple[Callable[[grpc.aio.Server], None], ...] = ()
+
+
 class Server:
     """A rank server. Construct anywhere; ``await start()`` inside the loop it will live on.
 
@@ -53,6 +69,7 @@ class Server:
 
     def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
                  protocol: str = "grpc", *, config: Config | None = None,
+                 grpc_setup: GrpcSetup | None = None, stats: Stats | None = None,
                  **overrides: Any) -> None:
         if protocol not in PROTOCOLS:
             raise InvalidArgument(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
@@ -62,7 +79,8 @@ class Server:
         self.protocol = protocol
         self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
         self.table = WaitingTable()
-        self._stats = Stats()
+        self._stats = stats if stats is not None else Stats()
+        self._setup = grpc_setup or GrpcSetup()
         self._retry = RetryCache(self.config.retry_window, self.config.retry_cache_bytes)
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats,
                                            chunk_bytes=self.config.chunk_bytes, retry=self._retry)
@@ -94,14 +112,20 @@ class Server:
             raise FailedPrecondition(f"server is {self._state}; start() is allowed once")
         host, _ = parse_address(self.bind_address)
         self._stopped = asyncio.Event()
-        server = grpc.aio.server(options=[
+        setup = self._setup
+        server = grpc.aio.server(interceptors=setup.interceptors or None, options=[
             ("grpc.max_receive_message_length", self.config.max_request_bytes),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
         ])
         server.add_generic_rpc_handlers(self.servicer.handlers())
         try:
-            port = server.add_insecure_port(self.bind_address)
+        for add_service in setup.services:
+            add_service(server)
+            if setup.server_credentials is not None:
+                port = server.add_secure_port(self.bind_address, setup.server_credentials)
+            else:
+                port = server.add_insecure_port(self.bind_address)
         except RuntimeError as exc:
             raise Unavailable(f"cannot listen on {self.bind_address}: {exc}") from None
         if not port:
@@ -329,7 +353,9 @@ class Server:
             peer = PeerClient(task, self.cluster.address(task), self.config,
                               transport_options=plane.endpoint if plane else None,
                               on_descriptor=plane.receive if plane else None,
-                              on_orphan=plane.drain if plane else None)
+                              on_orphan=plane.drain if plane else None,
+                              credentials=self._setup.channel_credentials,
+                              metadata=self._setup.metadata)
             self._peers[task] = peer
         return peer
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
-from typing import Any
 
 __all__ = ["main"]
 
@@ -32,19 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run one rank server until SIGINT/SIGTERM",
-                       description="Run the rank server of one task. Ctrl-C or SIGTERM drains and exits 0. "
-                                   "Each flag falls back to an environment variable.")
-    s.add_argument("--cluster", default=os.environ.get("RENDEZVOUS_CLUSTER"), metavar="FILE|JSON",
-                   help='cluster spec: a JSON file, or inline JSON like \'{"worker": ["127.0.0.1:50051"]}\' '
-                        "(env RENDEZVOUS_CLUSTER)")
-    s.add_argument("--job-name", default=os.environ.get("RENDEZVOUS_JOB_NAME"), metavar="J",
-                   help="this task's job (env RENDEZVOUS_JOB_NAME)")
-    s.add_argument("--task-index", type=int, default=_default_task_index(), metavar="N",
-                   help="this task's index (env RENDEZVOUS_TASK_INDEX; under mpiexec or srun: the rank; else 0)")
-    s.add_argument("--protocol", default="grpc", choices=["grpc", "grpc+mpi"])
-    s.add_argument("--grace", type=float, default=5.0, metavar="S",
-                   help="seconds replies in flight may take to finish at shutdown (default 5)")
+    s = sub.add_parser("serve", help="run one rank server (or, with --daemon, rendezvousd) until SIGINT/SIGTERM",
+                       description="Run the rank server of one task; with --daemon, the node's rendezvousd. "
+                                   "Ctrl-C or SIGTERM drains and exits 0. Settings: flags, then environment, "
+                                   "then the --config file, then defaults.")
+    add_serve_arguments(s, daemon_flag=True)
 
     g = sub.add_parser("get", help="fetch one tensor from a rank server",
                        description="Send one RecvTensor request and print what comes back.")
@@ -64,25 +54,88 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_task_index() -> int:
-    raw = os.environ.get("RENDEZVOUS_TASK_INDEX")
-    if raw is not None and raw.isdigit():
-        return int(raw)
-    from .launch import launcher_rank
+#: serve/rendezvousd flag (argparse dest) -> Config field
+_FLAG_FIELDS = {
+    "cluster": "cluster", "job_name": "job_name", "task_index": "task_index", "protocol": "protocol",
+    "grace": "grace", "local": "local_address", "metrics_port": "metrics_port", "metrics_host": "metrics_host",
+    "stall_warning": "stall_warning", "log_format": "log_format",
+}
 
-    found = launcher_rank()
-    return found[0] if found else 0
+
+def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
+    """The flags of `rendezvous serve` and `rendezvousd`. Each overrides a config
+    field (environment RENDEZVOUS_<FIELD>, the --config file, then the default)."""
+    p.add_argument("--cluster", metavar="FILE|JSON",
+                   help='cluster spec: a JSON file, or inline JSON like \'{"worker": ["127.0.0.1:50051"]}\' '
+                        "(env RENDEZVOUS_CLUSTER)")
+    p.add_argument("--job-name", metavar="J", help="this task's job (env RENDEZVOUS_JOB_NAME)")
+    p.add_argument("--task-index", type=int, metavar="N",
+                   help="this task's index (env RENDEZVOUS_TASK_INDEX; under mpiexec or srun: the rank; else 0)")
+    p.add_argument("--protocol", choices=["grpc", "grpc+mpi"], help="default grpc (env RENDEZVOUS_PROTOCOL)")
+    p.add_argument("--grace", type=float, metavar="S",
+                   help="seconds replies in flight may take to finish at shutdown (default 5)")
+    p.add_argument("--config", metavar="FILE", help="TOML file of config fields (env RENDEZVOUS_CONFIG)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective config and where each value came from, then exit")
+    if daemon_flag:
+        p.add_argument("--daemon", action="store_true",
+                       help="run rendezvousd: local clients, metrics, health (the same as the rendezvousd command)")
+    d = p.add_argument_group("daemon")
+    d.add_argument("--local", metavar="ADDRESS",
+                   help="where local clients connect: unix:PATH or HOST:PORT; {job_name} and {task_index} are "
+                        "replaced (default unix:$XDG_RUNTIME_DIR/rendezvous/rendezvousd.sock or "
+                        "/run/rendezvous/rendezvousd.sock)")
+    d.add_argument("--metrics-port", type=int, metavar="PORT", help="Prometheus /metrics port; 0: any; -1: off")
+    d.add_argument("--metrics-host", metavar="HOST", help="metrics bind address (default: this task's host)")
+    d.add_argument("--stall-warning", type=float, metavar="S",
+                   help="log a recv waiting longer than this (default 60; 0: never)")
+    d.add_argument("--log-format", choices=["text", "json"], help="log lines as text (default) or JSON")
+
+
+def daemon_parser() -> argparse.ArgumentParser:
+    """The `rendezvousd` command's parser."""
+    p = argparse.ArgumentParser(
+        prog="rendezvousd",
+        description="The rendezvous daemon of one node: a rank that holds the node's waiting table, serves "
+                    "other nodes, and lets local processes send and recv through it. SIGTERM drains, exits 0.",
+        epilog="examples:\n"
+               "  mpiexec -n 2 -ppn 1 rendezvousd --cluster cluster.json --job-name node --protocol grpc+mpi\n"
+               "  rendezvousd --config /etc/rendezvous/rendezvousd.toml --print-config\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    add_serve_arguments(p, daemon_flag=False)
+    return p
+
+
+def daemon_main(argv: list[str] | None = None) -> int:
+    """Entry point of `rendezvousd`."""
+    args = daemon_parser().parse_args(argv)
+    args.daemon = True
+    return _serve(args, daemon_parser())
+
+
+def _load_config(args: argparse.Namespace):
+    import dataclasses
+
+    from .config import Config
+
+    overrides = {field: getattr(args, dest) for dest, field in _FLAG_FIELDS.items()
+                 if getattr(args, dest, None) is not None}
+    file = args.config or os.environ.get("RENDEZVOUS_CONFIG") or None
+    cfg = Config.load(overrides, file=file)
+    flags = {field: "flag --" + dest.replace("_", "-") for dest, field in _FLAG_FIELDS.items()
+             if field in overrides}
+    return dataclasses.replace(cfg, sources={**cfg.sources, **flags})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "serve" and (not args.cluster or not args.job_name):
-        parser.error("serve needs --cluster and --job-name (or RENDEZVOUS_CLUSTER and RENDEZVOUS_JOB_NAME)")
+    if args.command == "serve":
+        return _serve(args, parser)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        return _serve(args)
     if args.command == "get":
         return _get(args)
     if args.command == "bench":
@@ -93,17 +146,39 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _cluster_arg(text: str) -> Any:
-    return json.loads(text) if text.lstrip().startswith("{") else text
-
-
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .errors import RendezvousError
+    from .server import daemon
     from .sync import new_event_loop
     from . import aio
 
+    command = "rendezvousd" if parser.prog == "rendezvousd" else "rendezvous serve"
+    try:
+        cfg = _load_config(args)
+        identity = daemon.resolve_identity(cfg) if cfg.cluster and cfg.job_name else None
+    except RendezvousError as exc:
+        print(f"{command}: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # inline cluster JSON
+        print(f"{command}: INVALID_ARGUMENT: cluster is not JSON: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(daemon.render_config(cfg, identity))
+        return 0
+    if identity is None:
+        parser.error("serve needs --cluster and --job-name (or RENDEZVOUS_CLUSTER and RENDEZVOUS_JOB_NAME, "
+                     "or the config file)")
+    verbose = getattr(args, "verbose", 0)
+    level = [None, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    if args.daemon:
+        daemon.setup_logging(cfg, level)
+        return daemon.run(cfg)
+    logging.basicConfig(level=level or logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cluster, job_name, task_index, _ = identity
+    grace = cfg.grace
+
     async def run() -> None:
-        server = aio.Server(_cluster_arg(args.cluster), args.job_name, args.task_index, args.protocol)
+        server = aio.Server(cluster, job_name, task_index, cfg.protocol, config=cfg)
         await server.start()
         loop = asyncio.get_running_loop()
         stopping = False
@@ -114,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
                 print("rendezvous: second signal, exiting now", file=sys.stderr, flush=True)
                 raise SystemExit(1)
             stopping = True
-            loop.create_task(server.stop(args.grace))
+            loop.create_task(server.stop(grace))
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)

@@ -28,8 +28,8 @@ def env_flag(value: str) -> bool:
     return value[:1] == "1"
 
 
-def _knob(default: Any, env: str, doc: str, *, parse: Any = None) -> Any:
-    return field(default=default, metadata={"env": env, "doc": doc, "parse": parse})
+def _knob(default: Any, env: str, doc: str, *, parse: Any = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"env": env, "doc": doc, "parse": parse, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,51 @@ class Config:
     uvloop: bool = _knob(
         True, "RENDEZVOUS_UVLOOP",
         "Run the blocking Server's event loop on uvloop when it is installed.", parse=env_flag)
+    max_tensor_bytes: int = _knob(
+        64 << 30, "RENDEZVOUS_MAX_TENSOR_BYTES",
+        "Largest tensor a peer's reply (or a local client) may announce; bigger ones fail with "
+        "RESOURCE_EXHAUSTED before anything is allocated.")
+    # -- the per-node daemon (rendezvousd; `rendezvous serve` reads the first five too)
+    cluster: str = _knob(
+        "", "RENDEZVOUS_CLUSTER", "Cluster spec: a JSON file, or inline JSON.")
+    job_name: str = _knob("", "RENDEZVOUS_JOB_NAME", "This task's job.")
+    task_index: int = _knob(
+        -1, "RENDEZVOUS_TASK_INDEX", "This task's index; -1: the launcher's rank (mpiexec, srun), else 0.")
+    protocol: str = _knob("grpc", "RENDEZVOUS_PROTOCOL", "`grpc`, or `grpc+mpi` (MPI data plane between the ranks).")
+    grace: float = _knob(
+        5.0, "RENDEZVOUS_GRACE", "Seconds replies in flight may take to finish once a drain starts.")
+    local_address: str = _knob(
+        "", "RENDEZVOUS_LOCAL_ADDRESS",
+        "Where local clients reach the daemon: `unix:PATH` or `HOST:PORT`; `{job_name}` and `{task_index}` "
+        "are replaced. Empty: `unix:$XDG_RUNTIME_DIR/rendezvous/rendezvousd.sock`, else under `/run/rendezvous`.")
+    shm_threshold: int = _knob(
+        64 << 10, "RENDEZVOUS_SHM_THRESHOLD",
+        "Smallest tensor (bytes) that moves between a local client and its daemon through shared memory; "
+        "-1: never.")
+    metrics_port: int = _knob(
+        -1, "RENDEZVOUS_METRICS_PORT", "Port of the Prometheus `/metrics` endpoint; 0: the OS picks; -1: off.")
+    metrics_host: str = _knob(
+        "", "RENDEZVOUS_METRICS_HOST", "Address the metrics endpoint binds; empty: the host of this task's "
+        "cluster address.")
+    stall_warning: float = _knob(
+        60.0, "RENDEZVOUS_STALL_WARNING",
+        "Seconds a recv may wait before the daemon logs a warning naming the key and its producer; 0: never.")
+    log_format: str = _knob("text", "RENDEZVOUS_LOG_FORMAT", "`text`, or `json` (one object per line).")
+    log_level: str = _knob("INFO", "RENDEZVOUS_LOG_LEVEL", "Daemon log level: DEBUG, INFO, WARNING, ERROR.")
+    tls_cert: str = _knob(
+        "", "RENDEZVOUS_TLS_CERT", "PEM certificate chain of this task: served to peers, and presented to "
+        "them as the client certificate under mutual TLS. Set with `tls_key` to turn TLS on.")
+    tls_key: str = _knob("", "RENDEZVOUS_TLS_KEY", "PEM private key of `tls_cert`.")
+    tls_ca: str = _knob(
+        "", "RENDEZVOUS_TLS_CA", "PEM CA bundle that peers' certificates must chain to; empty: the system roots.")
+    tls_client_auth: bool = _knob(
+        False, "RENDEZVOUS_TLS_CLIENT_AUTH",
+        "`1`: mutual TLS: peers must present a certificate signed by `tls_ca`.", parse=env_flag)
+    token: str = _knob(
+        "", "RENDEZVOUS_TOKEN", "Shared secret every RPC must carry (`authorization: Bearer ...`); peers "
+        "send it too. Empty: no token.", secret=True)
+    token_file: str = _knob(
+        "", "RENDEZVOUS_TOKEN_FILE", "File holding the token (read at start-up; wins over `token`).")
     mpi_disabled: bool = _knob(
         False, "MPI_DISABLED",
         "`1`: protocol grpc+mpi never initializes MPI nor imports mpi4py; everything goes over gRPC.",
@@ -80,8 +125,10 @@ class Config:
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None,
-             env: Mapping[str, str] | None = None) -> "Config":
-        """Defaults, then the environment, then ``overrides`` (by field name)."""
+             env: Mapping[str, str] | None = None,
+             file: "str | os.PathLike[str] | None" = None) -> "Config":
+        """Defaults, then the TOML ``file`` (keys are field names), then the
+        environment, then ``overrides`` (by field name)."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         sources = dict.fromkeys(_FIELDS, "default")
@@ -96,6 +143,10 @@ class Config:
                 raise InvalidArgument(f"unknown config key {name!r}; known: {', '.join(sorted(_FIELDS))}")
             values[name] = _convert(f, value, name) if isinstance(value, str) else value
             sources[name] = "argument"
+        if file is not None:
+            for name, value in _read_toml(file).items():
+                values[name] = value
+                sources[name] = f"file {os.fspath(file)}"
         cfg = cls(**values, sources=sources)
         cfg.validate()
         return cfg
@@ -135,9 +186,76 @@ def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
         kind = type(f.default)
         if kind is bool:
             return env_flag(str(raw))
+        self._validate_daemon()
+
+    def _validate_daemon(self) -> None:
+        if self.protocol not in ("grpc", "grpc+mpi"):
+            raise InvalidArgument(f"protocol must be grpc or grpc+mpi, got {self.protocol!r}")
+        if self.task_index < -1:
+            raise InvalidArgument(f"task_index must be >= 0 (or -1: the launcher's rank), got {self.task_index}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidArgument(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if self.log_format not in ("text", "json"):
+            raise InvalidArgument(f"log_format must be text or json, got {self.log_format!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise InvalidArgument(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_auth and not (self.tls_cert and self.tls_ca):
+            raise InvalidArgument("tls_client_auth needs tls_cert, tls_key and tls_ca")
+        if self.max_tensor_bytes < 1:
+            raise InvalidArgument(f"max_tensor_bytes must be positive, got {self.max_tensor_bytes}")
+        for name in ("grace", "stall_warning"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name} must not be negative")
         return kind(raw)
     except (TypeError, ValueError):
         raise InvalidArgument(f"{source}: cannot read {raw!r} as {type(f.default).__name__}") from None
+
+    def explain(self) -> list[tuple[str, Any, str, bool]]:
+        """Every setting as (name, value, source, secret), in declaration order."""
+        return [(name, getattr(self, name), self.sources.get(name, "default"), bool(f.metadata.get("secret")))
+                for name, f in _FIELDS.items()]
+
+
+def _read_toml(path: "str | os.PathLike[str]") -> dict[str, Any]:
+    """A TOML config file's values by field name; unknown keys and wrong types are
+    refused with the file and key named."""
+    import tomllib
+
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read config file {where!r}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"config file {where!r} is not TOML: {exc}") from None
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        f = _FIELDS.get(name)
+        if f is None:
+            raise InvalidArgument(f"{where}: unknown config key {name!r}; known: {', '.join(sorted(_FIELDS))}")
+        out[name] = _from_toml(f, value, f"{where}: {name}")
+    return out
+
+
+def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
+    """A TOML value for field ``f``: native TOML types as they are, strings read
+    as the environment would read them."""
+    if isinstance(value, str):
+        return _convert(f, value, where) if f.metadata.get("parse") or type(f.default) is not str else value
+    wanted = str(f.type)
+    if isinstance(value, bool):
+        if "bool" in wanted:
+            return value
+    elif isinstance(value, int):
+        if wanted.startswith(("int", "float")):
+            return float(value) if wanted.startswith("float") else value
+    elif isinstance(value, float):
+        if wanted.startswith("float"):
+            return value
+    raise InvalidArgument(f"{where}: expected {wanted}, got {type(value).__name__} {value!r}")
 
 
 _FIELDS = {f.name: f for f in fields(Config) if "env" in f.metadata}

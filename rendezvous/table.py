@@ -218,6 +218,11 @@ class WaitingTable:
         except asyncio.CancelledError:
             self._cancelled(step_id, key, fut, gen)
             raise
+        except BaseException:
+            # The step's error is stored (a tombstone) and this frame joins its
+            # traceback: it must not keep the step's queues, and their tensors, alive.
+            keys = q = None  # noqa: F841
+            raise
         self._inflight -= 1
         if self._ended and not self._inflight:
             self._ended.clear()

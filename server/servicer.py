@@ -234,6 +234,7 @@ class _StreamConn:
     def __init__(self, servicer: RecvTensorServicer, context: grpc.aio.ServicerContext) -> None:
         self.s = servicer
         self.context = context
+        frames.prime_allocator(servicer.chunk_bytes)
         self.waiting: dict[int, asyncio.Task] = {}
         self.replies: dict[int, _Reply] = {}
         self.ready: collections.deque[int] = collections.deque()

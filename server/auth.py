@@ -1,0 +1,122 @@
+"""Securing the gRPC control plane: TLS credentials and the shared token.
+
+* TLS: :func:`server_credentials` and :func:`channel_credentials` build gRPC
+  credentials from the config's ``tls_cert``, ``tls_key`` and ``tls_ca``
+  paths; with ``tls_client_auth`` the server demands a client certificate
+  chaining to ``tls_ca`` (mutual TLS) and peers present their own certificate.
+* Token: :class:`TokenInterceptor` refuses every call whose metadata lacks
+  ``authorization: Bearer <token>`` with ``UNAUTHENTICATED``; peers send it
+  through :func:`token_metadata`. The gRPC health service is exempt, so probes
+  that cannot send headers (Kubernetes' gRPC probe) still work: it tells only
+  SERVING or NOT_SERVING.
+
+The MPI data plane is not covered: it is trusted (see the README).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rendezvous.config import Config
+from rendezvous.errors import InvalidArgument
+
+__all__ = ["TokenInterceptor", "token_metadata", "load_token", "server_credentials", "channel_credentials",
+           "HEALTH_PREFIX"]
+
+log = logging.getLogger("rendezvous.daemon")
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_HEADER = "authorization"
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+
+
+def load_token(config: Config) -> str:
+    """The shared token: ``token_file``'s content (stripped) if set, else ``token``; '' for none."""
+    if config.token_file:
+        token = _read(config.token_file, "token_file").decode("utf-8", "replace").strip()
+        if not token:
+            raise InvalidArgument(f"token_file {config.token_file!r} is empty")
+        return token
+    return config.token
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """What a caller sends so a daemon with this token accepts its calls."""
+    return ((_HEADER, f"Bearer {token}"),) if token else ()
+
+
+def server_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """TLS for a server, or None when ``tls_cert`` is not set."""
+    if not config.tls_cert:
+        return None
+    pair = (_read(config.tls_key, "tls_key"), _read(config.tls_cert, "tls_cert"))
+    ca = _read(config.tls_ca, "tls_ca") if config.tls_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca,
+                                       require_client_auth=bool(config.tls_client_auth))
+
+
+def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
+    """TLS for channels to peers, or None when ``tls_cert`` is not set. Under mutual
+    TLS the channel presents this task's own certificate."""
+    if not config.tls_cert:
+        return None
+    ca = _read(config.tls_ca, "tls_ca") if config.tls_ca else None
+    if config.tls_client_auth:
+        return grpc.ssl_channel_credentials(ca, _read(config.tls_key, "tls_key"),
+                                            _read(config.tls_cert, "tls_cert"))
+    return grpc.ssl_channel_credentials(ca)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without the shared token (``UNAUTHENTICATED``), except health checks."""
+
+    def __init__(self, token: str, on_reject: Callable[[str], None] | None = None,
+                 exempt: tuple[str, ...] = (HEALTH_PREFIX,)) -> None:
+        if not token:
+            raise InvalidArgument("a token interceptor needs a non-empty token")
+        self._expected = f"Bearer {token}".encode()
+        self._exempt = exempt
+        self._on_reject = on_reject
+
+    def _accepts(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == _HEADER:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self._exempt) or self._accepts(details.invocation_metadata):
+            return handler
+        log.warning("refused %s: missing or wrong token", details.method)
+        if self._on_reject is not None:
+            self._on_reject(details.method)
+        return _refusal(handler)
+
+
+async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token (authorization: Bearer ...)")
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that only refuses."""
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    return make(_refuse)  # raw bytes in: nothing of a refused caller's request is parsed

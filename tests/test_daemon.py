@@ -1,0 +1,549 @@
+"""rendezvousd in process: the local hop (inline and shared memory), health,
+reflection, metrics over real HTTP, stalls, limits, TLS and the token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import gc
+import ipaddress
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from rendezvous import aio as rank_aio
+from rendezvous import errors, shm
+from rendezvous.client.aio import Client
+from rendezvous.config import Config
+from rendezvous.server.daemon import Daemon
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+from conftest import run, until
+
+pytestmark = pytest.mark.timeout(60)
+HERE = Path(__file__).resolve().parent
+
+
+def dev(task: int, device: int = 0) -> str:
+    return f"/job:node/replica:0/task:{task}/device:CPU:{device}"
+
+
+def key(src: int, dst: int, name: str, src_dev: int = 0, dst_dev: int = 1) -> str:
+    return f"{dev(src, src_dev)};0000000000000001;{dev(dst, dst_dev)};{name};0:0"
+
+
+@pytest.fixture
+def sockdir():
+    # Short: a Unix socket path must fit in 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="rdv", dir="/tmp") as d:
+        yield Path(d)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    before = set(shm.listed())
+    yield
+    gc.collect()
+    leaked = set(shm.listed()) - before
+    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+
+
+def config(sockdir: Path, index: int = 0, n: int = 1, **over) -> Config:
+    base = dict(cluster=json.dumps({"node": ["127.0.0.1:0"] * n}), job_name="node", task_index=index,
+                local_address=f"unix:{sockdir}/d{index}.sock", grace=0.5, connect_timeout=5.0,
+                stall_warning=0.0)
+    return Config.load({**base, **over}, env={})
+
+
+@contextlib.asynccontextmanager
+async def daemons(sockdir: Path, n: int = 1, per: list[dict] | None = None, **over) -> AsyncIterator[list[Daemon]]:
+    """``n`` started daemons of one cluster (OS-chosen ports, published to each other)."""
+    started: list[Daemon] = []
+    try:
+        for i in range(n):
+            d = Daemon(config(sockdir, i, n, **{**over, **((per or [{}] * n)[i])}))
+            await d.start()
+            started.append(d)
+        full = {"node": [d.target for d in started]}
+        for d in started:
+            d.server.update_cluster(full)
+        yield started
+    finally:
+        for d in started:
+            await d.stop(0.5)
+
+
+async def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics from another thread (the collector needs the loop free)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def get() -> str:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.status == 200
+            return resp.read().decode()
+
+    text = await asyncio.get_running_loop().run_in_executor(None, get)
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# -- the local hop -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes,hop", [(0, "inline"), (100, "inline"), (65535, "inline"), (65536, "shm"),
+                                        ((4 << 20) + 3, "shm")])
+def test_local_send_and_recv(sockdir, nbytes, hop):
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            value = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+            await a.send(key(0, 0, "t"), value, step_id=3)
+            got = await b.recv(key(0, 0, "t"), step_id=3, timeout=10)
+            assert np.array_equal(got, value) and got.dtype == np.uint8
+            assert a.stats() == {f"send_{hop}": 1}
+            assert b.stats() == {f"recv_{hop}": 1, "local": 1}
+            if hop == "shm":
+                assert got.flags.writeable  # a private mapping of the segment, not a copy
+            # dtypes and shapes survive both ways
+            m = np.arange(24, dtype=np.float64).reshape(2, 3, 4)
+            await a.send(key(0, 0, "m"), m, step_id=3)
+            assert np.array_equal(await b.recv(key(0, 0, "m"), step_id=3, timeout=10), m)
+            await a.send(key(0, 0, "dead"), None, step_id=3, is_dead=True)
+            assert (await b.recv_item(key(0, 0, "dead"), step_id=3, timeout=10)).is_dead
+            del got
+    run(main())
+
+
+def test_recv_waits_for_a_later_send_and_pending_shows_it(sockdir):
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            waiting = asyncio.create_task(b.recv(key(0, 0, "later"), step_id=1, timeout=10))
+            await until(lambda: d.server.table.stats()["waiters"] == 1, what="the recv waiting")
+            entries = await a.pending()
+            assert [(e.kind, e.key, e.producer) for e in entries] == [
+                ("waiter", key(0, 0, "later"), "/job:node/replica:0/task:0")]
+            await a.send(key(0, 0, "later"), np.ones(70000, np.uint8), step_id=1)
+            assert (await waiting).sum() == 70000
+            await a.send(key(0, 0, "kept"), np.ones(3), step_id=2)
+            (entry,) = await b.pending()
+            assert entry.kind == "tensor" and entry.count == 1 and entry.oldest_age_s >= 0
+    run(main())
+
+
+def test_errors_have_their_status_and_the_daemon_keeps_serving(sockdir):
+    async def main():
+        async with daemons(sockdir, 2) as (d, _), Client(d.local_target) as c:
+            with pytest.raises(errors.InvalidKey):
+                await c.send("not a key", np.ones(3))
+            with pytest.raises(errors.FailedPrecondition, match="produced by /job:node/replica:0/task:1"):
+                await c.send(key(1, 0, "theirs"), np.ones(3))  # only task 0's keys can be sent here
+            with pytest.raises(errors.DeadlineExceeded, match="timed out"):
+                await c.recv(key(0, 0, "never"), step_id=1, timeout=0.2)
+            with pytest.raises(errors.NotFound, match="not in the cluster"):
+                await c.recv(key(0, 0, "x").replace("task:0/device:CPU:0", "task:9/device:CPU:0", 1), timeout=1)
+            # garbage bytes straight to the service
+            channel = grpc.aio.insecure_channel(d.local_target)
+            for method in ("Send", "Recv", "Abort"):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await channel.unary_unary(f"/rendezvous.v1.LocalRendezvous/{method}")(b"\xff\xff\xff", timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
+            await channel.close()
+            await c.send(key(0, 0, "ok"), np.arange(4), step_id=1)
+            assert list(await c.recv(key(0, 0, "ok"), step_id=1, timeout=5)) == [0, 1, 2, 3]
+    run(main())
+
+
+def test_abort_fails_waiters_and_frees_shared_memory(sockdir):
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            base = shm.live_mappings()
+            await a.send(key(0, 0, "big"), np.ones(1 << 20, np.float32), step_id=5)
+            assert shm.live_mappings() == base + 1  # the daemon maps the client's segment
+            assert shm.listed(a._prefix) == []  # and its name is already gone
+            waiter = asyncio.create_task(b.recv(key(0, 0, "other"), step_id=5, timeout=10))
+            await until(lambda: d.server.table.stats()["waiters"] == 1, what="the recv waiting")
+            await a.abort(5, "stop step 5")
+            with pytest.raises(errors.Aborted, match="stop step 5"):
+                await waiter
+            with pytest.raises(errors.Aborted):
+                await a.send(key(0, 0, "late"), np.ones(1 << 20, np.float32), step_id=5)
+            gc.collect()
+            assert shm.live_mappings() == base, "an aborted step's tensor still maps its segment"
+            # consumption frees it too (local consumers are not kept for retries)
+            await a.send(key(0, 0, "eaten"), np.ones(1 << 20, np.float32), step_id=6)
+            got = await b.recv(key(0, 0, "eaten"), step_id=6, timeout=5)
+            gc.collect()
+            assert shm.live_mappings() == base + 1  # the daemon let its copy go; the client maps its reply
+            del got
+            gc.collect()
+            assert shm.live_mappings() == base
+    run(main())
+
+
+def test_a_dead_clients_segments_are_unlinked(sockdir):
+    async def main():
+        async with daemons(sockdir) as (d,):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(HERE / "daemon_clients.py"), "hold", d.local_target,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            try:
+                line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+                assert line.startswith("SEGMENT "), line
+                name = line.split()[1]
+                assert shm.listed(name) == [name]
+                await until(lambda: len(d.local.sessions) == 1, what="the session")
+                proc.kill()  # dies between writing a segment and sending it
+                await proc.wait()
+                await until(lambda: not shm.listed(name), what="the dead client's segment to be unlinked")
+                await until(lambda: not d.local.sessions, what="the session to end")
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    run(main())
+
+
+def test_local_limits(sockdir):
+    async def main():
+        async with daemons(sockdir, max_tensor_bytes=1 << 20) as (d,), Client(d.local_target) as c:
+            with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
+                await c.send(key(0, 0, "huge"), np.ones((1 << 20) + 8, np.uint8))  # via shared memory
+            assert shm.listed(c._prefix) == []  # the refused segment is gone
+            with pytest.raises(errors.RendezvousError) as info:
+                await c.send(key(0, 0, "huge"), np.ones(3 << 20, np.uint8).astype(object))  # inline, too big
+            assert info.value.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+            await c.send(key(0, 0, "fits"), np.ones(1 << 20, np.uint8))
+    run(main())
+
+
+# -- across daemons ----------------------------------------------------------------------------
+
+
+def test_two_daemons_move_tensors_between_nodes(sockdir):
+    async def main():
+        async with daemons(sockdir, 2) as (d0, d1), Client(d0.local_target) as a, Client(d1.local_target) as b:
+            small, big = np.arange(10, dtype=np.int64), np.arange(1 << 18, dtype=np.float32)
+            await a.send(key(0, 1, "small"), small, step_id=1)
+            await a.send(key(0, 1, "big"), big, step_id=1)
+            assert np.array_equal(await b.recv(key(0, 1, "small"), step_id=1, timeout=10), small)
+            assert np.array_equal(await b.recv(key(0, 1, "big"), step_id=1, timeout=10), big)
+            assert b.stats() == {"recv_inline": 1, "recv_shm": 1, "grpc": 2}
+            # a recv waiting on the other node shows up there as "remote"
+            waiting = asyncio.create_task(b.recv(key(0, 1, "later"), step_id=2, timeout=10))
+            await until(lambda: d1.local.waits, what="the remote wait")
+            (entry,) = await b.pending()
+            assert (entry.kind, entry.producer) == ("remote", "/job:node/replica:0/task:0")
+            await a.send(key(0, 1, "later"), np.ones(2), step_id=2)
+            assert list(await waiting) == [1, 1]
+    run(main())
+
+
+def test_health_reflection_and_draining(sockdir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def main():
+        d = Daemon(config(sockdir, grace=10.0))
+        await d.start()
+        try:
+            for target in (d.target, d.local_target):
+                async with grpc.aio.insecure_channel(target) as ch:
+                    check = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    assert check.status == health_pb2.HealthCheckResponse.SERVING
+                    named = await health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service="rendezvous.v1.Rendezvous"), timeout=5)
+                    assert named.status == health_pb2.HealthCheckResponse.SERVING
+                    stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+                    call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    services = {s.name async for r in call for s in r.list_services_response.service}
+                    assert {"rendezvous.v1.Rendezvous", "rendezvous.v1.LocalRendezvous",
+                            "grpc.health.v1.Health"} <= services
+            # a tensor nobody consumes keeps the drain going for the grace period:
+            # health reads NOT_SERVING all that time
+            async with Client(d.local_target) as c:
+                await c.send(key(0, 0, "unconsumed"), np.ones(3), step_id=1)
+            async with grpc.aio.insecure_channel(d.target) as ch:
+                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+                first = await watch.read()
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                stopping = asyncio.create_task(d.stop(1.0))
+                second = await watch.read()
+                assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                check = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await stopping
+        finally:
+            await d.stop(0)
+        assert not (sockdir / "d0.sock").exists()
+    run(main())
+
+
+def test_metrics_over_http(sockdir):
+    async def main():
+        async with daemons(sockdir, 2, metrics_port=0) as (d0, d1), \
+                Client(d0.local_target) as a, Client(d1.local_target) as b:
+            assert d0.metrics_url.startswith("http://127.0.0.1:")
+            await a.send(key(0, 1, "big"), np.ones(1 << 17, np.float32), step_id=1)
+            await b.recv(key(0, 1, "big"), step_id=1, timeout=10)
+            await a.send(key(0, 0, "left"), np.ones(5), step_id=2)
+            with pytest.raises(errors.FailedPrecondition):
+                await a.send(key(1, 0, "theirs"), np.ones(1))  # task 1's key, sent to task 0's daemon
+            m0, m1 = await scrape(d0.metrics_url), await scrape(d1.metrics_url)
+            assert m1[("rendezvous_transfers_total", (("path", "grpc"),))] == 1
+            assert m1[("rendezvous_bytes_total", (("path", "grpc"),))] == 1 << 19
+            assert m0[("rendezvous_served_total", (("path", "grpc"),))] == 1
+            assert m0[("rendezvous_local_ops_total", (("op", "send"), ("path", "shm")))] == 1
+            assert m0[("rendezvous_local_ops_total", (("op", "send"), ("path", "inline")))] == 1
+            assert m1[("rendezvous_local_bytes_total", (("op", "recv"), ("path", "shm")))] == 1 << 19
+            assert m1[("rendezvous_recv_seconds_count", (("path", "grpc"),))] == 1
+            assert m0[("rendezvous_errors_total", (("code", "FAILED_PRECONDITION"),))] == 1
+            assert m0[("rendezvous_waiting_tensors", ())] == 1
+            assert m0[("rendezvous_waiting_oldest_seconds", ())] > 0
+            assert m0[("rendezvous_local_clients", ())] == 1
+            assert m0[("rendezvous_mpi_in_flight", ())] == 0
+            assert m0[("rendezvous_draining", ())] == 0
+    run(main())
+
+
+def test_stall_warning_names_key_and_producer(sockdir, caplog):
+    async def main():
+        # task 1 of the cluster never starts: a recv of its key just waits
+        async with daemons(sockdir, stall_warning=0.2) as (d,), Client(d.local_target) as c:
+            d.server.update_cluster({"node": [d.target, "127.0.0.1:9"]})
+            waiting = asyncio.create_task(c.recv(key(1, 0, "slow"), step_id=4, timeout=30))
+            local = asyncio.create_task(c.recv(key(0, 0, "mine"), step_id=4, timeout=30))
+            await until(lambda: sum("has waited" in r.getMessage() for r in caplog.records) >= 2, timeout=20,
+                        what="two stall warnings")
+            waiting.cancel()
+            local.cancel()
+            await asyncio.gather(waiting, local, return_exceptions=True)
+        stalls = [r for r in caplog.records if "has waited" in r.getMessage()]
+        by_key = {r.key: r for r in stalls}
+        assert len(stalls) == 2, [r.getMessage() for r in stalls]  # each once
+        assert by_key[key(1, 0, "slow")].producer == "/job:node/replica:0/task:1"
+        assert by_key[key(0, 0, "mine")].producer == "/job:node/replica:0/task:0"
+        assert "/job:node/replica:0/task:1" in by_key[key(1, 0, "slow")].getMessage()
+
+    caplog.set_level(logging.WARNING, logger="rendezvous.daemon")
+    run(main())
+
+
+def test_json_log_lines():
+    from rendezvous.server.daemon import JsonFormatter
+
+    record = logging.LogRecord("rendezvous.daemon", logging.WARNING, __file__, 1, "recv of %s waits", ("k",), None)
+    record.producer = "/job:node/replica:0/task:1"
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "recv of k waits" and line["level"] == "WARNING"
+    assert line["producer"] == "/job:node/replica:0/task:1" and line["time"].endswith("Z")
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused_and_a_stale_socket_replaced(sockdir):
+    async def main():
+        async with daemons(sockdir) as (d,):
+            other = Daemon(config(sockdir))
+            with pytest.raises(errors.Unavailable, match="another daemon is listening"):
+                await other.start()
+        # a socket file nobody listens on (a killed daemon's) is replaced
+        import socket as socketlib
+
+        path = sockdir / "d0.sock"
+        stale = socketlib.socket(socketlib.AF_UNIX)
+        stale.bind(str(path))
+        stale.close()
+        async with daemons(sockdir) as (d,), Client(d.local_target) as c:
+            await c.send(key(0, 0, "x"), np.ones(1))
+            assert oct(path.stat().st_mode & 0o777) == oct(0o600)
+        assert not path.exists()
+    run(main())
+
+
+# -- security ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a node certificate it signed (127.0.0.1 and localhost, server and client
+    use), and a certificate of another CA: made at run time, never stored."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    folder = tmp_path_factory.mktemp("pki")
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem: str, key, cert) -> None:
+        (folder / f"{stem}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def ca(stem: str):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(stem)).issuer_name(name(stem))
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        write(stem, key, cert)
+        return key, cert
+
+    def leaf(stem: str, issuer):
+        ca_key, ca_cert = issuer
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder().subject_name(name(stem)).issuer_name(ca_cert.subject)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([
+                    x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write(stem, key, cert)
+
+    good = ca("ca")
+    leaf("node", good)
+    leaf("intruder", ca("other-ca"))
+    return folder
+
+
+def _tls(pki: Path, mutual: bool) -> dict:
+    return dict(tls_cert=str(pki / "node.pem"), tls_key=str(pki / "node.key"), tls_ca=str(pki / "ca.pem"),
+                tls_client_auth=mutual)
+
+
+async def _health(target: str, credentials: grpc.ChannelCredentials | None, metadata=None) -> grpc.StatusCode:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    ch = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+    try:
+        await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5, metadata=metadata)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    finally:
+        await ch.close()
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_tls_accepts_the_cluster_ca_and_refuses_the_rest(sockdir, pki, mutual):
+    read = lambda name: (pki / name).read_bytes()  # noqa: E731
+
+    async def main():
+        async with daemons(sockdir, 2, **_tls(pki, mutual)) as (d0, d1), \
+                Client(d0.local_target) as a, Client(d1.local_target) as b:
+            await a.send(key(0, 1, "secret"), np.arange(5), step_id=1)  # crosses TLS between the daemons
+            assert list(await b.recv(key(0, 1, "secret"), step_id=1, timeout=15)) == [0, 1, 2, 3, 4]
+            trusted = grpc.ssl_channel_credentials(read("ca.pem"), read("node.key"), read("node.pem"))
+            assert await _health(d0.target, trusted) == grpc.StatusCode.OK
+            assert await _health(d0.target, None) == grpc.StatusCode.UNAVAILABLE  # plaintext
+            wrong_ca = grpc.ssl_channel_credentials(read("other-ca.pem"))
+            assert await _health(d0.target, wrong_ca) == grpc.StatusCode.UNAVAILABLE  # server not trusted
+            anonymous = grpc.ssl_channel_credentials(read("ca.pem"))
+            intruder = grpc.ssl_channel_credentials(read("ca.pem"), read("intruder.key"), read("intruder.pem"))
+            expected = grpc.StatusCode.UNAVAILABLE if mutual else grpc.StatusCode.OK
+            assert await _health(d0.target, anonymous) == expected
+            assert await _health(d0.target, intruder) == expected
+    run(main())
+
+
+def test_token_is_required_on_every_call_and_sent_by_peers(sockdir):
+    from rendezvous.v1 import rendezvous_pb2
+
+    async def main():
+        async with daemons(sockdir, 2, token="s3cret", metrics_port=0) as (d0, d1), \
+                Client(d0.local_target) as a, Client(d1.local_target) as b:
+            await a.send(key(0, 1, "t"), np.arange(3), step_id=1)
+            await a.send(key(0, 1, "t"), np.arange(3), step_id=1)
+            assert list(await b.recv(key(0, 1, "t"), step_id=1, timeout=10)) == [0, 1, 2]  # peers send it
+            request = rendezvous_pb2.RecvTensorRequest(step_id=1, rendezvous_key=key(0, 1, "t")).SerializeToString()
+            async with grpc.aio.insecure_channel(d0.target) as ch:
+                call = ch.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
+                for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(request, timeout=5, metadata=metadata)
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                stream = ch.stream_stream("/rendezvous.v1.Rendezvous/RecvTensorStream")(timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stream.read()
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert await call(request, timeout=5, metadata=(("authorization", "Bearer s3cret"),))
+            assert await _health(d0.target, None) == grpc.StatusCode.OK  # probes need no token
+            m0 = await scrape(d0.metrics_url)
+            assert m0[("rendezvous_errors_total", (("code", "UNAUTHENTICATED"),))] == 4
+    run(main())
+
+
+def test_a_daemon_without_the_token_cannot_fetch(sockdir):
+    async def main():
+        async with daemons(sockdir, 2, per=[{"token": "s3cret"}, {}]) as (d0, d1), \
+                Client(d0.local_target) as a, Client(d1.local_target) as b:
+            await a.send(key(0, 1, "t"), np.arange(3), step_id=1)
+            with pytest.raises(errors.Unauthenticated):
+                await b.recv(key(0, 1, "t"), step_id=1, timeout=10)
+            assert len(await a.pending()) == 1  # nothing was taken
+    run(main())
+
+
+def test_a_peer_announcing_a_huge_tensor_is_refused_before_allocating():
+    """A malicious or broken peer replies with dtype and shape of 4 TiB."""
+    async def main():
+        async def stream(requests, context):
+            async for raw in requests:
+                req = pb.StreamRequest.FromString(raw)
+                reply = pb.StreamResponse(call_id=req.call_id, response=pb.RecvTensorResponse(
+                    tensor={"dtype": 1, "tensor_shape": {"dim": [{"size": 1 << 40}]}}))
+                await context.write(reply.SerializeToString())
+
+        fake = grpc.aio.server()
+        fake.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "rendezvous.v1.Rendezvous", {"RecvTensorStream": grpc.stream_stream_rpc_method_handler(stream)})])
+        port = fake.add_insecure_port("127.0.0.1:0")
+        await fake.start()
+        server = rank_aio.Server({"node": ["127.0.0.1:0", f"127.0.0.1:{port}"]}, "node", 0,
+                                 max_tensor_bytes=1 << 30)
+        await server.start()
+        try:
+            with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
+                await server.recv(key(1, 0, "huge"), step_id=1, timeout=10)
+        finally:
+            await server.stop(0)
+            await fake.stop(0)
+    run(main())
+
+
+def test_sigterm_handler_ignores_a_duplicate_delivery_but_not_a_later_signal(sockdir):
+    """The command's signal handling, in a child process: SIGTERM twice at once
+    drains cleanly (exit 0)."""
+    cluster = json.dumps({"node": ["127.0.0.1:0"]})
+    proc = subprocess.Popen([sys.executable, "-m", "rendezvous", "serve", "--daemon", "--cluster", cluster,
+                             "--job-name", "node", "--local", f"unix:{sockdir}/d.sock", "--grace", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving on 127.0.0.1:" in line, line + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        assert not (sockdir / "d.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,148 @@
+"""rendezvousd as a process: SIGTERM drains with a recv in flight and exits 0,
+the socket goes, a restart on the same socket and port works at once, and a
+second signal exits at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rendezvous import shm
+from rendezvous.client import Client
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+HERE = Path(__file__).resolve().parent
+RENDEZVOUSD = str(Path(sys.executable).parent / "rendezvousd")
+READY = re.compile(r"rendezvousd: (\S+) serving on (\S+) .*; local (\S+); .*pid (\d+)")
+
+
+def key(name: str, src: int = 0) -> str:
+    return f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;/job:node/replica:0/task:0/device:CPU:1;{name};0:0"
+
+
+class Proc:
+    """A child process whose stdout and stderr lines are collected as they come."""
+
+    def __init__(self, argv: list[str], env: dict | None = None) -> None:
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                  text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+        self.out: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
+        self._err_new = threading.Condition()
+        threading.Thread(target=self._pump, args=(self.p.stdout, self.out.put), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.p.stderr, self._add_err), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream, put) -> None:
+        for line in stream:
+            put(line)
+
+    def _add_err(self, line: str) -> None:
+        with self._err_new:
+            self.err.append(line)
+            self._err_new.notify_all()
+
+    def line(self, prefix: str, timeout: float = 60) -> str:
+        while True:
+            try:
+                line = self.out.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no {prefix!r} line within {timeout}s; stderr:\n{''.join(self.err)[-3000:]}")
+            if line.startswith(prefix):
+                return line
+
+    def wait_err(self, needle: str, timeout: float = 30) -> str:
+        with self._err_new:
+            ok = self._err_new.wait_for(lambda: any(needle in e for e in self.err), timeout)
+        assert ok, f"no {needle!r} on stderr within {timeout}s:\n{''.join(self.err)[-3000:]}"
+        return next(e for e in self.err if needle in e)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    before = set(shm.listed())
+    yield started
+    for p in started:
+        p.kill()
+    for p in started:
+        assert p.p.poll() is not None
+    assert set(shm.listed()) - before == set(), "shared-memory segments left behind"
+
+
+@pytest.fixture
+def sockdir():
+    with tempfile.TemporaryDirectory(prefix="rdv", dir="/tmp") as d:
+        yield Path(d)
+
+
+def start_daemon(procs, sockdir: Path, port: int = 0, *extra: str) -> tuple[Proc, str, str, int]:
+    cluster = sockdir / "cluster.json"
+    cluster.write_text(json.dumps({"node": [f"127.0.0.1:{port}"]}))
+    d = Proc([RENDEZVOUSD, "--cluster", str(cluster), "--job-name", "node", "--local", f"unix:{sockdir}/d.sock",
+              "--log-format", "json", *extra])
+    procs.append(d)
+    m = READY.match(d.line("rendezvousd: "))
+    assert m, "ready line"
+    return d, m.group(2), m.group(3), int(m.group(4))
+
+
+def test_sigterm_drains_a_recv_in_flight_then_restart_works_at_once(procs, sockdir):
+    daemon, target, local, pid = start_daemon(procs, sockdir, 0, "--grace", "0.3")
+    assert daemon.p.pid == pid
+    waiter = Proc([sys.executable, str(HERE / "daemon_clients.py"), "waiter", local, key("never")])
+    procs.append(waiter)
+    waiter.line("WAITING")
+    with Client(local) as c:
+        c.send(key("unconsumed"), np.ones(4), step_id=2)
+        # the waiter's recv is in the table (a condition, checked until it holds)
+        deadline = 200
+        while not any(e.kind == "waiter" for e in c.pending()):
+            deadline -= 1
+            assert deadline, "the waiter's recv never reached the daemon"
+            threading.Event().wait(0.05)
+        daemon.p.send_signal(signal.SIGTERM)
+        outcome = json.loads(waiter.line("RESULT ")[7:])
+        assert outcome["error"] == "UNAVAILABLE", outcome
+        assert waiter.p.wait(30) == 0
+    assert daemon.p.wait(30) == 0, "".join(daemon.err)
+    drained = json.loads(daemon.wait_err("never consumed"))
+    assert drained["level"] == "WARNING" and "1 produced tensors never consumed" in drained["message"]
+    assert not (sockdir / "d.sock").exists()
+    # restart at once on the same socket and the same port
+    port = int(target.rsplit(":", 1)[1])
+    again, target2, local2, _ = start_daemon(procs, sockdir, port, "--grace", "0.3")
+    assert (target2, local2) == (target, local)
+    with Client(local2) as c:
+        c.send(key("hello"), np.arange(100000, dtype=np.int32), step_id=1)
+        assert c.recv(key("hello"), step_id=1, timeout=10).sum() == sum(range(100000))
+    again.p.send_signal(signal.SIGINT)
+    assert again.p.wait(30) == 0
+
+
+def test_a_second_signal_exits_at_once(procs, sockdir):
+    daemon, _, local, _ = start_daemon(procs, sockdir, 0, "--grace", "60")
+    with Client(local) as c:
+        c.send(key("unconsumed"), np.ones(4), step_id=1)  # keeps the drain going for the whole grace
+    daemon.p.send_signal(signal.SIGTERM)
+    daemon.wait_err("draining (grace 60s)")
+    daemon.p.send_signal(signal.SIGINT)
+    assert daemon.p.wait(10) == 1  # long before the 60 s grace
+    assert "second signal (SIGINT)" in "".join(daemon.err)
+    assert not (sockdir / "d.sock").exists()
