@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,10 +34,12 @@ from rendezvous.errors import (
     DeadlineExceeded,
     Internal,
     PeerUnavailable,
+    ResourceExhausted,
     RendezvousError,
     from_status,
 )
 from rendezvous.keys import TaskName
+from rendezvous.tensors import decode_meta
 from rendezvous.table import Received
 
 __all__ = ["PeerClient", "channel_options", "DescriptorHandler"]
@@ -160,6 +163,8 @@ class _Stream:
             if frame.head is not None:
                 head = frame.head
                 if head.is_dead:
+                if head.tensor is not None:
+                    _check_announced(buf, head.tensor, self.client)
                     self._finish(frame.call_id, p, Received(None, True), "grpc")
                 elif head.transport_options is not None:
                     self.pending.pop(frame.call_id, None)
@@ -209,6 +214,17 @@ def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
 
 
 def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
+def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> None:
+    """Refuse a reply announcing more bytes than ``max_tensor_bytes``, before
+    anything is allocated for it (a chunk buffer, an MPI receive)."""
+    meta, _, _ = decode_meta(buf, *span)
+    limit = client.config.max_tensor_bytes
+    size = math.prod(meta.shape) * meta.dtype.itemsize  # strings: their object array
+    if size > limit:
+        raise ResourceExhausted(f"{client.describe()} announced a tensor of {size} bytes "
+                                f"(dtype {meta.dtype}, shape {meta.shape}); the limit is {limit} (max_tensor_bytes)")
+
+
     code = exc.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return PeerUnavailable(f"lost {client.describe()}: {exc.details()}")
@@ -222,7 +238,8 @@ class PeerClient:
                  transport_options: bytes | None = None,
                  on_descriptor: DescriptorHandler | None = None,
                  on_orphan: Callable[[bytes, frames.ReplyHead], None] | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.task = task
         self.address = address
         self.config = config
@@ -231,6 +248,7 @@ class PeerClient:
         self.on_orphan = on_orphan
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
+        self._metadata = metadata or None  # sent on every stream (the daemon's token)
         self._stream: _Stream | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -299,7 +317,8 @@ class PeerClient:
                         f"could not connect to {self.describe()} within {limit:g}s") from None
                 self._connected_once = True
             call = self._channel.stream_stream(STREAM_METHOD, request_serializer=None,
-                                               response_deserializer=None)(wait_for_ready=first)
+                                               response_deserializer=None)(
+                                               metadata=self._metadata, wait_for_ready=first)
             self._stream = _Stream(self, call)
             return self._stream
 
