@@ -34,13 +34,13 @@ from rendezvous.errors import (
     DeadlineExceeded,
     Internal,
     PeerUnavailable,
-    ResourceExhausted,
     RendezvousError,
+    ResourceExhausted,
     from_status,
 )
 from rendezvous.keys import TaskName
-from rendezvous.tensors import decode_meta
 from rendezvous.table import Received
+from rendezvous.tensors import decode_meta
 
 __all__ = ["PeerClient", "channel_options", "DescriptorHandler"]
 
@@ -162,9 +162,9 @@ class _Stream:
                 raise frame.error
             if frame.head is not None:
                 head = frame.head
-                if head.is_dead:
                 if head.tensor is not None:
                     _check_announced(buf, head.tensor, self.client)
+                if head.is_dead:
                     self._finish(frame.call_id, p, Received(None, True), "grpc")
                 elif head.transport_options is not None:
                     self.pending.pop(frame.call_id, None)
@@ -213,7 +213,6 @@ def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
         future.set_result((Received(task.result(), False), "mpi"))
 
 
-def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
 def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> None:
     """Refuse a reply announcing more bytes than ``max_tensor_bytes``, before
     anything is allocated for it (a chunk buffer, an MPI receive)."""
@@ -225,6 +224,7 @@ def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") ->
                                 f"(dtype {meta.dtype}, shape {meta.shape}); the limit is {limit} (max_tensor_bytes)")
 
 
+def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
     code = exc.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return PeerUnavailable(f"lost {client.describe()}: {exc.details()}")
@@ -247,8 +247,8 @@ class PeerClient:
         self.on_descriptor = on_descriptor
         self.on_orphan = on_orphan
         self._credentials = credentials
-        self._channel: grpc.aio.Channel | None = None
         self._metadata = metadata or None  # sent on every stream (the daemon's token)
+        self._channel: grpc.aio.Channel | None = None
         self._stream: _Stream | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)

@@ -38,7 +38,7 @@ from .stats import Stats, payload_nbytes
 from .table import Received, WaitingTable
 from .tensors import as_array
 
-__all__ = ["Server", "PROTOCOLS"]
+__all__ = ["Server", "PROTOCOLS", "GrpcSetup"]
 
 log = logging.getLogger("rendezvous")
 PROTOCOLS = ("grpc", "grpc+mpi")
@@ -119,9 +119,9 @@ class Server:
             ("grpc.so_reuseport", 0),
         ])
         server.add_generic_rpc_handlers(self.servicer.handlers())
-        try:
         for add_service in setup.services:
             add_service(server)
+        try:
             if setup.server_credentials is not None:
                 port = server.add_secure_port(self.bind_address, setup.server_credentials)
             else:

@@ -132,6 +132,10 @@ class Config:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         sources = dict.fromkeys(_FIELDS, "default")
+        if file is not None:
+            for name, value in _read_toml(file).items():
+                values[name] = value
+                sources[name] = f"file {os.fspath(file)}"
         for f in _FIELDS.values():
             raw = env.get(f.metadata["env"])
             if raw is not None and raw != "":
@@ -143,10 +147,6 @@ class Config:
                 raise InvalidArgument(f"unknown config key {name!r}; known: {', '.join(sorted(_FIELDS))}")
             values[name] = _convert(f, value, name) if isinstance(value, str) else value
             sources[name] = "argument"
-        if file is not None:
-            for name, value in _read_toml(file).items():
-                values[name] = value
-                sources[name] = f"file {os.fspath(file)}"
         cfg = cls(**values, sources=sources)
         cfg.validate()
         return cfg
@@ -173,19 +173,6 @@ class Config:
         for name in ("connect_timeout", "retry_window"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _FIELDS}
-
-
-def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
-    parse = f.metadata.get("parse")
-    try:
-        if parse is not None:
-            return parse(str(raw))
-        kind = type(f.default)
-        if kind is bool:
-            return env_flag(str(raw))
         self._validate_daemon()
 
     def _validate_daemon(self) -> None:
@@ -208,9 +195,9 @@ def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
         for name in ("grace", "stall_warning"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative")
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"{source}: cannot read {raw!r} as {type(f.default).__name__}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _FIELDS}
 
     def explain(self) -> list[tuple[str, Any, str, bool]]:
         """Every setting as (name, value, source, secret), in declaration order."""
@@ -256,6 +243,19 @@ def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
         if wanted.startswith("float"):
             return value
     raise InvalidArgument(f"{where}: expected {wanted}, got {type(value).__name__} {value!r}")
+
+
+def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
+    parse = f.metadata.get("parse")
+    try:
+        if parse is not None:
+            return parse(str(raw))
+        kind = type(f.default)
+        if kind is bool:
+            return env_flag(str(raw))
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{source}: cannot read {raw!r} as {type(f.default).__name__}") from None
 
 
 _FIELDS = {f.name: f for f in fields(Config) if "env" in f.metadata}
