@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-import numpy as np
 
 from rendezvous import frames
 from rendezvous.config import Config
@@ -47,9 +46,10 @@ __all__ = ["PeerClient", "channel_options", "DescriptorHandler"]
 log = logging.getLogger("rendezvous.client")
 STREAM_METHOD = "/rendezvous.v1.Rendezvous/RecvTensorStream"
 
-#: Consumer-side hook for descriptor replies (MPI): given the reply bytes and
-#: its parsed head, move the bytes and return the tensor.
-DescriptorHandler = Callable[[bytes, frames.ReplyHead], Awaitable[np.ndarray]]
+#: Consumer-side hook for descriptor replies (MPI): given the reply bytes, its
+#: parsed head and where the recv wants the tensor (a Placement or None for
+#: the host), move the bytes and return the tensor.
+DescriptorHandler = Callable[[bytes, frames.ReplyHead, Any], Awaitable[Any]]
 
 
 def channel_options() -> list[tuple[str, Any]]:
@@ -73,12 +73,13 @@ class _Broken(Exception):
 
 
 class _Pending:
-    __slots__ = ("future", "assembly", "key")
+    __slots__ = ("future", "assembly", "key", "placement")
 
-    def __init__(self, future: asyncio.Future, key: str) -> None:
+    def __init__(self, future: asyncio.Future, key: str, placement: Any = None) -> None:
         self.future = future
         self.assembly: frames.Assembly | None = None
         self.key = key
+        self.placement = placement  # where a descriptor's bytes should land
 
 
 class _Stream:
@@ -171,7 +172,7 @@ class _Stream:
                     handler = self.client.on_descriptor
                     if handler is None:
                         raise Internal("peer replied with a descriptor but no data plane is configured")
-                    task = asyncio.ensure_future(handler(buf, head))
+                    task = asyncio.ensure_future(handler(buf, head, p.placement))
                     task.add_done_callback(lambda t, p=p: _settle(p.future, t))
                 elif head.tensor is None:
                     raise Internal("reply carries neither a tensor nor a descriptor")
@@ -235,7 +236,7 @@ class PeerClient:
     """Recvs from one remote task. Create and use inside one running loop."""
 
     def __init__(self, task: TaskName, address: str, config: Config, *,
-                 transport_options: bytes | None = None,
+                 transport_options: bytes | Callable[[Any], bytes | None] | None = None,
                  on_descriptor: DescriptorHandler | None = None,
                  on_orphan: Callable[[bytes, frames.ReplyHead], None] | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
@@ -258,9 +259,16 @@ class PeerClient:
     def describe(self) -> str:
         return f"task {self.task} at {self.address}"
 
-    async def recv(self, key: str, step_id: int, timeout: float | None = None) -> tuple[Received, str]:
-        """Fetch ``key`` of ``step_id`` from the peer: ((value, is_dead), path)."""
+    async def recv(self, key: str, step_id: int, timeout: float | None = None,
+                   placement: Any = None) -> tuple[Received, str]:
+        """Fetch ``key`` of ``step_id`` from the peer: ((value, is_dead), path).
+
+        ``placement`` goes to the descriptor handler (and to ``transport_options``
+        when that is a function of it); inline replies always arrive as numpy."""
         loop = asyncio.get_running_loop()
+        options = self.transport_options
+        if callable(options):
+            options = options(placement)
         deadline = None if timeout is None else loop.time() + timeout
         key_bytes = key.encode()
         request_id = secrets.randbits(63) or 1
@@ -270,9 +278,9 @@ class PeerClient:
                 while True:
                     stream = await self._get_stream(deadline)
                     call_id = next(self._ids)
-                    pending = _Pending(loop.create_future(), key)
+                    pending = _Pending(loop.create_future(), key, placement)
                     stream.submit(call_id, pending, frames.recv_request(
-                        call_id, step_id, key_bytes, request_id, self.transport_options))
+                        call_id, step_id, key_bytes, request_id, options))
                     try:
                         return await pending.future
                     except _Broken as broken:

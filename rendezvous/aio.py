@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 
 from .client.peer import PeerClient
 from .cluster import ClusterLike, ClusterSpec, parse_address
@@ -36,7 +35,8 @@ from .server.retry import RetryCache
 from .server.servicer import RecvTensorServicer
 from .stats import Stats, payload_nbytes
 from .table import Received, WaitingTable
-from .tensors import as_array
+from . import devices
+from .devices import DeviceTensor, Placement, import_tensor, parse_placement, placement_for_device
 
 __all__ = ["Server", "PROTOCOLS", "GrpcSetup"]
 
@@ -84,6 +84,7 @@ class Server:
         self._retry = RetryCache(self.config.retry_window, self.config.retry_cache_bytes)
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats,
                                            chunk_bytes=self.config.chunk_bytes, retry=self._retry)
+        self.servicer.staging = (self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
         self._world = None  # rendezvous.mpi.world.MpiWorld when MPI is in use
         self._plane = None  # rendezvous.mpi.plane.MpiPlane once started
         self._engine = None
@@ -188,8 +189,14 @@ class Server:
         world = self._world
         src = cfg.sources.get("mpi_optimal_path", "default")
         setting = f"MPI_OPTIMAL_PATH={int(cfg.mpi_optimal_path)} ({'unset, default' if src == 'default' else src})"
-        return (line + f"; MPI rank {world.rank}/{world.size} ({world.library}), thread level {world.thread_level}; "
-                f"{setting}, threshold {cfg.mpi_threshold} B")
+        line += (f"; MPI rank {world.rank}/{world.size} ({world.library}), thread level {world.thread_level}; "
+                 f"{setting}, threshold {cfg.mpi_threshold} B")
+        plane = self._plane
+        if plane is not None:
+            how = "GPU buffers to MPI directly" if plane.cuda_aware else \
+                f"GPU tensors staged through pinned host memory in {cfg.gpu_staging_chunk_bytes >> 10} KiB chunks"
+            line += f"; CUDA-aware MPI: {'yes' if plane.cuda_aware else 'no'} ({plane.cuda_aware_source}): {how}"
+        return line
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: refuse new recvs (UNAVAILABLE), fail waiters, let replies in flight
@@ -262,7 +269,9 @@ class Server:
         if src is not None and src != self.task:
             raise FailedPrecondition(
                 f"key {k.format()!r} is produced by {src}; this server is {self.task} and can only send its own")
-        return k.format(), (None if is_dead else as_array(tensor))
+        # GPU tensors stay on their device (a DeviceTensor with a ready event on
+        # the caller's current stream: call this on the producer's thread).
+        return k.format(), (None if is_dead else import_tensor(tensor))
 
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key`` for step ``step_id`` (on the loop thread).
@@ -272,19 +281,25 @@ class Server:
         canonical, arr = self.prepare_send(key, tensor, is_dead)
         self.table.send(step_id, canonical, arr, is_dead)
 
-    async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
+    async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                   device: str | Placement | None = None) -> Any:
         """The tensor sent under ``key`` in ``step_id`` (None if it is dead).
 
-        Local keys are served from this rank's table with no copy; remote keys
-        by RecvTensor to the producing task. Raises DeadlineExceeded after
-        ``timeout`` seconds, Aborted if the step is aborted, UnknownTask for a
-        task outside the cluster, PeerUnavailable if the producer is gone."""
-        return (await self.recv_item(key, step_id, timeout)).value
+        It lands where the key's ``dst_device`` says (``GPU:N``: a cupy array on
+        device N; otherwise numpy), or on ``device`` ("cpu", "gpu:N") if given.
+        Local keys are served from this rank's table with no copy when the
+        tensor is already where it should be; remote keys by RecvTensor to the
+        producing task. Raises DeadlineExceeded after ``timeout`` seconds,
+        Aborted if the step is aborted, UnknownTask for a task outside the
+        cluster, PeerUnavailable if the producer is gone."""
+        return (await self.recv_item(key, step_id, timeout, device)).value
 
     async def recv_item(self, key: Key | str, step_id: int = 0,
-                        timeout: float | None = None) -> Received:
+                        timeout: float | None = None, device: str | Placement | None = None) -> Received:
         k = as_key(key)
         canonical = k.format()
+        explicit = parse_placement(device)
+        target, _ = devices.resolve(explicit or placement_for_device(k.dst), explicit is not None)
         err = self.table.aborted(step_id)
         if err is not None:
             raise err
@@ -296,13 +311,13 @@ class Server:
             except TimeoutError:
                 raise DeadlineExceeded(f"recv of {canonical!r} (step {step_id}) timed out after {timeout:g}s") from None
             self._stats.received("local", payload_nbytes(item.value))
-            return item
+            return Received(await self._place(item.value, target), item.is_dead)
         peer = self._peer(src)
         task = asyncio.current_task()
         waits = self._remote.setdefault(step_id, set())
         waits.add(task)  # type: ignore[arg-type]
         try:
-            item, path = await peer.recv(canonical, step_id, timeout)
+            item, path = await peer.recv(canonical, step_id, timeout, target)
         except asyncio.CancelledError as exc:
             err = self.table.aborted(step_id)
             if exc.args and exc.args[0] == _ABORT and err is not None:
@@ -317,7 +332,24 @@ class Server:
             if not waits:
                 self._remote.pop(step_id, None)
         self._stats.received(path, payload_nbytes(item.value))
+        if path != "mpi":  # a descriptor's bytes already landed on ``target``
+            item = Received(await self._place(item.value, target), item.is_dead)
         return item
+
+    async def _place(self, value: Any, target: Placement) -> Any:
+        """``value`` on ``target`` (already resolved); copies run off the loop."""
+        if value is None:
+            return None
+        if not isinstance(value, DeviceTensor) and not target.is_gpu:
+            return value  # host to host: the object as it is
+        args = (self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
+        placed = await asyncio.get_running_loop().run_in_executor(
+            None, devices.place, value, target, True, args)
+        if isinstance(value, DeviceTensor) and not target.is_gpu:
+            self._stats.gpu("to_host")
+        elif not isinstance(value, DeviceTensor) or value.device != target.index:
+            self._stats.gpu("to_device")
+        return placed
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
@@ -339,6 +371,8 @@ class Server:
         served_bytes}}; "mpi" also has "in_flight" (MPI operations posted and not complete)."""
         snap = self._stats.snapshot()
         snap["mpi"]["in_flight"] = self._engine.in_flight if self._engine is not None else 0
+        snap["gpu"] = {**self._stats.gpu_snapshot(),
+                       "cuda_aware": int(bool(self._plane is not None and self._plane.cuda_aware))}
         return snap
 
     def pending(self) -> list[Any]:
@@ -351,7 +385,7 @@ class Server:
                 raise Unavailable(f"server {self.task} is {self._state}")
             plane = self._plane
             peer = PeerClient(task, self.cluster.address(task), self.config,
-                              transport_options=plane.endpoint if plane else None,
+                              transport_options=plane.endpoint_for if plane else None,
                               on_descriptor=plane.receive if plane else None,
                               on_orphan=plane.drain if plane else None,
                               credentials=self._setup.channel_credentials,

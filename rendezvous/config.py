@@ -122,6 +122,17 @@ class Config:
     mpi_poll_max_us: int = _knob(
         1000, "RENDEZVOUS_MPI_POLL_MAX_US",
         "Longest pause of that backoff. With nothing in flight the thread sleeps until work arrives.")
+    cuda_aware: bool | None = _knob(
+        None, "RENDEZVOUS_CUDA_AWARE",
+        "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory. "
+        "Unset or `auto`: probe the MPI library at start-up (the PyPI MPI wheels are not CUDA-aware).",
+        parse=lambda raw: None if raw.strip().lower() in ("", "auto") else env_flag(raw))
+    gpu_staging_chunk_bytes: int = _knob(
+        4 << 20, "RENDEZVOUS_GPU_STAGING_CHUNK_BYTES",
+        "Size of the pinned host buffers GPU tensors are staged through, and so of each staged MPI message.")
+    gpu_staging_depth: int = _knob(
+        4, "RENDEZVOUS_GPU_STAGING_DEPTH",
+        "Chunks one staged GPU transfer keeps in flight (copies overlapping MPI messages).")
 
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None,
@@ -168,6 +179,8 @@ class Config:
             raise InvalidArgument(f"mpi_chunk_bytes must be in [1, 2**30], got {self.mpi_chunk_bytes}")
         if not 0 <= self.mpi_poll_min_us <= self.mpi_poll_max_us:
             raise InvalidArgument("need 0 <= mpi_poll_min_us <= mpi_poll_max_us")
+        if self.gpu_staging_chunk_bytes < 4096 or self.gpu_staging_depth < 1:
+            raise InvalidArgument("need gpu_staging_chunk_bytes >= 4096 and gpu_staging_depth >= 1")
         if self.chunk_bytes < 1024:
             raise InvalidArgument(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
         for name in ("connect_timeout", "retry_window"):

@@ -26,7 +26,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames, wire
+from rendezvous import devices, frames, wire
+from rendezvous.devices import DeviceTensor
 from rendezvous.errors import (
     FailedPrecondition,
     RendezvousError,
@@ -68,6 +69,8 @@ class RecvTensorServicer:
         self.retry = retry
         self.draining = False
         self.planner: ReplyPlanner | None = None
+        #: (chunk bytes, depth) of the pinned staging that copies GPU tensors to the host
+        self.staging = (4 << 20, 4)
         self._streams: set[_StreamConn] = set()
         self._unary_active = 0
 
@@ -141,6 +144,18 @@ class RecvTensorServicer:
         except RendezvousError:
             pass  # the step was aborted meanwhile: its tensors are dropped anyway
 
+    async def host_copy(self, item: Received) -> Received:
+        """``item`` with its value on the host: GPU tensors are copied device -> pinned
+        host -> numpy off the loop (the default path's encode needs host bytes)."""
+        value = item.value
+        if not isinstance(value, DeviceTensor):
+            return item
+        loop = asyncio.get_running_loop()
+        host = await loop.run_in_executor(None, value.backend.to_host, value,
+                                          devices.pool(value.backend, *self.staging))
+        self.stats.gpu("to_host")
+        return Received(host, item.is_dead)
+
     # -- unary --------------------------------------------------------------
 
     async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -158,7 +173,7 @@ class RecvTensorServicer:
         try:
             item, _ = await self.take(req)
             # A dead-line shorter than the wait is enforced by gRPC itself.
-            reply = frames.unary_response(item, _now_micros())
+            reply = frames.unary_response(await self.host_copy(item), _now_micros())
         except RendezvousError as exc:
             self.stats.error("grpc")
             await context.abort(exc.code, exc.message)
@@ -184,7 +199,7 @@ class RecvTensorServicer:
 
     def busy(self) -> bool:
         """Whether any reply is still being written (or a unary call served)."""
-        return self._unary_active > 0 or any(c.replies or c.writing for c in self._streams)
+        return self._unary_active > 0 or any(c.replies or c.writing or c.waiting for c in self._streams)
 
     def close_streams(self) -> None:
         """End every stream once its replies are written (used when draining):
@@ -336,6 +351,9 @@ class _StreamConn:
             if descriptor is not None:
                 # bytes travel by MPI: one frame, and nothing to put back
                 reply = _Reply(iter([_frame_with_id(call_id, descriptor)]), req, key, None, "mpi")
+            elif isinstance(item.value, DeviceTensor):
+                self.waiting[call_id] = asyncio.create_task(self._staged_reply(call_id, req, item, key))
+                return
             else:
                 frames_iter = frames.stream_frames(call_id, item, self.s.chunk_bytes, _now_micros())
                 reply = _Reply(frames_iter, req, key, item, "grpc")
@@ -344,6 +362,23 @@ class _StreamConn:
             return
         self.s.stats.served(reply.path, payload_nbytes(item.value))
         self._ready(call_id, reply)
+
+    async def _staged_reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
+        """A GPU tensor inline: copied to the host first (off the loop), then framed."""
+        try:
+            host = await self.s.host_copy(item)
+            frames_iter = frames.stream_frames(call_id, host, self.s.chunk_bytes, _now_micros())
+        except asyncio.CancelledError:
+            self.waiting.pop(call_id, None)
+            self.s.put_back(req, key, item)  # nothing was sent: the tensor stays for a later recv
+            raise
+        except Exception as exc:
+            self.waiting.pop(call_id, None)
+            self._reply_error(call_id, req, exc)
+            return
+        self.waiting.pop(call_id, None)
+        self.s.stats.served("grpc", payload_nbytes(item.value))
+        self._ready(call_id, _Reply(frames_iter, req, key, item, "grpc"))
 
     def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
         if not isinstance(exc, RendezvousError):
