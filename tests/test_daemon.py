@@ -10,7 +10,6 @@ import gc
 import ipaddress
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -227,6 +226,22 @@ def test_local_limits(sockdir):
                 await c.send(key(0, 0, "huge"), np.ones(3 << 20, np.uint8).astype(object))  # inline, too big
             assert info.value.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
             await c.send(key(0, 0, "fits"), np.ones(1 << 20, np.uint8))
+    run(main())
+
+
+def test_local_clients_over_tcp_need_the_token(sockdir):
+    async def main():
+        async with daemons(sockdir, local_address="127.0.0.1:0", token="s3cret") as (d,):
+            assert d.local_target.startswith("127.0.0.1:") and not list(sockdir.iterdir())
+            with pytest.raises(errors.Unauthenticated):
+                await Client(d.local_target, token="").connect()
+            with pytest.raises(errors.Unauthenticated):
+                await Client(d.local_target, token="wrong").connect()
+            async with Client(d.local_target, token="s3cret") as c:
+                value = np.arange(1 << 16, dtype=np.float32)  # loopback: shared memory still works
+                await c.send(key(0, 0, "t"), value, step_id=1)
+                assert np.array_equal(await c.recv(key(0, 0, "t"), step_id=1, timeout=5), value)
+                assert c.stats() == {"send_shm": 1, "recv_shm": 1, "local": 1}
     run(main())
 
 
