@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from rendezvous import frames
+from rendezvous import buffers, frames
 from rendezvous.config import Config
 from rendezvous.errors import (
     DeadlineExceeded,
@@ -248,6 +248,7 @@ class PeerClient:
         self.on_descriptor = on_descriptor
         self.on_orphan = on_orphan
         self._credentials = credentials
+        buffers.configure(config.recv_cache_bytes)  # large receive buffers: see rendezvous.buffers
         self._metadata = metadata or None  # sent on every stream (the daemon's token)
         self._channel: grpc.aio.Channel | None = None
         self._stream: _Stream | None = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import wire
+from . import buffers, wire
 from .errors import InvalidArgument, RendezvousError, from_status
 from .table import Received
 from .tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, is_memcpyable
@@ -265,7 +265,7 @@ class Assembly:
 
     def __init__(self, meta: TensorMeta, first: memoryview) -> None:
         self.meta = meta
-        self.dest = np.empty(meta.nbytes, dtype=np.uint8)
+        self.dest = buffers.empty(meta.nbytes, np.uint8)  # reused once dropped, if large
         self.filled = 0
         self.add(first)
 

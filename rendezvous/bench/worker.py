@@ -265,11 +265,17 @@ class Rank:
     async def peak_rss(self, c: Contender, n: int) -> list[dict[str, int]]:
         """RSS one transfer of ``n`` bytes brings into each rank: the high-water
         mark is reset, then the producer makes the tensor and sends it, the
-        consumer receives it. Buffers kept between batches are dropped first."""
+        consumer receives it. Buffers kept between batches are dropped first,
+        receive buffers kept for reuse too (a cold transfer), and free heap
+        memory is handed back, so the baseline holds no earlier transfer."""
+        from rendezvous import buffers
+
         for other in self.contenders:
             other.release()
         self.ctx.drop_source()
+        buffers.CACHE.clear()
         gc.collect()
+        rss.release_free_memory()
         await self.sync()
         base = rss.reset_peak()
         await self.batch(c, n, 1)

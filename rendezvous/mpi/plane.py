@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import any_pb2
 
-from rendezvous import devices, frames
+from rendezvous import buffers, devices, frames
 from rendezvous.config import Config
 from rendezvous.devices import DeviceTensor, Placement
 from rendezvous.errors import Internal, InvalidArgument
@@ -173,7 +173,7 @@ class MpiPlane:
         transfer, meta = self._parse(buf, head)
         backend = devices.gpu_backend() if placement is not None and placement.is_gpu else None
         if backend is None:
-            dest = np.empty(meta.shape, dtype=meta.dtype)
+            dest = buffers.empty(meta.shape, meta.dtype)  # a large one is reused once dropped
             await self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
             return dest
         device = placement.index  # type: ignore[union-attr]

@@ -1,0 +1,121 @@
+"""Receive buffers for large tensors, reused once the arrays in them are dropped.
+
+A tensor of 32 MiB or more is always given fresh pages by glibc's malloc
+(``mmap``), and the kernel faults in and zeroes every page when the bytes
+land: for a 128 MiB tensor that costs about as much as moving it (measured
+in BENCHMARKS.md). A consumer that receives the same large shapes step after
+step (a training job) would pay that at every recv. This cache keeps those
+buffers instead: a recv of ``n`` bytes takes a cached buffer of exactly ``n``
+bytes that no array refers to any more, or allocates one.
+
+The arrays handed out are ordinary numpy arrays whose ``base`` is the cached
+buffer; a buffer counts as in use while any array, view or buffer export
+refers to it (its reference count says so), so nothing the caller still
+holds is ever written. At most ``limit`` bytes of buffers are tracked; beyond
+that, receives get plain ``numpy.empty`` arrays, so the memory kept after the
+arrays are dropped never exceeds ``limit`` (``recv_cache_bytes``; 0 turns the
+cache off). One cache per process, used from any thread.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RecvBuffers", "empty", "configure", "CACHE"]
+
+#: below this, malloc reuses freed memory itself (its mmap threshold adapts up to 32 MiB)
+MIN_BYTES = 32 << 20
+
+
+class RecvBuffers:
+    def __init__(self, limit: int = 1 << 30, min_bytes: int = MIN_BYTES) -> None:
+        self.limit = limit
+        self.min_bytes = min_bytes
+        self._lock = threading.Lock()
+        self._slabs: dict[int, list[np.ndarray]] = {}
+        self._tracked = 0
+        self.reused = 0  # allocations avoided (for tests and the benchmark's notes)
+
+    def empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        """An uninitialized C-contiguous array, like ``numpy.empty(shape, dtype)``."""
+        dtype = np.dtype(dtype)
+        shape = tuple(int(d) for d in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.min_bytes or nbytes > self.limit or dtype.hasobject:
+            return np.empty(shape, dtype)
+        with self._lock:
+            slabs = self._slabs.setdefault(nbytes, [])
+            for i in range(len(slabs)):
+                # references: the list's, and getrefcount's argument; any more is an array in use
+                if sys.getrefcount(slabs[i]) <= _FREE_REFS:
+                    slab = slabs.pop(i)
+                    slabs.append(slab)  # most recently used last
+                    self.reused += 1
+                    return slab.view(dtype).reshape(shape)
+            if self._tracked + nbytes > self.limit:
+                self._evict(self._tracked + nbytes - self.limit)
+            if self._tracked + nbytes > self.limit:
+                return np.empty(shape, dtype)  # the cache is full of buffers in use
+            slab = np.empty(nbytes, np.uint8)
+            slabs.append(slab)
+            self._tracked += nbytes
+            return slabs[-1].view(dtype).reshape(shape)
+
+    def _evict(self, need: int) -> None:
+        """Forget free buffers (oldest first) until ``need`` bytes are released."""
+        for nbytes, slabs in list(self._slabs.items()):
+            i = 0
+            while i < len(slabs) and need > 0:
+                if sys.getrefcount(slabs[i]) <= _FREE_REFS:
+                    del slabs[i]
+                    self._tracked -= nbytes
+                    need -= nbytes
+                else:
+                    i += 1
+            if not slabs:
+                del self._slabs[nbytes]
+            if need <= 0:
+                return
+
+    def set_limit(self, limit: int) -> None:
+        with self._lock:
+            self.limit = max(0, int(limit))
+            if self._tracked > self.limit:
+                self._evict(self._tracked - self.limit)
+
+    def clear(self) -> None:
+        """Forget every buffer (arrays still in use keep theirs alive)."""
+        with self._lock:
+            self._slabs.clear()
+            self._tracked = 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            free = sum(n for n, slabs in self._slabs.items() for s in slabs if sys.getrefcount(s) <= _FREE_REFS + 1)
+            return {"tracked_bytes": self._tracked, "free_bytes": free, "reused": self.reused}
+
+
+def _free_refs() -> int:
+    probe: list[np.ndarray] = [np.empty(1, np.uint8)]
+    return sys.getrefcount(probe[0])
+
+
+_FREE_REFS = _free_refs()
+
+#: the process's cache; servers set its limit from ``recv_cache_bytes``
+CACHE = RecvBuffers()
+
+
+def empty(shape: Any, dtype: Any) -> np.ndarray:
+    """``numpy.empty`` for a received tensor, from the process's cache."""
+    return CACHE.empty(shape, dtype)
+
+
+def configure(limit: int) -> None:
+    """Set the process's cache limit in bytes (the last server configured wins)."""
+    CACHE.set_limit(limit)
