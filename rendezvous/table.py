@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import concurrent.futures
 import time
 from collections.abc import Hashable
@@ -138,7 +139,9 @@ class WaitingTable:
         if self._closed is not None or self._tombstones:
             err = self._dead(step_id)
             if err is not None:
-                raise err.with_traceback(None)
+                # A copy: raising the stored error itself would hang this frame
+                # (and the refused tensor) on it until the step is cleaned up.
+                raise copy.copy(err)
         self._put(step_id, key, Received(None if is_dead else value, is_dead), False)
 
     def requeue(self, step_id: int, key: Hashable, item: Received) -> None:
@@ -150,7 +153,7 @@ class WaitingTable:
         if self._closed is not None or self._tombstones:
             err = self._dead(step_id)
             if err is not None:
-                raise err.with_traceback(None)
+                raise copy.copy(err)
         self._put(step_id, key, item, True)
 
     def _put(self, step_id: int, key: Hashable, item: Received, front: bool) -> None:

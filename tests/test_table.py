@@ -8,6 +8,7 @@ import concurrent.futures
 import threading
 
 import grpc
+import numpy as np
 import pytest
 
 import rendezvous.table as table_mod
@@ -636,3 +637,23 @@ def test_pending_reports_kind_count_age(monkeypatch: pytest.MonkeyPatch) -> None
         assert t.pending() == [PendingEntry(1, "a", "tensor", 1, 2.0)]
 
     run(main())
+
+
+def test_refused_send_into_an_aborted_step_does_not_keep_the_tensor():
+    import gc
+    import weakref
+
+    t = WaitingTable()
+    t.abort(1, Aborted("gone"))
+    value = np.ones(1024)
+    ref = weakref.ref(value)
+
+    def produce(v):
+        t.send(1, "k", v)
+
+    with pytest.raises(Aborted):
+        produce(value)
+    del value
+    gc.collect()
+    assert ref() is None, "the stored abort error keeps the refused tensor alive"
+    assert t.aborted(1).message == "gone"
