@@ -163,8 +163,7 @@ class _Stream:
                 raise frame.error
             if frame.head is not None:
                 head = frame.head
-                if head.tensor is not None:
-                    _check_announced(buf, head.tensor, self.client)
+                decoded = _check_announced(buf, head.tensor, self.client) if head.tensor is not None else None
                 if head.is_dead:
                     self._finish(frame.call_id, p, Received(None, True), "grpc")
                 elif head.transport_options is not None:
@@ -177,7 +176,7 @@ class _Stream:
                 elif head.tensor is None:
                     raise Internal("reply carries neither a tensor nor a descriptor")
                 else:
-                    value = frames.decode_inline(buf, head.tensor)
+                    value = frames.decode_inline(buf, head.tensor, decoded)
                     if isinstance(value, frames.Assembly):
                         p.assembly = value
                     else:
@@ -214,15 +213,18 @@ def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
         future.set_result((Received(task.result(), False), "mpi"))
 
 
-def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> None:
+def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> tuple[Any, int, int]:
     """Refuse a reply announcing more bytes than ``max_tensor_bytes``, before
-    anything is allocated for it (a chunk buffer, an MPI receive)."""
-    meta, _, _ = decode_meta(buf, *span)
+    anything is allocated for it (a chunk buffer, an MPI receive). Returns
+    what ``decode_meta`` said, so the reply is not parsed again."""
+    decoded = decode_meta(buf, *span)
+    meta = decoded[0]
     limit = client.config.max_tensor_bytes
     size = math.prod(meta.shape) * meta.dtype.itemsize  # strings: their object array
     if size > limit:
         raise ResourceExhausted(f"{client.describe()} announced a tensor of {size} bytes "
                                 f"(dtype {meta.dtype}, shape {meta.shape}); the limit is {limit} (max_tensor_bytes)")
+    return decoded
 
 
 def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
@@ -254,6 +256,9 @@ class PeerClient:
         self._stream: _Stream | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
+        # Unique per recv (a retry reuses its own); a random start keeps clients apart
+        # in the producer's retry cache without a random draw per recv.
+        self._request_ids = itertools.count(secrets.randbits(62) + 1)
         self._connected_once = False
         self._closed = False
 
@@ -272,7 +277,7 @@ class PeerClient:
             options = options(placement)
         deadline = None if timeout is None else loop.time() + timeout
         key_bytes = key.encode()
-        request_id = secrets.randbits(63) or 1
+        request_id = next(self._request_ids)
         attempts = 0
         try:
             async with asyncio.timeout_at(deadline):

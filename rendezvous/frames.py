@@ -17,6 +17,7 @@ Copies of the payload, default (gRPC inline) path:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -148,7 +149,7 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
         resp_len = len(head) + len(wire.len_field_header(1, tlen)) + tlen
         yield b"".join([cid, wire.len_field_header(2, resp_len), head, wire.len_field_header(1, tlen), *tparts])
         return
-    meta = encode_meta(TensorMeta(value.dtype, tuple(value.shape)))
+    meta = _meta_bytes(value.dtype, value.shape)
     payload = payload_view(value)
     total = len(payload)
     first = min(total, chunk_bytes)
@@ -162,6 +163,13 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
         end = min(total, pos + chunk_bytes)
         yield b"".join([cid, wire.len_field_header(3, end - pos), payload[pos:end]])
         pos = end
+
+
+@functools.lru_cache(maxsize=4096)
+def _meta_bytes(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """dtype and shape as TensorProto fields; a job sends the same few shapes
+    over and over, so each is encoded once."""
+    return encode_meta(TensorMeta(dtype, shape))
 
 
 def recv_request(call_id: int, step_id: int, key: bytes, request_id: int,
@@ -283,11 +291,19 @@ class Assembly:
         return self.dest.view(self.meta.dtype).reshape(self.meta.shape)
 
 
-def decode_inline(buf: bytes, span: tuple[int, int]) -> np.ndarray | Assembly:
-    """A whole tensor (a view on ``buf``) or, if only its first part is here, an Assembly."""
+def decode_inline(buf: bytes, span: tuple[int, int],
+                  decoded: tuple[TensorMeta, int, int] | None = None) -> np.ndarray | Assembly:
+    """A whole tensor (a view on ``buf``) or, if only its first part is here, an Assembly.
+
+    ``decoded`` is ``decode_meta(buf, *span)`` when the caller has it already."""
     start, end = span
-    meta, cs, ce = decode_meta(buf, start, end)
-    if not is_memcpyable_meta(meta) or ce - cs == meta.nbytes:
+    meta, cs, ce = decoded if decoded is not None else decode_meta(buf, start, end)
+    memcpyable = is_memcpyable_meta(meta)
+    if memcpyable and ce > cs and ce - cs == meta.nbytes:
+        # the whole content is here: a view on the message, nothing parsed twice
+        count = (ce - cs) // meta.dtype.itemsize
+        return np.frombuffer(buf, dtype=meta.dtype, count=count, offset=cs).reshape(meta.shape)
+    if not memcpyable or ce - cs == meta.nbytes:
         return decode_tensor(buf, start, end)
     if ce == cs and meta.nbytes:
         # No content yet but bytes are due: the typed-field (TensorFlow) encodings

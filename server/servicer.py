@@ -73,6 +73,7 @@ class RecvTensorServicer:
         self.staging = (4 << 20, 4)
         self._streams: set[_StreamConn] = set()
         self._unary_active = 0
+        self._canonical: dict[str, str] = {}  # request key -> canonical key, checked already
 
     # -- registration -----------------------------------------------------
 
@@ -124,12 +125,19 @@ class RecvTensorServicer:
         return item, key
 
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
-        key = parse_key(req.rendezvous_key)
+        raw = req.rendezvous_key
+        canonical = self._canonical.get(raw)
+        if canonical is not None:
+            return canonical
+        key = parse_key(raw)
         src = key.src_task
         if src is not None and self.task is not None and src != self.task:
             raise FailedPrecondition(
-                f"key {req.rendezvous_key!r} is produced by {src}, but this server is {self.task}")
-        return key.format()
+                f"key {raw!r} is produced by {src}, but this server is {self.task}")
+        if len(self._canonical) >= 1 << 16:
+            self._canonical.clear()  # bounded: keys of old steps are not asked for again
+        canonical = self._canonical[raw] = key.format()
+        return canonical
 
     @staticmethod
     async def _never() -> Received:
