@@ -68,6 +68,11 @@ def _resolve(future: asyncio.Future, error: BaseException | None, value: Any) ->
         future.set_result(value)
 
 
+def _resolve_all(done: list[tuple[asyncio.Future, BaseException | None]]) -> None:
+    for future, error in done:
+        _resolve(future, error, None)
+
+
 class ProgressEngine:
     """Owns ``comm`` (an mpi4py communicator) on a thread of its own."""
 
@@ -83,6 +88,7 @@ class ProgressEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._pipes: list[_Op] = []  # pipeline ops (op.buf is the pipeline), MPI thread only
+        self._finished: dict[asyncio.AbstractEventLoop, list] = {}  # completions not yet handed over
         self.in_flight = 0  # operations posted and not complete (read by stats)
         self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
 
@@ -181,7 +187,15 @@ class ProgressEngine:
         if op.remaining == 0:
             self.in_flight -= 1
             op.buf = None
-            op.loop.call_soon_threadsafe(_resolve, op.future, op.error, None)
+            self._finished.setdefault(op.loop, []).append((op.future, op.error))
+
+    def _hand_over(self) -> None:
+        """Resolve what completed since the last call: one wake-up of each loop
+        for all of them, not one per operation."""
+        if self._finished:
+            finished, self._finished = self._finished, {}
+            for loop, done in finished.items():
+                loop.call_soon_threadsafe(_resolve_all, done)
 
     def _run(self) -> None:
         MPI = self._MPI
@@ -189,6 +203,7 @@ class ProgressEngine:
         owners: list[_Op] = []
         pause = 0.0
         while True:
+            self._hand_over()
             with self._cv:
                 if not self._inbox:
                     if not reqs and not self._pipes:
@@ -214,10 +229,15 @@ class ProgressEngine:
             except MPI.Exception as exc:
                 done = self._fail_one(reqs, owners, exc)
             if done or moved:
-                for i in sorted(done or (), reverse=True):
-                    op = owners.pop(i)
-                    reqs.pop(i)
-                    self._complete(op)
+                if done:
+                    for i in done:
+                        self._complete(owners[i])
+                    if len(done) == 1:
+                        del owners[done[0]], reqs[done[0]]
+                    else:  # one pass, not one list shift per completion
+                        gone = set(done)
+                        owners[:] = [o for i, o in enumerate(owners) if i not in gone]
+                        reqs[:] = [r for i, r in enumerate(reqs) if i not in gone]
                 pause = 0.0
             elif not inbox:
                 pause = min(self.poll_max, max(self.poll_min, pause * 2))
