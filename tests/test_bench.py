@@ -139,6 +139,7 @@ def _raw(with_gloo: bool = True) -> dict:
     size = 128 * MiB
     return {
         "samples": samples,
+        "cpu": {"mpi": {1024: [0.01, 0.02, 5]}, "default": {str(MiB): [0.5, 0.25, 5]}},  # JSON keys may be strings
         "rates": {"mpi": [{"elapsed_ns": 10_000_000, "errors": 0}],
                   "grpc": [{"elapsed_ns": 500_000_000, "errors": 0}, {"elapsed_ns": 400_000_000, "errors": 100}],
                   "default": [{"elapsed_ns": 200_000_000, "errors": 0}],
@@ -184,6 +185,12 @@ def test_build_computes_ratios_from_the_same_run():
     assert cell["vs_grpc"]["gbps"] == pytest.approx(2.0)
     mpi = next(t for t in doc["transfers"] if t["contender"] == "mpi" and t["size"] == 1024)
     assert mpi["vs_mpi"]["gbps"] == 1.0
+    # CPU per transfer: consumer and producer seconds over the transfers timed
+    assert mpi["cpu_us"] == {"consumer": pytest.approx(2000), "producer": pytest.approx(4000)}
+    cell = next(t for t in doc["transfers"] if t["contender"] == "default" and t["size"] == MiB)
+    assert cell["cpu_us"] == {"consumer": pytest.approx(100_000), "producer": pytest.approx(50_000)}
+    cell = next(t for t in doc["transfers"] if t["contender"] == "optimal" and t["size"] == MiB)
+    assert cell["cpu_us"] == {"consumer": None, "producer": None}
     # rate: median over rounds, errors discount the round
     rate = {r["contender"]: r for r in doc["rate"]["results"]}
     assert rate["grpc"]["per_s"] == pytest.approx((2000 + 2250) / 2)
@@ -384,6 +391,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
             cell = cells[(name, size)]
             assert cell["samples"] == 4  # 2 rounds of ceil(3 / 2)
             assert cell["gbps"] > 0 and cell["p99_us"] >= cell["median_us"] >= cell["min_us"] > 0
+            assert cell["cpu_us"]["consumer"] >= 0 and cell["cpu_us"]["producer"] >= 0
     assert {r["contender"] for r in doc["rate"]["results"]} == {"mpi", "grpc", "default", "optimal"}
     assert all(r["errors"] == 0 for r in doc["rate"]["results"])
     if rss.supported():

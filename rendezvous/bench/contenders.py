@@ -108,7 +108,7 @@ class RawMpi(Contender):
         super().__init__(ctx)
         self.fresh = fresh
         self.name = "mpi_alloc" if fresh else "mpi"
-        self.label = "raw MPI, new array" if fresh else "raw MPI"
+        self.label = "(a') raw MPI, new array" if fresh else "(a) raw MPI"
         self.rate = not fresh
         self._buf: np.ndarray | None = None
         self._req = np.zeros(1, np.int64)
@@ -170,7 +170,7 @@ class RawGrpc(Contender):
     returning a prebuilt ``bytes`` (no protobuf), read as a numpy view."""
 
     name = "grpc"
-    label = "raw grpc.aio unary"
+    label = "(b) raw grpc.aio unary"
     rate = True
 
     def __init__(self, ctx: Any) -> None:
@@ -254,7 +254,7 @@ class Rendezvous(Contender):
         super().__init__(ctx)
         self.optimal = optimal
         self.name = "optimal" if optimal else "default"
-        self.label = "rendezvous MPI_OPTIMAL_PATH=1" if optimal else "rendezvous MPI_OPTIMAL_PATH=0"
+        self.label = "(d) rendezvous optimal path" if optimal else "(c) rendezvous default path"
         self.job = "opt" if optimal else "dflt"
         self.server: Any = None
         self._keys: dict[tuple[int, int], str] = {}
@@ -322,7 +322,7 @@ class Gloo(Contender):
     then the bytes into a reused tensor (torch is never a dependency)."""
 
     name = "gloo"
-    label = "torch.distributed gloo"
+    label = "(e) torch.distributed gloo"
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)

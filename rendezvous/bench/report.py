@@ -42,11 +42,16 @@ def build(raw: Mapping[str, Any], *, quick: bool, args: Mapping[str, Any] | None
     contenders = dict(raw["contenders"])
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     sizes: set[int] = set()
+    cpu = raw.get("cpu", {})
     for name, by_size in raw["samples"].items():
         for size, samples in by_size.items():
             size = int(size)
             sizes.add(size)
             cells[(name, size)] = {"contender": name, "size": size, **summarize(samples, size)}
+            spent = cpu.get(name, {}).get(size) or cpu.get(name, {}).get(str(size))
+            per = (lambda s: s * 1e6 / spent[2]) if spent and spent[2] else (lambda s: None)
+            cells[(name, size)]["cpu_us"] = {"consumer": per(spent[0]) if spent else None,
+                                             "producer": per(spent[1]) if spent else None}
     transfers = []
     for size in sorted(sizes):
         for name in contenders:
@@ -189,6 +194,7 @@ _SPEC: dict[str, Any] = {
     "transfers": [{
         "contender": str, "size": int, "samples": int, "median_us": _NUM, "p99_us": _NUM, "min_us": _NUM,
         "mean_us": _NUM, "gbps": _NUM, "vs_mpi": _RATIOS, "vs_grpc": _RATIOS,
+        "cpu_us": {"consumer": _OPT_NUM, "producer": _OPT_NUM},
     }],
     "rate": ({"bytes": int, "outstanding": int, "results": [{
         "contender": str, "rounds": int, "per_s": _NUM, "best_per_s": _NUM, "errors": int,
@@ -289,10 +295,13 @@ def render(doc: Mapping[str, Any]) -> str:
     for t in doc["transfers"]:
         size = format_size(t["size"]) if t["size"] != last else ""
         last = t["size"]
+        cpu = t["cpu_us"]
         rows.append([size, labels.get(t["contender"], t["contender"]), _f(t["median_us"]), _f(t["p99_us"]),
-                     _f(t["gbps"], 3), _f(t["vs_mpi"]["gbps"]), _f(t["vs_grpc"]["gbps"]), str(t["samples"])])
-    lines.append("Round trips rank 1 -> rank 0 (bandwidth from the median; x = bandwidth ratio, same run)")
-    lines += _table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "n"], rows)
+                     _f(t["gbps"], 3), _f(t["vs_mpi"]["gbps"]), _f(t["vs_grpc"]["gbps"]),
+                     f"{_f(cpu['consumer'])} / {_f(cpu['producer'])}", str(t["samples"])])
+    lines.append("Round trips rank 1 -> rank 0 (bandwidth from the median; x = bandwidth ratio, same run;"
+                 " cpu = CPU time per transfer of the consumer / producer process)")
+    lines += _table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n"], rows)
     if doc.get("rate"):
         r = doc["rate"]
         lines += ["", f"Rate: {format_size(r['bytes'])} tensors, {r['outstanding']} recvs outstanding"]

@@ -167,6 +167,7 @@ class Rank:
         self.contenders = contenders
         self.progress = progress
         self.batch_id = 0
+        self.last_cpu = (0.0, 0.0)  # (consumer, producer) CPU seconds of the last batch, on rank 0
         self.done = 0
         self.total = 0
 
@@ -183,16 +184,22 @@ class Rank:
         if self.ctx.rank == 1:
             await (c.rate_prepare if rate else c.prepare)(n, count, bid)
             await self.ctl.send({"ready": bid})
+            cpu0 = time.process_time()
             await (c.rate_serve if rate else c.serve)(n, count, bid)
             got = await self.ctl.expect("done")
             if got != bid:
                 raise RuntimeError(f"control: rank 0 finished batch {got}, expected {bid}")
+            await self.ctl.send({"cpu": time.process_time() - cpu0})
         else:
             got = await self.ctl.expect("ready")
             if got != bid:
                 raise RuntimeError(f"control: rank 1 prepared batch {got}, expected {bid}")
+            cpu0 = time.process_time()
             result = await (c.rate_consume if rate else c.consume)(n, count, bid)
+            cpu = time.process_time() - cpu0
             await self.ctl.send({"done": bid})
+            # CPU of each whole process (every thread) while the batch ran
+            self.last_cpu = (cpu, await self.ctl.expect("cpu"))
         await c.finish(n, bid)
         return result
 
@@ -220,6 +227,7 @@ class Rank:
         self.total = (1 + sum(1 + rounds for _, rounds, _ in plan)) * k + o.rate_rounds * len(raters) \
             + len(rss_ones) + 1
         samples: dict[str, dict[int, list[int]]] = {c.name: {} for c in self.contenders}
+        cpu: dict[str, dict[int, list]] = {c.name: {} for c in self.contenders}
 
         # Warm-up: connections, first-call costs.
         for c in self.contenders:
@@ -235,6 +243,10 @@ class Rank:
                     got = await self.batch(c, n, per)
                     if got is not None:
                         samples[c.name].setdefault(n, []).extend(got)
+                        total = cpu[c.name].setdefault(n, [0.0, 0.0, 0])
+                        total[0] += self.last_cpu[0]
+                        total[1] += self.last_cpu[1]
+                        total[2] += per
                     self._tick(f"{_fmt(n)} {c.name} round {r + 1}/{rounds}")
             self.ctx.drop_source()
             for c in self.contenders:
@@ -259,7 +271,7 @@ class Rank:
         self._tick("idle CPU")
         if self.ctx.rank != 0:
             return None
-        return {"samples": samples, "rates": rates, "rss": {"size": size, "by_contender": peaks} if peaks else None,
+        return {"samples": samples, "cpu": cpu, "rates": rates, "rss": {"size": size, "by_contender": peaks} if peaks else None,
                 "idle": idle, "plan": [list(p) for p in plan]}
 
     async def peak_rss(self, c: Contender, n: int) -> list[dict[str, int]]:
