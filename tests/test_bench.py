@@ -279,6 +279,16 @@ def test_render_shows_every_cell_ratio_and_target():
     assert "not measured" in report.render(_doc(with_gloo=False))
 
 
+@pytest.mark.timeout(10)
+def test_markdown_tables():
+    text = report.markdown(_doc())
+    assert "| 16 MiB | rendezvous MPI_OPTIMAL_PATH=1 |" in text
+    assert "| optimal path bandwidth at 1 MiB vs raw MPI |  | 0.80 | >= 0.9 | **missed** |" in text
+    assert "rank 1 3.00% of one core" in text
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    assert all(line.count("|") == lines[0].count("|") for line in lines[:len(_doc()["transfers"]) + 2])
+
+
 @pytest.mark.timeout(60)
 def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
@@ -402,6 +412,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     # the table, with ratios and targets, went to the terminal
     assert "raw grpc.aio unary" in done.stdout and "x mpi" in done.stdout and "Targets" in done.stdout
     assert "bench: 100%" in done.stderr  # progress, as plain lines when not on a terminal
+    assert "| 64 KiB |" in (tmp_path / "bench.md").read_text()
     if report.write_plot(doc, tmp_path / "again.png"):
         assert (tmp_path / PLOT_NAME).read_bytes()[:4] == b"\x89PNG"
 

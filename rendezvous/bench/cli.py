@@ -32,6 +32,7 @@ _CHILD_ENV = "RENDEZVOUS_BENCH_CHILD"
 _PROGRESS = "@bench-progress "
 JSON_NAME = "bench.json"
 PLOT_NAME = "bench.png"
+MARKDOWN_NAME = "bench.md"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,7 +152,8 @@ def _show(doc: dict[str, Any], out: Path) -> None:
     from . import report
 
     print(report.render(doc))
-    print(f"\nresults: {out / JSON_NAME}")
+    (out / MARKDOWN_NAME).write_text(report.markdown(doc))
+    print(f"\nresults: {out / JSON_NAME} (tables in Markdown: {out / MARKDOWN_NAME})")
     if report.write_plot(doc, out / PLOT_NAME):
         print(f"plot:    {out / PLOT_NAME}")
     else:

@@ -18,8 +18,8 @@ from typing import Any
 
 from .stats import format_size, percentile, ratio, summarize
 
-__all__ = ["SCHEMA", "SchemaError", "build", "validate", "targets", "render", "write_json", "write_plot",
-           "load"]
+__all__ = ["SCHEMA", "SchemaError", "build", "validate", "targets", "render", "markdown", "write_json",
+           "write_plot", "load"]
 
 SCHEMA = "rendezvous-bench/1"
 REFERENCES = ("mpi", "grpc")
@@ -269,6 +269,8 @@ def load(path: Path) -> dict[str, Any]:
 def _f(value: float | None, digits: int = 2) -> str:
     if value is None:
         return "-"
+    if 0 < value < 0.01:
+        return f"{value:.2g}"
     if value >= 1000:
         return f"{value:,.0f}"
     if value >= 100:
@@ -330,6 +332,55 @@ def render(doc: Mapping[str, Any]) -> str:
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def _md(header: list[str], rows: list[list[str]]) -> list[str]:
+    align = ["---" if i < 2 else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(r) + " |" for r in [header, align, *rows]]
+
+
+def markdown(doc: Mapping[str, Any]) -> str:
+    """The results and targets as Markdown tables (what BENCHMARKS.md shows)."""
+    labels = doc["contenders"]
+    env = doc["environment"]
+    out = [f"Run of {doc['created']} ({'quick' if doc['quick'] else 'full'}): "
+           + ", ".join(f"{k} {v}" for k, v in env.items()) + ".", ""]
+    rows = []
+    for t in doc["transfers"]:
+        cpu = t["cpu_us"]
+        rows.append([format_size(t["size"]), labels.get(t["contender"], t["contender"]), _f(t["median_us"]),
+                     _f(t["p99_us"]), _f(t["gbps"], 3), _f(t["vs_mpi"]["gbps"]), _f(t["vs_grpc"]["gbps"]),
+                     f"{_f(cpu['consumer'])} / {_f(cpu['producer'])}", str(t["samples"])])
+    out += _md(["size", "contender", "median µs", "p99 µs", "GB/s", "× (a)", "× (b)", "CPU µs cons. / prod.", "n"],
+               rows)
+    if doc.get("rate"):
+        r = doc["rate"]
+        out += ["", f"Rate, {format_size(r['bytes'])} tensors, {r['outstanding']} recvs outstanding:", ""]
+        out += _md(["contender", "", "recvs/s (median)", "best", "× (a)", "× (b)", "errors"],
+                   [[labels.get(x["contender"], x["contender"]), "", _f(x["per_s"]), _f(x["best_per_s"]),
+                     _f(x["vs_mpi"]), _f(x["vs_grpc"]), str(x["errors"])] for x in r["results"]])
+    if doc.get("rss"):
+        r = doc["rss"]
+        out += ["", f"Peak RSS during one {format_size(r['size'])} transfer, added over each rank's baseline "
+                    "(rank 0 consumes, rank 1 produces):", ""]
+        rows = []
+        for x in r["results"]:
+            for row, vs in zip(x["ranks"], x["vs_mpi"]):
+                rows.append([labels.get(x["contender"], x["contender"]), f"rank {row['rank']}",
+                             f"{row['baseline_bytes'] / MiB:.0f}", f"{row['peak_bytes'] / MiB:.0f}",
+                             f"{row['transfer_bytes'] / MiB:.0f}", _f(row["x_size"]), _f(vs)])
+        out += _md(["contender", "rank", "baseline MiB", "peak MiB", "added MiB", "× size", "× (a)"], rows)
+    if doc.get("idle"):
+        out += ["", "Idle CPU: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of one core over "
+                                             f"{r['seconds']:.0f} s" for r in doc["idle"]) + "."]
+    out += ["", "Targets:", ""]
+    out += _md(["target", "", "measured", "required", "status"],
+               [[t["what"], "", _f(t["measured"]), f"{t['op']} {t['limit']:g}",
+                 {True: "met", False: "**missed**", None: "not measured"}[t["ok"]]
+                 + (f" ({t['note']})" if t["note"] else "")] for t in doc["targets"]])
+    for n in doc["notes"]:
+        out.append(f"\nNote: {n}.")
+    return "\n".join(out) + "\n"
 
 
 _STYLE = {"memcpy": dict(linestyle="--", color="grey"), "mpi": dict(color="black"),

@@ -366,7 +366,7 @@ def _environment(MPI: Any) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "numpy": np.__version__,
         "grpcio": grpc.__version__,
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
         "event_loop": f"{type(loop).__module__}.{type(loop).__name__}",
     }
     torch = sys.modules.get("torch")
