@@ -32,8 +32,14 @@ def test_a_buffer_still_referred_to_is_never_handed_out(hold):
     cache = RecvBuffers(limit=64 * MiB, min_bytes=MiB)
     a = cache.empty(MiB, np.uint8)
     a[:] = 7
-    keep = {"array": lambda: a, "view": lambda: a[10:], "memoryview": lambda: memoryview(a),
-            "reshaped": lambda: a.view(np.int32).reshape(512, 512)}[hold]()
+    if hold == "array":
+        keep = a
+    elif hold == "view":
+        keep = a[10:]
+    elif hold == "memoryview":
+        keep = memoryview(a)
+    else:
+        keep = a.view(np.int32).reshape(512, 512)
     where = _addr(a)
     del a
     b = cache.empty(MiB, np.uint8)

@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,6 @@ class Options:
     rss: bool = True
     idle_seconds: float = 10.0
     quick: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def quick_mode(cls, **changes: Any) -> "Options":
