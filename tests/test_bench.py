@@ -187,6 +187,7 @@ def test_build_computes_ratios_from_the_same_run():
     assert mpi["vs_mpi"]["gbps"] == 1.0
     # CPU per transfer: consumer and producer seconds over the transfers timed
     assert mpi["cpu_us"] == {"consumer": pytest.approx(2000), "producer": pytest.approx(4000)}
+    assert mpi["vs_mpi"]["cpu_consumer"] == 1.0 and mpi["vs_grpc"]["cpu_consumer"] is None  # no grpc cpu here
     cell = next(t for t in doc["transfers"] if t["contender"] == "default" and t["size"] == MiB)
     assert cell["cpu_us"] == {"consumer": pytest.approx(100_000), "producer": pytest.approx(50_000)}
     cell = next(t for t in doc["transfers"] if t["contender"] == "optimal" and t["size"] == MiB)

@@ -60,7 +60,10 @@ def build(raw: Mapping[str, Any], *, quick: bool, args: Mapping[str, Any] | None
                 continue
             for refname in REFERENCES:
                 ref = cells.get((refname, size))
-                cell[f"vs_{refname}"] = {k: _vs(cell[k], ref, k) for k in ("gbps", "median_us", "p99_us")}
+                vs = {k: _vs(cell[k], ref, k) for k in ("gbps", "median_us", "p99_us")}
+                for side in ("consumer", "producer"):
+                    vs[f"cpu_{side}"] = ratio(cell["cpu_us"][side], ref["cpu_us"][side] if ref else None)
+                cell[f"vs_{refname}"] = vs
             transfers.append(cell)
 
     rate = None
@@ -181,7 +184,8 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
-_RATIOS = {"gbps": _OPT_NUM, "median_us": _OPT_NUM, "p99_us": _OPT_NUM}
+_RATIOS = {"gbps": _OPT_NUM, "median_us": _OPT_NUM, "p99_us": _OPT_NUM, "cpu_consumer": _OPT_NUM,
+           "cpu_producer": _OPT_NUM}
 _SPEC: dict[str, Any] = {
     "schema": str,
     "created": str,
