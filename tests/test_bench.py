@@ -465,3 +465,34 @@ def _failing_rank(out: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "fail":
         _failing_rank(sys.argv[2])
+
+
+@pytest.mark.timeout(10)
+def test_gpu_target_against_the_slower_of_its_two_bounds():
+    raw = _raw()
+    for size in SIZES:
+        mpi_us = 5 + size / 5000
+        raw["samples"].setdefault("gpu_staged", {})[size] = [int(mpi_us * 2000)] * 5  # 0.5x raw MPI
+        raw["samples"].setdefault("gpu_serial", {})[size] = [int(mpi_us * 4000)] * 5  # 0.25x
+        raw["samples"].setdefault("d2h", {})[size] = [int(mpi_us * 500)] * 5  # 2x raw MPI: MPI is the bound
+    raw["contenders"].update(gpu_staged="rendezvous GPU->GPU", gpu_serial="1 chunk", d2h="device -> host")
+    doc = report.build(raw, quick=True, args={}, now=NOW)
+    report.validate(doc)
+    t = _target(doc, f"gpu_staged_{16 * MiB}")
+    assert t["measured"] == pytest.approx(0.5) and t["ok"] is False
+    assert "2.00x the bandwidth with one chunk in flight" in t["note"]
+    assert not any(t["id"] == f"gpu_staged_{MiB}" for t in doc["targets"])  # from 16 MiB up
+    assert not any(t["id"].startswith("gpu_") for t in _doc()["targets"])  # not measured: not listed
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+def test_tiny_run_of_the_gpu_contenders_on_the_fake_gpu(tmp_path):
+    _needs_mpiexec()
+    done = _bench(tmp_path, "--gpu", "fake", "--contenders", "mpi,gpu_staged,gpu_serial,d2h", "--no-rss")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    doc = report.load(tmp_path / JSON_NAME)
+    assert {"gpu_staged", "gpu_serial", "d2h"} <= set(doc["contenders"])
+    assert any("fake GPU" in n for n in doc["notes"])
+    cells = {(t["contender"], t["size"]) for t in doc["transfers"]}
+    assert {("gpu_staged", 65536), ("gpu_serial", 1024), ("d2h", 65536)} <= cells

@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1K,64K,1M,16M,128M,512M", metavar="LIST",
                    help="tensor sizes, comma-separated, binary units (default 1K,64K,1M,16M,128M,512M)")
     p.add_argument("--contenders", default="all", metavar="LIST",
-                   help="any of mpi,mpi_alloc,grpc,default,optimal,gloo,memcpy (default all; gloo only "
-                        "if torch is installed)")
+                   help="any of mpi,mpi_alloc,grpc,default,optimal,gloo,memcpy,gpu_staged,gpu_serial,d2h "
+                        "(default all; gloo only if torch is installed, the gpu ones only with --gpu)")
     p.add_argument("--samples", type=int, metavar="N",
                    help="timed transfers per contender and size (default: enough to move 2 GiB, "
                         "256 MiB with --quick, within [8, 1000] or [3, 200])")
@@ -52,10 +52,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-rounds", type=int, metavar="N", help="rounds of the rate test (default 7, quick 3)")
     p.add_argument("--idle-seconds", type=float, metavar="S", help="length of the idle CPU test (default 10, quick 5)")
     p.add_argument("--no-rss", action="store_true", help="skip the peak RSS test")
+    p.add_argument("--gpu", choices=("auto", "off", "fake", "cupy"), default="auto",
+                   help="GPU contenders (gpu_staged, gpu_serial, d2h): cupy on a CUDA device; fake: host "
+                        "memory standing in for the GPU (measures the staging pipeline only); auto "
+                        "(default): cupy when a CUDA device is usable, else off")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help=f"where {JSON_NAME} and {PLOT_NAME} go (default bench-results)")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                    help="end the job if it runs longer than this (default 1800)")
+
+
+def _gpu_kind(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from rendezvous.devices import CupyBackend
+
+    return "cupy" if CupyBackend().available() else "off"
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -71,7 +83,7 @@ def _options(args: argparse.Namespace) -> Any:
         raise SystemExit(f"rendezvous bench: unknown contender(s) {', '.join(unknown)}; "
                          f"known: {', '.join(CONTENDERS)}")
     changes: dict[str, Any] = {"sizes": sizes, "contenders": names, "outstanding": args.outstanding,
-                               "rss": not args.no_rss}
+                               "rss": not args.no_rss, "gpu": _gpu_kind(args.gpu)}
     if args.samples is not None:
         changes.update(least=args.samples, most=args.samples)
     for name in ("rounds", "rate_rounds", "idle_seconds"):
@@ -93,13 +105,14 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out.append("--quick")
     if args.no_rss:
         out.append("--no-rss")
+    out += ["--gpu", args.gpu]
     return out
 
 
 def _record(args: argparse.Namespace) -> dict[str, Any]:
     return {"sizes": args.sizes, "contenders": args.contenders, "samples": args.samples, "rounds": args.rounds,
             "outstanding": args.outstanding, "rate_rounds": args.rate_rounds, "idle_seconds": args.idle_seconds,
-            "rss": not args.no_rss}
+            "rss": not args.no_rss, "gpu": args.gpu}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,12 +34,13 @@ import numpy as np
 
 from . import rss
 from .contenders import Contender, Gloo, Memcpy, RawGrpc, RawMpi, Rendezvous, pattern
+from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend
 from .stats import samples_for
 
 __all__ = ["Options", "run_rank", "CONTENDERS"]
 
 #: every contender, in the order tables and plots list them
-CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "gloo", "memcpy")
+CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "gloo", "memcpy", *GPU_CONTENDERS)
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
 
 
@@ -58,6 +59,8 @@ class Options:
     rss: bool = True
     idle_seconds: float = 10.0
     quick: bool = False
+    #: GPU contenders: "off", "fake" (host memory standing in) or "cupy"
+    gpu: str = "off"
 
     @classmethod
     def quick_mode(cls, **changes: Any) -> "Options":
@@ -141,12 +144,15 @@ def _torch_usable() -> tuple[bool, str]:
     return True, f"torch {torch.__version__}"
 
 
-def _build(ctx: Context, names: tuple[str, ...]) -> list[Contender]:
+def _build(ctx: Context, names: tuple[str, ...], gpu: Any = None) -> list[Contender]:
     made: dict[str, Contender] = {
         "mpi": RawMpi(ctx), "mpi_alloc": RawMpi(ctx, fresh=True), "grpc": RawGrpc(ctx),
         "default": Rendezvous(ctx, optimal=False), "optimal": Rendezvous(ctx, optimal=True),
         "gloo": Gloo(ctx), "memcpy": Memcpy(ctx),
     }
+    if gpu is not None:
+        made.update({"gpu_staged": GpuRendezvous(ctx, gpu, None), "gpu_serial": GpuRendezvous(ctx, gpu, 1),
+                     "d2h": DeviceToHost(ctx, gpu)})
     return [made[n] for n in CONTENDERS if n in names]
 
 
@@ -336,7 +342,16 @@ async def run_rank(opts: Options, progress: Callable[[int, int, str], None]) -> 
             notes.append(why if not ok else "torch is not usable on the other rank: gloo not measured")
         else:
             notes.append(f"gloo measured with {why}")
-    contenders = _build(ctx, names)
+    gpu = None
+    if any(n in GPU_CONTENDERS for n in names):
+        if opts.gpu == "off":
+            names = tuple(n for n in names if n not in GPU_CONTENDERS)
+            notes.append("GPU contenders not measured: no GPU here (--gpu fake measures the staging "
+                         "pipeline with host memory standing in for the GPU)")
+        else:
+            gpu, why = gpu_backend(opts.gpu)
+            notes.append(why)
+    contenders = _build(ctx, names, gpu)
     for c in contenders:
         await c.setup()
     try:

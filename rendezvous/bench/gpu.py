@@ -1,0 +1,148 @@
+"""GPU contenders: device tensors between the two ranks, and the copy they are
+bounded by.
+
+* ``gpu_staged``: ``await server.recv(key)`` of a tensor produced on rank 1's
+  GPU into rank 0's GPU on the optimal path: without CUDA-aware MPI the bytes
+  are staged through pinned host chunks on both sides, the device-to-host
+  copy of chunk i+1 overlapping the MPI send of chunk i (and host-to-device
+  overlapping the receive on the other side);
+* ``gpu_serial``: the same with one chunk in flight (no overlap), to show
+  what the pipelining buys;
+* ``d2h``: one device-to-pinned-host copy of the same bytes on rank 0, the
+  other bound of the staged path (``raw MPI`` is the first).
+
+The GPU is cupy's on a machine with one (``--gpu cupy``), or
+:class:`rendezvous.fakegpu.FakeBackend` (``--gpu fake``): host memory and
+copy threads standing in for a GPU, which measures the pipeline's overlap
+and overhead on any machine but says nothing about PCIe or NVLink.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .contenders import Contender, check
+
+__all__ = ["GPU_CONTENDERS", "gpu_backend", "GpuRendezvous", "DeviceToHost"]
+
+GPU_CONTENDERS = ("gpu_staged", "gpu_serial", "d2h")
+
+
+def gpu_backend(kind: str) -> tuple[Any, str]:
+    """(backend, note) for ``--gpu fake|cupy``; registers the fake so GPU placements use it."""
+    from rendezvous import devices
+
+    if kind == "fake":
+        from rendezvous.fakegpu import FakeBackend
+
+        fake = FakeBackend()
+        devices.register_backend(fake)
+        return fake, "GPU contenders on the fake GPU (host memory, copy threads): pipeline overlap only"
+    backend = devices.CupyBackend()
+    if not backend.available():
+        raise SystemExit("--gpu cupy needs cupy and a CUDA device")
+    import cupy
+
+    return backend, f"GPU contenders on {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}"
+
+
+def _to_device(backend: Any, host: np.ndarray) -> Any:
+    if backend.name == "fake":
+        return backend.array(host)
+    import cupy
+
+    return cupy.asarray(host)
+
+
+def _to_host(value: Any) -> np.ndarray:
+    return value.get()
+
+
+class GpuRendezvous(Contender):
+    """GPU -> GPU through rank servers on the optimal path."""
+
+    def __init__(self, ctx: Any, backend: Any, depth: int | None) -> None:
+        super().__init__(ctx)
+        self.backend = backend
+        self.depth = depth
+        self.name = "gpu_serial" if depth == 1 else "gpu_staged"
+        self.label = "rendezvous GPU->GPU, 1 chunk in flight" if depth == 1 else "rendezvous GPU->GPU"
+        self.job = "gpu1" if depth == 1 else "gpu"
+        self.server: Any = None
+        self._src: tuple[int, Any] | None = None
+
+    async def setup(self) -> None:
+        from rendezvous import aio
+
+        cluster = {"gpu": ["127.0.0.1:0"] * 2, "gpu1": ["127.0.0.1:0"] * 2}
+        extra = {"gpu_staging_depth": self.depth} if self.depth else {}
+        self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",
+                                 mpi_optimal_path=True, mpi_disabled=False, **extra)
+        await self.server.start()  # collective: both ranks, same order
+
+    def key(self, n: int) -> str:
+        return (f"/job:{self.job}/replica:0/task:1/device:GPU:0;0000000000000001;"
+                f"/job:{self.job}/replica:0/task:0/device:GPU:0;gpu_{n};0:0")
+
+    async def prepare(self, n: int, count: int, batch: int) -> None:
+        if self._src is None or self._src[0] != n:
+            self._src = None
+            self._src = (n, _to_device(self.backend, self.ctx.source(n)))
+        for _ in range(count):
+            self.server.send(self.key(n), self._src[1], step_id=batch)
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        recv, key = self.server.recv, self.key(n)
+        out = []
+        clock = time.perf_counter_ns
+        value = None
+        for _ in range(count):
+            t0 = clock()
+            value = await recv(key, batch, 300)
+            out.append(clock() - t0)
+        check(_to_host(value), n)
+        return out
+
+    async def finish(self, n: int, batch: int) -> None:
+        self.server.cleanup(batch)
+
+    def release(self) -> None:
+        self._src = None
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop(1.0)
+
+
+class DeviceToHost(Contender):
+    """One device -> pinned host copy of ``n`` bytes on rank 0 (the staging copy's bound)."""
+
+    name = "d2h"
+    label = "device -> pinned host copy"
+    rss = False
+
+    def __init__(self, ctx: Any, backend: Any) -> None:
+        super().__init__(ctx)
+        self.backend = backend
+        self._bufs: tuple[int, Any, np.ndarray] | None = None
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        b = self.backend
+        if self._bufs is None or self._bufs[0] != n:
+            self._bufs = None
+            self._bufs = (n, b.wrap(_to_device(b, self.ctx.source(n))), b.pinned(max(n, 1))[:n])
+        _, src, host = self._bufs
+        out = []
+        clock = time.perf_counter_ns
+        for _ in range(count):
+            t0 = clock()
+            b.event_wait(b.d2h_async(src, 0, host))
+            out.append(clock() - t0)
+        check(host, n)
+        return out
+
+    def release(self) -> None:
+        self._bufs = None
