@@ -115,15 +115,21 @@ class StagedSend(Pipeline):
                 moved = True
         # Sends are posted in chunk order: MPI matches messages on one tag in order.
         while self._copying and self.backend.event_done(self._copying[0][2]):
-            buf, size, _ = self._copying.popleft()
+            buf, size, _ = self._copying[0]
             req = self.comm.Isend([buf[:size], self.MPI.BYTE], self.peer, self.tag)
+            self._copying.popleft()  # only once posted: a failed post leaves it for _fail to give back
             self._reqs.append(req)
             self._sending.append((buf, req))
             moved = True
         while self._next < len(self.spans) and len(self._copying) + len(self._sending) < self.pool.depth:
             start, stop = self.spans[self._next]
             buf = self.pool.take()
-            self._copying.append((buf, stop - start, self.backend.d2h_async(self.src, start, buf[:stop - start])))
+            try:
+                event = self.backend.d2h_async(self.src, start, buf[:stop - start])
+            except BaseException:
+                self.pool.give(buf)
+                raise
+            self._copying.append((buf, stop - start, event))
             self._next += 1
             moved = True
         if self._next >= len(self.spans) and not self._copying and not self._sending:
@@ -172,7 +178,11 @@ class StagedRecv(Pipeline):
         while self._next < len(self.spans) and len(self._receiving) + len(self._copying) < self.pool.depth:
             start, stop = self.spans[self._next]
             buf = self.pool.take()
-            req = self.comm.Irecv([buf[:stop - start], self.MPI.BYTE], self.peer, self.tag)
+            try:
+                req = self.comm.Irecv([buf[:stop - start], self.MPI.BYTE], self.peer, self.tag)
+            except BaseException:
+                self.pool.give(buf)
+                raise
             self._reqs.append(req)
             self._receiving.append((start, stop - start, buf, req))
             self._next += 1
