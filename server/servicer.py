@@ -21,7 +21,6 @@ import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
