@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .contenders import Contender, check
+from .contenders import Contender, Rendezvous, check
 
 __all__ = ["GPU_CONTENDERS", "gpu_backend", "GpuRendezvous", "DeviceToHost"]
 
@@ -61,17 +61,20 @@ def _to_host(value: Any) -> np.ndarray:
     return value.get()
 
 
-class GpuRendezvous(Contender):
-    """GPU -> GPU through rank servers on the optimal path."""
+class GpuRendezvous(Rendezvous):
+    """GPU -> GPU through rank servers on the optimal path: the host contender's
+    round trip with device tensors at both ends."""
+
+    rate = False  # the 1 KiB rate and the host RSS tests are the host contenders'
+    rss = False
 
     def __init__(self, ctx: Any, backend: Any, depth: int | None) -> None:
-        super().__init__(ctx)
+        super().__init__(ctx, optimal=True)
         self.backend = backend
         self.depth = depth
         self.name = "gpu_serial" if depth == 1 else "gpu_staged"
         self.label = "rendezvous GPU->GPU, 1 chunk in flight" if depth == 1 else "rendezvous GPU->GPU"
         self.job = "gpu1" if depth == 1 else "gpu"
-        self.server: Any = None
         self._src: tuple[int, Any] | None = None
 
     async def setup(self) -> None:
@@ -83,9 +86,8 @@ class GpuRendezvous(Contender):
                                  mpi_optimal_path=True, mpi_disabled=False, **extra)
         await self.server.start()  # collective: both ranks, same order
 
-    def key(self, n: int) -> str:
-        return (f"/job:{self.job}/replica:0/task:1/device:GPU:0;0000000000000001;"
-                f"/job:{self.job}/replica:0/task:0/device:GPU:0;gpu_{n};0:0")
+    def key(self, n: int, i: int = 0) -> str:
+        return super().key(n, i).replace("/device:CPU:0;", "/device:GPU:0;")
 
     async def prepare(self, n: int, count: int, batch: int) -> None:
         if self._src is None or self._src[0] != n:
@@ -94,27 +96,12 @@ class GpuRendezvous(Contender):
         for _ in range(count):
             self.server.send(self.key(n), self._src[1], step_id=batch)
 
-    async def consume(self, n: int, count: int, batch: int) -> list[int]:
-        recv, key = self.server.recv, self.key(n)
-        out = []
-        clock = time.perf_counter_ns
-        value = None
-        for _ in range(count):
-            t0 = clock()
-            value = await recv(key, batch, 300)
-            out.append(clock() - t0)
-        check(_to_host(value), n)
-        return out
-
-    async def finish(self, n: int, batch: int) -> None:
-        self.server.cleanup(batch)
+    @staticmethod
+    def on_host(value: Any) -> Any:
+        return _to_host(value)
 
     def release(self) -> None:
         self._src = None
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await self.server.stop(1.0)
 
 
 class DeviceToHost(Contender):

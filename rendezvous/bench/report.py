@@ -281,6 +281,17 @@ def load(path: Path) -> dict[str, Any]:
 
 # -- rendering --------------------------------------------------------------------
 
+
+def _rss_rows(r: Mapping[str, Any], labels: Mapping[str, str]) -> list[list[str]]:
+    """One row per contender and rank of the peak-RSS test (terminal and Markdown)."""
+    rows = []
+    for x in r["results"]:
+        for row, vs in zip(x["ranks"], x["vs_mpi"]):
+            rows.append([labels.get(x["contender"], x["contender"]), f"rank {row['rank']}",
+                         f"{row['baseline_bytes'] / MiB:.0f}", f"{row['peak_bytes'] / MiB:.0f}",
+                         f"{row['transfer_bytes'] / MiB:.0f}", _f(row["x_size"]), _f(vs)])
+    return rows
+
 def _f(value: float | None, digits: int = 2) -> str:
     if value is None:
         return "-"
@@ -329,12 +340,7 @@ def render(doc: Mapping[str, Any]) -> str:
         r = doc["rss"]
         lines += ["", f"Peak RSS during one {format_size(r['size'])} transfer (added over the rank's baseline; "
                       "producer = rank 1, consumer = rank 0)"]
-        rows = []
-        for x in r["results"]:
-            for row, vs in zip(x["ranks"], x["vs_mpi"]):
-                rows.append([labels.get(x["contender"], x["contender"]), f"rank {row['rank']}",
-                             f"{row['baseline_bytes'] / MiB:.0f}", f"{row['peak_bytes'] / MiB:.0f}",
-                             f"{row['transfer_bytes'] / MiB:.0f}", _f(row["x_size"]), _f(vs)])
+        rows = _rss_rows(r, labels)
         lines += _table(["contender", "rank", "base MiB", "peak MiB", "added MiB", "x size", "x mpi"], rows)
     if doc.get("idle"):
         lines += ["", "Idle: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of a core over "
@@ -378,12 +384,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
         r = doc["rss"]
         out += ["", f"Peak RSS during one {format_size(r['size'])} transfer, added over each rank's baseline "
                     "(rank 0 consumes, rank 1 produces):", ""]
-        rows = []
-        for x in r["results"]:
-            for row, vs in zip(x["ranks"], x["vs_mpi"]):
-                rows.append([labels.get(x["contender"], x["contender"]), f"rank {row['rank']}",
-                             f"{row['baseline_bytes'] / MiB:.0f}", f"{row['peak_bytes'] / MiB:.0f}",
-                             f"{row['transfer_bytes'] / MiB:.0f}", _f(row["x_size"]), _f(vs)])
+        rows = _rss_rows(r, labels)
         out += _md(["contender", "rank", "baseline MiB", "peak MiB", "added MiB", "× size", "× (a)"], rows)
     if doc.get("idle"):
         out += ["", "Idle CPU: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of one core over "
