@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
-import inspect
 import logging
 import re
 import time
@@ -102,10 +101,6 @@ class LocalServicer:
         self._closed = asyncio.Event()
         threshold = self.config.shm_threshold
         self.shm_threshold = threshold if threshold >= 0 and shm.available() else -1
-        # rendezvous.aio.Server.recv_item takes a placement where GPU support is
-        # built in: the daemon always wants host arrays.
-        params = inspect.signature(server.recv_item).parameters
-        self._host = {"device": "cpu"} if "device" in params else {}
 
     # -- registration -----------------------------------------------------
 
@@ -227,7 +222,8 @@ class LocalServicer:
             wait_id = self._next_wait = self._next_wait + 1
             self.waits[wait_id] = _Wait(canonical, req.step_id, str(producer), time.monotonic())
             timeout = req.timeout if req.timeout > 0 else None
-            item = await self.server.recv_item(canonical, req.step_id, timeout, **self._host)
+            # host arrays always: they go to the client inline or through shared memory
+            item = await self.server.recv_item(canonical, req.step_id, timeout, device="cpu")
             path = last_path.get()
             del self.waits[wait_id]
             wait_id = None
