@@ -44,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=30.0, metavar="S", help="deadline in seconds (default 30)")
     g.add_argument("--text", action="store_true", help="print the reply's TensorProto in protobuf text format")
     g.add_argument("--save", metavar="FILE.npy", help="also save the tensor with numpy.save")
+    sec = g.add_argument_group("security (for servers with a token or TLS)")
+    sec.add_argument("--token", default=os.environ.get("RENDEZVOUS_TOKEN", ""), metavar="TOKEN",
+                     help="shared token, sent as 'authorization: Bearer TOKEN' (env RENDEZVOUS_TOKEN)")
+    sec.add_argument("--token-file", default=os.environ.get("RENDEZVOUS_TOKEN_FILE", ""), metavar="FILE",
+                     help="read the token from FILE (env RENDEZVOUS_TOKEN_FILE)")
+    sec.add_argument("--tls-ca", default=os.environ.get("RENDEZVOUS_TLS_CA", ""), metavar="PEM",
+                     help="connect over TLS, trusting this CA (env RENDEZVOUS_TLS_CA)")
+    sec.add_argument("--tls-cert", default=os.environ.get("RENDEZVOUS_TLS_CERT", ""), metavar="PEM",
+                     help="client certificate, for servers that demand one (env RENDEZVOUS_TLS_CERT)")
+    sec.add_argument("--tls-key", default=os.environ.get("RENDEZVOUS_TLS_KEY", ""), metavar="PEM",
+                     help="the client certificate's key (env RENDEZVOUS_TLS_KEY)")
 
     b = sub.add_parser("bench", help="benchmark every path against raw MPI, raw gRPC, gloo and memcpy",
                        description="Run the benchmark suite under mpiexec -n 2 (launched for you): table, "
@@ -209,6 +220,34 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _get_security(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    """(TLS channel credentials or None, token metadata) from ``get``'s flags."""
+    import grpc
+
+    from .errors import InvalidArgument
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+
+    token = args.token
+    if args.token_file:
+        token = read(args.token_file, "--token-file").decode("utf-8", "replace").strip()
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InvalidArgument("--tls-cert and --tls-key go together")
+    credentials = None
+    if args.tls_ca or args.tls_cert:
+        credentials = grpc.ssl_channel_credentials(
+            read(args.tls_ca, "--tls-ca") if args.tls_ca else None,
+            read(args.tls_key, "--tls-key") if args.tls_key else None,
+            read(args.tls_cert, "--tls-cert") if args.tls_cert else None)
+    return credentials, metadata
+
+
 def _get(args: argparse.Namespace) -> int:
     import grpc
     import numpy as np
@@ -222,10 +261,14 @@ def _get(args: argparse.Namespace) -> int:
     try:
         parse_key(args.key)
         request = pb.RecvTensorRequest(step_id=args.step, rendezvous_key=args.key)
-        with grpc.insecure_channel(args.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+        credentials, metadata = _get_security(args)
+        options = [("grpc.max_receive_message_length", -1)]
+        channel = (grpc.secure_channel(args.address, credentials, options=options) if credentials
+                   else grpc.insecure_channel(args.address, options=options))
+        with channel as ch:
             call = ch.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
             try:
-                raw = call(request.SerializeToString(), timeout=args.timeout)
+                raw = call(request.SerializeToString(), timeout=args.timeout, metadata=metadata or None)
             except grpc.RpcError as exc:
                 raise from_status(exc.code(), exc.details() or "") from None
     except RendezvousError as exc:

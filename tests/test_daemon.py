@@ -562,3 +562,26 @@ def test_sigterm_handler_ignores_a_duplicate_delivery_but_not_a_later_signal(soc
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_get_command_sends_the_token_and_speaks_tls(sockdir, pki, capsys):
+    from rendezvous import cli
+
+    def get(target, name, *flags):
+        return cli.main(["get", key(0, 1, name), "--from", target, "--step", "1", "--timeout", "10", *flags])
+
+    async def main():
+        async with daemons(sockdir, 2, token="s3cret", **_tls(pki, True)) as (d0, d1), \
+                Client(d0.local_target) as a:
+            await a.send(key(0, 1, "t"), np.arange(4, dtype=np.int32), step_id=1)
+            ca, cert, pkey = (str(pki / n) for n in ("ca.pem", "node.pem", "node.key"))
+            tls = ("--tls-ca", ca, "--tls-cert", cert, "--tls-key", pkey)
+            assert await asyncio.to_thread(get, d0.target, "t", *tls) == 1  # no token
+            assert "UNAUTHENTICATED" in capsys.readouterr().err
+            assert await asyncio.to_thread(get, d0.target, "t", "--token", "s3cret") == 1  # no TLS
+            assert "UNAVAILABLE" in capsys.readouterr().err
+            assert await asyncio.to_thread(get, d0.target, "t", "--token", "s3cret", *tls) == 0
+            assert "dtype=int32 shape=(4,)" in capsys.readouterr().out
+            assert await asyncio.to_thread(get, d0.target, "t", "--tls-cert", cert) == 1
+            assert "go together" in capsys.readouterr().err
+    run(main())
