@@ -32,3 +32,20 @@ def test_parameter_server_job_converges_on_both_paths():
     assert int(mpi_row.group(1)) > 0, "parameters and gradients should move over MPI"
     assert int(re.search(r"MPI\s+(\d+)", grpc_run).group(1)) == 0
     assert "-> the same" in out.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_gpu_example_runs_on_the_stand_in_gpu():
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec (pip install 'rendezvous[mpi]')")
+    out = subprocess.run([str(mpiexec), "-n", "2", sys.executable, "-m", "mpi4py",
+                          str(ROOT / "examples" / "gpu_exchange.py"), "--fake", "--mib", "8"],
+                         capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank in (0, 1):
+        line = next(x for x in out.stdout.splitlines() if x.startswith(f"rank {rank}:"))
+        assert "FakeDeviceArray of 8 MiB onto the GPU" in line and "ndarray onto the host" in line
+        assert "'staged_recvs': 1" in line
+    assert "CUDA-aware MPI: no" in out.stderr

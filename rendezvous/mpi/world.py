@@ -79,7 +79,7 @@ class MpiWorld:
                 f"MPI granted thread level {name}; grpc+mpi needs SERIALIZED or MULTIPLE "
                 "(its progress thread is not the thread that initialized MPI)")
         world = MPI.COMM_WORLD
-        library = MPI.Get_library_version().splitlines()[0].strip()
+        library = " ".join(MPI.Get_library_version().splitlines()[0].split())
         return cls(MPI, None, world.Get_rank(), world.Get_size(), name, 0, library)
 
     def probe_cuda_aware(self) -> tuple[bool, str]:
