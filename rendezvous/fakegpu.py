@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import buffers
 from .devices import DeviceBackend, DeviceTensor
 from .errors import FailedPrecondition
 from .tensors import TensorMeta
@@ -111,7 +112,8 @@ class FakeBackend(DeviceBackend):
     def empty(self, meta: TensorMeta, device: int) -> Any:
         if not 0 <= device < self.devices:
             raise FailedPrecondition(f"no GPU:{device} (fake backend has {self.devices})")
-        return FakeDeviceArray(np.empty(meta.shape, dtype=meta.dtype), device)
+        # Reused host buffers, as a device memory pool (cupy's) reuses device memory.
+        return FakeDeviceArray(buffers.empty(meta.shape, meta.dtype), device)
 
     def d2h_async(self, src: DeviceTensor, start: int, host: np.ndarray) -> Any:
         stream = self._copy[src.device]
