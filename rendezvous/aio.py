@@ -310,8 +310,13 @@ class Server:
                     item = await self.table.recv(step_id, canonical)
             except TimeoutError:
                 raise DeadlineExceeded(f"recv of {canonical!r} (step {step_id}) timed out after {timeout:g}s") from None
+            try:
+                placed = await self._place(item.value, target)
+            except BaseException:
+                self._requeue(step_id, canonical, item)  # not delivered: it stays for a later recv
+                raise
             self._stats.received("local", payload_nbytes(item.value))
-            return Received(await self._place(item.value, target), item.is_dead)
+            return Received(placed, item.is_dead)
         peer = self._peer(src)
         task = asyncio.current_task()
         waits = self._remote.setdefault(step_id, set())
@@ -336,12 +341,18 @@ class Server:
             item = Received(await self._place(item.value, target), item.is_dead)
         return item
 
+    def _requeue(self, step_id: int, key: str, item: Received) -> None:
+        try:
+            self.table.requeue(step_id, key, item)
+        except RendezvousError:
+            pass  # the step ended meanwhile: its tensors are dropped anyway
+
     async def _place(self, value: Any, target: Placement) -> Any:
         """``value`` on ``target`` (already resolved); copies run off the loop."""
         if value is None:
             return None
-        if not isinstance(value, DeviceTensor) and not target.is_gpu:
-            return value  # host to host: the object as it is
+        if not isinstance(value, DeviceTensor) and not devices.needs_copy(value, target, True):
+            return value  # host data staying on the host (strings too): the object as it is
         args = (self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
         placed = await asyncio.get_running_loop().run_in_executor(
             None, devices.place, value, target, True, args)

@@ -510,7 +510,7 @@ def place(value: Any, placement: Placement, explicit: bool, pool_args: tuple[int
     if not target.is_gpu or backend is None:
         return value
     if getattr(value, "dtype", None) == np.dtype(object):
-        raise InvalidArgument("string tensors cannot be placed on a GPU")
+        return value  # strings have no device form: they stay on the host
     return backend.user_array(backend.from_host(value, target.index, pool(backend, *pool_args)))
 
 
@@ -521,4 +521,4 @@ def needs_copy(value: Any, placement: Placement, explicit: bool) -> bool:
     target, backend = resolve(placement, explicit)
     if isinstance(value, DeviceTensor):
         return not (target.is_gpu and target.index == value.device and backend is value.backend)
-    return target.is_gpu and backend is not None
+    return target.is_gpu and backend is not None and getattr(value, "dtype", None) != np.dtype(object)

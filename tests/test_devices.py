@@ -232,8 +232,31 @@ def test_device_tensor_describes_itself(fake):
         fake.empty(dt.meta, 3)  # the fake has one device
 
 
-def test_string_tensor_cannot_go_to_a_gpu(fake):
+def test_string_tensors_stay_on_the_host(fake):
     strings = np.array([b"a", b"bc"], dtype=object)
-    with pytest.raises(errors.InvalidArgument, match="string"):
-        devices.place(strings, Placement("GPU", 0), True, (4096, 2))
-    assert devices.place(strings, CPU, True, (4096, 2)) is strings
+    assert devices.place(strings, Placement("GPU", 0), True, (4096, 2)) is strings
+    assert not devices.needs_copy(strings, Placement("GPU", 0), True)
+
+    async def main():
+        async with cluster(2) as (a, b):
+            b.send(gkey(1, 0, "s"), strings)
+            got = await a.recv(gkey(1, 0, "s"), timeout=10)
+            assert got.tolist() == [b"a", b"bc"]
+            assert a.stats()["gpu"]["to_device"] == 0
+    run(main())
+
+
+def test_a_failed_local_placement_leaves_the_tensor_in_the_table(fake, monkeypatch):
+    async def main():
+        async with cluster(1) as (a,):
+            a.send(gkey(0, 0, "t"), np.arange(3.0))
+
+            def broken(*args):
+                raise MemoryError("device is full")
+            monkeypatch.setattr(fake, "from_host", broken)
+            with pytest.raises(MemoryError):
+                await a.recv(gkey(0, 0, "t"), timeout=10)
+            monkeypatch.undo()
+            got = await a.recv(gkey(0, 0, "t"), timeout=10)
+            assert np.array_equal(got.get(), np.arange(3.0))
+    run(main())
