@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import logging
 import sys
 from collections.abc import Callable
@@ -97,6 +98,8 @@ class Server:
         self._peers: dict[TaskName, PeerClient] = {}
         self.mpi_ranks: dict[TaskName, int] = {}  # tasks in this MPI job, once started
         self._remote: dict[int, set[asyncio.Task]] = {}
+        # fetched tensors whose placement failed, for the next recv of (step, key)
+        self._undelivered: dict[tuple[int, str], collections.deque[Received]] = {}
         self._stopped: asyncio.Event | None = None
         self._state = "new"
 
@@ -304,6 +307,16 @@ class Server:
         if err is not None:
             raise err
         src = k.src_task
+        kept = self._undelivered.get((step_id, canonical))
+        if kept:  # fetched before, but could not be placed: it goes first
+            item = kept.popleft()
+            if not kept:
+                del self._undelivered[(step_id, canonical)]
+            try:
+                return Received(await self._place(item.value, target), item.is_dead)
+            except BaseException:
+                self._keep(step_id, canonical, item, front=True)
+                raise
         if src is None or src == self.task:
             try:
                 async with asyncio.timeout(timeout):
@@ -329,8 +342,11 @@ class Server:
                 task.uncancel()  # type: ignore[union-attr]
                 raise err from None
             raise
-        except RendezvousError:
+        except RendezvousError as exc:
             self._stats.error("grpc")
+            host = getattr(exc, "host_value", None)
+            if host is not None:  # moved, but the device could not take it
+                self._keep(step_id, canonical, Received(host, False))
             raise
         finally:
             waits.discard(task)  # type: ignore[arg-type]
@@ -338,8 +354,19 @@ class Server:
                 self._remote.pop(step_id, None)
         self._stats.received(path, payload_nbytes(item.value))
         if path != "mpi":  # a descriptor's bytes already landed on ``target``
-            item = Received(await self._place(item.value, target), item.is_dead)
+            try:
+                item = Received(await self._place(item.value, target), item.is_dead)
+            except BaseException:
+                self._keep(step_id, canonical, item)
+                raise
         return item
+
+    def _keep(self, step_id: int, key: str, item: Received, front: bool = False) -> None:
+        """Hold a fetched tensor that could not be delivered (its placement failed)
+        for the next recv of the same key and step: fetched is never lost."""
+        queue = self._undelivered.setdefault((step_id, key), collections.deque())
+        queue.appendleft(item) if front else queue.append(item)
+        log.warning("recv of %r (step %d) could not place the tensor; kept for the next recv", key, step_id)
 
     def _requeue(self, step_id: int, key: str, item: Received) -> None:
         try:
@@ -366,12 +393,18 @@ class Server:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
         self.table.abort(step_id, Aborted(message))
         self._cancel_remote(step_id)
+        self._drop_kept(step_id)
 
     def cleanup(self, step_id: int) -> None:
         """Abort the step's waiters and forget the step (its ids may be reused)."""
         self.table.cleanup(step_id)
         self._retry.drop_step(step_id)
         self._cancel_remote(step_id)
+        self._drop_kept(step_id)
+
+    def _drop_kept(self, step_id: int) -> None:
+        for k in [k for k in self._undelivered if k[0] == step_id]:
+            del self._undelivered[k]
 
     def _cancel_remote(self, step_id: int) -> None:
         for task in list(self._remote.get(step_id, ())):

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+import rendezvous
+
 from mpi_scenarios import finish, pattern, result, start, worker
 
 from rendezvous import devices
@@ -110,6 +112,24 @@ def transfers(backend: str = "fake") -> None:
     got = server.recv(gkey(other, me, "late"), step_id=3, timeout=60)
     assert np.array_equal(_host(got), pattern(n, 77)), "MPI read the device buffer before its stream was done"
     releaser.join(60)
+
+    # Device memory runs out at the consumer: the bytes still arrive (so the
+    # tag is freed), the recv fails, and the next recv of the key gets them.
+    server.send(gkey(me, other, "oom"), fake.array(pattern(3 << 20, 5)), step_id=4)
+    real_empty = fake.empty
+
+    def full(meta, device):
+        raise MemoryError("out of device memory")
+    fake.empty = full
+    try:
+        server.recv(gkey(other, me, "oom"), step_id=4, timeout=60)
+        raise AssertionError("a recv onto a full device returned")
+    except rendezvous.ResourceExhausted as exc:
+        assert "kept on the host" in exc.message, exc.message
+    finally:
+        fake.empty = real_empty
+    got = server.recv(gkey(other, me, "oom"), step_id=4, timeout=60)
+    assert np.array_equal(_host(got), pattern(3 << 20, 5)), "the tensor of the failed recv was lost"
     finish(server)
     stats = server.stats()
     server.stop(5)

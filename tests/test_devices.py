@@ -260,3 +260,31 @@ def test_a_failed_local_placement_leaves_the_tensor_in_the_table(fake, monkeypat
             got = await a.recv(gkey(0, 0, "t"), timeout=10)
             assert np.array_equal(got.get(), np.arange(3.0))
     run(main())
+
+
+def test_a_fetched_tensor_that_cannot_be_placed_waits_for_the_next_recv(fake, monkeypatch):
+    async def main():
+        async with cluster(2) as (a, b):
+            b.send(gkey(1, 0, "t"), np.arange(6.0), step_id=3)
+            b.send(gkey(1, 0, "t"), np.arange(6.0) + 100, step_id=3)
+
+            def full(*args):
+                raise MemoryError("device is full")
+            monkeypatch.setattr(fake, "from_host", full)
+            with pytest.raises(MemoryError):
+                await a.recv(gkey(1, 0, "t"), step_id=3, timeout=10)
+            monkeypatch.undo()
+            first = await a.recv(gkey(1, 0, "t"), step_id=3, timeout=10)
+            second = await a.recv(gkey(1, 0, "t"), step_id=3, timeout=10)
+            assert np.array_equal(first.get(), np.arange(6.0))  # FIFO kept
+            assert np.array_equal(second.get(), np.arange(6.0) + 100)
+            # a kept tensor goes with its step
+            b.send(gkey(1, 0, "u"), np.arange(2.0), step_id=4)
+            monkeypatch.setattr(fake, "from_host", full)
+            with pytest.raises(MemoryError):
+                await a.recv(gkey(1, 0, "u"), step_id=4, timeout=10)
+            monkeypatch.undo()
+            a.cleanup(4)
+            with pytest.raises(errors.DeadlineExceeded):
+                await a.recv(gkey(1, 0, "u"), step_id=4, timeout=0.2)
+    run(main())

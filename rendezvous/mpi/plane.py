@@ -26,7 +26,7 @@ from google.protobuf import any_pb2
 from rendezvous import buffers, devices, frames
 from rendezvous.config import Config
 from rendezvous.devices import DeviceTensor, Placement
-from rendezvous.errors import Internal, InvalidArgument
+from rendezvous.errors import Internal, InvalidArgument, ResourceExhausted
 from rendezvous.stats import Stats
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, decode_meta, is_memcpyable
@@ -177,7 +177,15 @@ class MpiPlane:
             await self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
             return dest
         device = placement.index  # type: ignore[union-attr]
-        dst = backend.empty(meta, device)
+        try:
+            dst = backend.empty(meta, device)
+        except Exception as exc:  # out of device memory, most likely: the bytes still come
+            host = np.empty(meta.shape, dtype=meta.dtype)
+            await self.engine.irecv(host, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
+            error = ResourceExhausted(f"cannot allocate {meta.nbytes} bytes on GPU:{device} ({exc}); "
+                                      "the tensor is kept on the host for the next recv of this key")
+            error.host_value = host  # type: ignore[attr-defined]
+            raise error from None
         nbytes, src, tag, chunk = meta.nbytes, transfer.source_rank, transfer.tag, transfer.chunk_bytes
         if self.cuda_aware:
             await self.engine.pipeline(lambda comm, MPI: DirectRecv(comm, MPI, backend, dst, nbytes, src, tag, chunk))

@@ -63,12 +63,15 @@ class Pipeline:
             self._fail(Internal(f"MPI {self.kind} of {self.nbytes} bytes with rank {self.peer} tag {self.tag} "
                                 f"failed: {exc.Get_error_string()}"))
         except Exception as exc:  # a CUDA error: fail this transfer, never the thread
-            self._fail(Internal(f"{self.kind} of {self.nbytes} bytes with rank {self.peer} failed: {exc}"))
+            self._fail(Internal(f"{self.kind} of {self.nbytes} bytes with rank {self.peer} failed: {exc}"),
+                       mpi_works=True)
         return True
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, mpi_works: bool = False) -> None:
         """Stop posting; the requests already posted still finish (their peer
-        is matching them), and only then is the transfer done."""
+        is matching them), and only then is the transfer done. ``mpi_works``:
+        the failure was not MPI's (a receive then still takes every message,
+        so the producer's sends complete)."""
         raise NotImplementedError  # pragma: no cover - every pipeline says how
 
     def _test(self, req: Any) -> bool:
@@ -136,7 +139,7 @@ class StagedSend(Pipeline):
             self.done = True
         return moved
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, mpi_works: bool = False) -> None:
         self.error = error
         self.spans = self.spans[:self._next]  # no new copies; posted sends finish
         for buf, _, event in self._copying:
@@ -191,9 +194,12 @@ class StagedRecv(Pipeline):
             self.done = True
         return moved
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, mpi_works: bool = False) -> None:
         self.error = error
-        self.spans = self.spans[:self._next]
+        if not mpi_works:
+            self.spans = self.spans[:self._next]
+        # else: keep receiving (into pinned buffers, dropped) until the producer's
+        # last message, so its sends complete and the tag is free again
 
 
 class DirectSend(Pipeline):
@@ -223,7 +229,7 @@ class DirectSend(Pipeline):
             self.done = True
         return moved
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, mpi_works: bool = False) -> None:
         self.error = error
         self._posted = True  # what was posted finishes; nothing more is posted
         if not self._reqs:
@@ -248,7 +254,7 @@ class DirectRecv(Pipeline):
             self.done = True
         return moved
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, mpi_works: bool = False) -> None:
         self.error = error
         if not self._reqs:
             self.done = True
