@@ -5,6 +5,7 @@ failures. (test_gpu.py runs them over real MPI.)"""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -68,12 +69,15 @@ class Comm:
         req.done = True
 
 
-def run_until(pipe, cond, limit=100_000):
-    for _ in range(limit):
-        if cond():
-            return
-        pipe.step()
-    raise AssertionError("pipeline made no progress")
+def run_until(pipe, cond, timeout=20.0):
+    """Step ``pipe`` until ``cond()`` holds; the fake's copies finish on their own
+    threads, so this is a condition wait with a deadline, not a step count."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("pipeline made no progress")
+        if not pipe.step():
+            time.sleep(0)  # let the copy threads run
 
 
 @pytest.fixture
@@ -100,10 +104,11 @@ def test_staged_send_overlaps_copies_with_messages_and_keeps_order(fake):
     assert len(pipe._copying) == 0 and pipe._next == 3
     comm.sent[0].done = True
     run_until(pipe, lambda: pipe._next == 4)  # a finished message frees a buffer for the next copy
-    while not pipe.done:
+    def finish_messages():
         for r in comm.sent:
             r.done = True
-        pipe.step()
+        return pipe.done
+    run_until(pipe, finish_messages)
     assert pipe.error is None
     assert b"".join(r.buf for r in comm.sent) == data.tobytes()  # ten chunks, in order
     assert [len(r.buf) for r in comm.sent] == [1024] * 9 + [784]
