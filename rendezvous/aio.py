@@ -39,7 +39,7 @@ from .table import Received, WaitingTable
 from . import devices
 from .devices import DeviceTensor, Placement, import_tensor, parse_placement, placement_for_device
 
-__all__ = ["Server", "PROTOCOLS", "GrpcSetup"]
+__all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port"]
 
 log = logging.getLogger("rendezvous")
 PROTOCOLS = ("grpc", "grpc+mpi")
@@ -58,6 +58,20 @@ class GrpcSetup:
     metadata: tuple[tuple[str, str], ...] = ()
     interceptors: tuple[Any, ...] = ()
     services: tuple[Callable[[grpc.aio.Server], None], ...] = ()
+
+
+def add_port(server: grpc.aio.Server, address: str,
+             credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind ``address`` (``host:port`` or ``unix:path``) on ``server``, with TLS when
+    ``credentials`` are given; the port bound. Unavailable if it cannot be bound."""
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials is not None
+                else server.add_insecure_port(address))
+    except RuntimeError as exc:
+        raise Unavailable(f"cannot listen on {address}: {exc}") from None
+    if not port:
+        raise Unavailable(f"cannot listen on {address}")
+    return port
 
 
 class Server:
@@ -125,15 +139,7 @@ class Server:
         server.add_generic_rpc_handlers(self.servicer.handlers())
         for add_service in setup.services:
             add_service(server)
-        try:
-            if setup.server_credentials is not None:
-                port = server.add_secure_port(self.bind_address, setup.server_credentials)
-            else:
-                port = server.add_insecure_port(self.bind_address)
-        except RuntimeError as exc:
-            raise Unavailable(f"cannot listen on {self.bind_address}: {exc}") from None
-        if not port:
-            raise Unavailable(f"cannot listen on {self.bind_address}")
+        port = add_port(server, self.bind_address, setup.server_credentials)
         await server.start()
         self._grpc = server
         self._target = f"{host}:{port}"

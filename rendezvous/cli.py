@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
+from typing import Any
 
 __all__ = ["main"]
 
@@ -159,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .errors import RendezvousError
+    from .lifecycle import run_until_signalled
     from .server import daemon
-    from .sync import new_event_loop
     from . import aio
 
     command = "rendezvousd" if parser.prog == "rendezvousd" else "rendezvous serve"
@@ -186,38 +185,15 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return daemon.run(cfg)
     logging.basicConfig(level=level or logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster, job_name, task_index, _ = identity
-    grace = cfg.grace
 
-    async def run() -> None:
+    async def start() -> aio.Server:
         server = aio.Server(cluster, job_name, task_index, cfg.protocol, config=cfg)
         await server.start()
-        loop = asyncio.get_running_loop()
-        stopping = False
+        return server
 
-        def on_signal() -> None:
-            nonlocal stopping
-            if stopping:  # a second signal: leave at once
-                print("rendezvous: second signal, exiting now", file=sys.stderr, flush=True)
-                raise SystemExit(1)
-            stopping = True
-            loop.create_task(server.stop(grace))
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
-        # Announce only once the handlers are in place: whoever reads this line may signal at once.
-        print(f"rendezvous: task {server.task} serving on {server.target} (protocol {server.protocol})",
-              flush=True)
-        await server.wait_for_termination()
-
-    loop = new_event_loop()
-    try:
-        loop.run_until_complete(run())
-    except RendezvousError as exc:
-        print(f"rendezvous serve: {exc.code.name}: {exc.message}", file=sys.stderr)
-        return 1
-    finally:
-        loop.close()
-    return 0
+    return run_until_signalled(
+        start, prog="rendezvous serve", uvloop=cfg.uvloop, stop=lambda s: s.stop(cfg.grace),
+        announce=lambda s: f"rendezvous: task {s.task} serving on {s.target} (protocol {s.protocol})")
 
 
 def _get_security(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:

@@ -32,7 +32,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import stat
 import sys
@@ -45,7 +44,7 @@ import grpc
 from rendezvous import aio, shm
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
-from rendezvous.errors import FailedPrecondition, InvalidArgument, RendezvousError, Unavailable
+from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 from . import auth
 from .local import SERVICE as LOCAL_SERVICE
@@ -57,7 +56,6 @@ __all__ = ["Daemon", "run", "resolve_identity", "default_local_address", "parse_
 
 log = logging.getLogger("rendezvous.daemon")
 _MAX_UNIX_PATH = 107  # sockaddr_un.sun_path, less the terminating NUL
-_SAME_SIGNAL_S = 0.5  # signals closer than this to the first one are the same request
 
 
 def _need_extra() -> None:
@@ -282,20 +280,13 @@ class Daemon:
         if self._kind == "unix":
             path = self._where
             self._claim_socket(path)
-            bound = server.add_insecure_port(f"unix:{path}")
-            if not bound:
-                raise Unavailable(f"cannot listen on unix:{path}")
+            aio.add_port(server, f"unix:{path}")
             os.chmod(path, 0o600)
             self._socket_ino = os.stat(path).st_ino
             self.local_target = f"unix:{path}"
         else:
             host, _ = parse_address(self._where)
-            try:
-                port = server.add_insecure_port(self._where)
-            except RuntimeError as exc:
-                raise Unavailable(f"cannot listen on {self._where}: {exc}") from None
-            if not port:
-                raise Unavailable(f"cannot listen on {self._where}")
+            port = aio.add_port(server, self._where)
             self.local_target = f"{host}:{port}"
         await server.start()
         self._local_grpc = server
@@ -469,44 +460,13 @@ class Daemon:
 
 def run(config: Config, out: Any = None) -> int:
     """Run a daemon until SIGTERM/SIGINT; 0 after a clean drain. A second signal exits at once."""
-    from rendezvous.sync import new_event_loop
+    from rendezvous.lifecycle import run_until_signalled
 
-    out = sys.stdout if out is None else out
-
-    async def main() -> None:
+    async def start() -> Daemon:
         daemon = Daemon(config)
         await daemon.start()
-        loop = asyncio.get_running_loop()
-        first: tuple[int, float] | None = None
+        return daemon
 
-        def on_signal(signum: int) -> None:
-            nonlocal first
-            if first is not None:
-                # A launcher forwarding a signal the daemon also got directly (a
-                # whole process group signalled) delivers it twice at once: only
-                # another signal, or the same one later, is a second request.
-                if signum == first[0] and loop.time() - first[1] < _SAME_SIGNAL_S:
-                    return
-                daemon.remove_socket()
-                sys.stderr.write(f"rendezvousd: second signal ({signal.Signals(signum).name}), exiting now\n")
-                sys.stderr.flush()
-                os._exit(1)
-            first = (signum, loop.time())
-            loop.create_task(daemon.stop())
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
-        # Announced once the handlers are in place: whoever reads it may signal at once.
-        out.write(daemon.describe() + "\n")
-        out.flush()
-        await daemon.wait_for_termination()
-
-    loop = new_event_loop(config.uvloop)
-    try:
-        loop.run_until_complete(main())
-    except RendezvousError as exc:
-        print(f"rendezvousd: {exc.code.name}: {exc.message}", file=sys.stderr)
-        return 1
-    finally:
-        loop.close()
-    return 0
+    return run_until_signalled(start, prog="rendezvousd", announce=lambda d: d.describe(),
+                               stop=lambda d: d.stop(), uvloop=config.uvloop, out=out,
+                               before_exit=lambda d: d.remove_socket())

@@ -339,14 +339,11 @@ class _StreamConn:
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:
             item, key = await self.s.take(req)
-        except asyncio.CancelledError:
-            self.waiting.pop(call_id, None)
-            raise
         except Exception as exc:
-            self.waiting.pop(call_id, None)
             self._reply_error(call_id, req, exc)
             return
-        self.waiting.pop(call_id, None)
+        finally:
+            self.waiting.pop(call_id, None)
         self._reply(call_id, req, item, key)
 
     def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
@@ -376,14 +373,13 @@ class _StreamConn:
             host = await self.s.host_copy(item)
             frames_iter = frames.stream_frames(call_id, host, self.s.chunk_bytes, _now_micros())
         except asyncio.CancelledError:
-            self.waiting.pop(call_id, None)
             self.s.put_back(req, key, item)  # nothing was sent: the tensor stays for a later recv
             raise
         except Exception as exc:
-            self.waiting.pop(call_id, None)
             self._reply_error(call_id, req, exc)
             return
-        self.waiting.pop(call_id, None)
+        finally:
+            self.waiting.pop(call_id, None)
         self.s.stats.served("grpc", payload_nbytes(item.value))
         self._ready(call_id, _Reply(frames_iter, req, key, item, "grpc"))
 

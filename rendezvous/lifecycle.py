@@ -1,0 +1,71 @@
+"""Running a server process until it is told to stop: ``rendezvous serve`` and
+``rendezvousd`` share this.
+
+The first SIGINT or SIGTERM starts a drain; the process exits 0 once it is
+done. A second signal exits at once (status 1). A launcher that forwards a
+signal the process also got directly (a whole process group signalled)
+delivers the same signal twice at once: the same signal again within
+``SAME_SIGNAL_S`` counts as one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .errors import RendezvousError
+
+__all__ = ["run_until_signalled", "SAME_SIGNAL_S"]
+
+SAME_SIGNAL_S = 0.5
+
+
+def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, announce: Callable[[Any], str],
+                        stop: Callable[[Any], Awaitable[None]], uvloop: bool = True, out: Any = None,
+                        before_exit: Callable[[Any], None] | None = None) -> int:
+    """Run ``await start()`` (returns a started server with ``wait_for_termination``)
+    on a fresh loop, print ``announce(server)`` once the signal handlers are in
+    place (whoever reads that line may signal at once), drain with ``stop(server)``
+    on the first signal. 0 after a clean drain; 1 on a start-up error (printed as
+    ``prog: CODE: message``) or a second signal (after ``before_exit(server)``)."""
+    from .sync import new_event_loop
+
+    out = sys.stdout if out is None else out
+
+    async def main() -> None:
+        server = await start()
+        loop = asyncio.get_running_loop()
+        first: tuple[int, float] | None = None
+
+        def on_signal(signum: int) -> None:
+            nonlocal first
+            if first is not None:
+                if signum == first[0] and loop.time() - first[1] < SAME_SIGNAL_S:
+                    return
+                if before_exit is not None:
+                    before_exit(server)
+                sys.stderr.write(f"{prog}: second signal ({signal.Signals(signum).name}), exiting now\n")
+                sys.stderr.flush()
+                os._exit(1)
+            first = (signum, loop.time())
+            loop.create_task(stop(server))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        out.write(announce(server) + "\n")
+        out.flush()
+        await server.wait_for_termination()
+
+    loop = new_event_loop(uvloop)
+    try:
+        loop.run_until_complete(main())
+    except RendezvousError as exc:
+        print(f"{prog}: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        loop.close()
+    return 0
