@@ -1,7 +1,7 @@
 """The asyncio rank server: ``rendezvous.aio.Server``.
 
 One per rank. It holds this rank's waiting table, serves RecvTensor to the
-other ranks, and recvs from them through one :class:`~rendezvous.client.peer.PeerClient`
+other ranks, and recvs from them through one :class:`~rendezvous.rpc.peer.PeerClient`
 per remote task. Everything here runs on one event loop; the blocking
 :class:`rendezvous.Server` drives an instance of this class from its own loop
 thread.
@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from .client.peer import PeerClient
+from .rpc.peer import PeerClient
 from .cluster import ClusterLike, ClusterSpec, parse_address
 from .config import Config
 from .errors import (
@@ -32,8 +32,8 @@ from .errors import (
     Unavailable,
 )
 from .keys import Key, TaskName, as_key
-from .server.retry import RetryCache
-from .server.servicer import RecvTensorServicer
+from .rpc.retry import RetryCache
+from .rpc.servicer import RecvTensorServicer
 from .stats import Stats, payload_nbytes
 from .table import Received, WaitingTable
 from . import devices

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .errors import RendezvousError
     from .lifecycle import run_until_signalled
-    from .server import daemon
+    from .daemon import daemon
     from . import aio
 
     command = "rendezvousd" if parser.prog == "rendezvousd" else "rendezvous serve"

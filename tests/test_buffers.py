@@ -86,7 +86,7 @@ def test_clear_keeps_arrays_in_use_valid():
 
 
 def test_the_process_cache_follows_the_config():
-    from rendezvous.client.peer import PeerClient
+    from rendezvous.rpc.peer import PeerClient
     from rendezvous.config import Config
     from rendezvous.keys import TaskName
 

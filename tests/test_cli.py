@@ -90,10 +90,8 @@ def test_wheel_holds_every_subpackage(tmp_path):
     wheel = next(tmp_path.glob("rendezvous-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {"rendezvous/py.typed"}
-    for folder, package in (("rendezvous", "rendezvous"), ("server", "rendezvous/server"),
-                            ("client", "rendezvous/client")):
-        for source in (ROOT / folder).rglob("*.py"):
-            expected.add(f"{package}/{source.relative_to(ROOT / folder).as_posix()}")
+    for source in (ROOT / "rendezvous").rglob("*.py"):
+        expected.add(source.relative_to(ROOT).as_posix())
     missing = sorted(expected - names)
     assert not missing, f"missing from {wheel.name}: {missing}"
 

@@ -26,7 +26,7 @@ from rendezvous import aio as rank_aio
 from rendezvous import errors, shm
 from rendezvous.client.aio import Client
 from rendezvous.config import Config
-from rendezvous.server.daemon import Daemon
+from rendezvous.daemon.daemon import Daemon
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from conftest import run, until
@@ -358,7 +358,7 @@ def test_stall_warning_names_key_and_producer(sockdir, caplog):
 
 
 def test_json_log_lines():
-    from rendezvous.server.daemon import JsonFormatter
+    from rendezvous.daemon.daemon import JsonFormatter
 
     record = logging.LogRecord("rendezvous.daemon", logging.WARNING, __file__, 1, "recv of %s waits", ("k",), None)
     record.producer = "/job:node/replica:0/task:1"

@@ -9,7 +9,7 @@ import pytest
 
 from rendezvous.errors import Aborted, FailedPrecondition
 from rendezvous.table import WaitingTable
-from rendezvous.server.retry import RetryCache
+from rendezvous.rpc.retry import RetryCache
 
 from conftest import run
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from .local import PathStats
+from .service import PathStats
 
 __all__ = ["DaemonMetrics", "LATENCY_BUCKETS"]
 

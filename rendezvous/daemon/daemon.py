@@ -4,14 +4,14 @@ The daemon is a rank: a :class:`rendezvous.aio.Server` (its waiting table
 holds what the node's processes produce; it serves RecvTensor to the other
 nodes over gRPC, and over MPI under ``grpc+mpi``). Beside it:
 
-* the local service (:mod:`rendezvous.server.local`) on a Unix socket (or
+* the local service (:mod:`rendezvous.daemon.service`) on a Unix socket (or
   TCP), through which the node's training processes send and recv;
 * gRPC health (``grpc.health.v1``; NOT_SERVING while draining) and server
   reflection, on both the remote port and the local socket;
-* Prometheus metrics on an HTTP port (:mod:`rendezvous.server.metrics`);
+* Prometheus metrics on an HTTP port (:mod:`rendezvous.daemon.metrics`);
 * a stall watcher: a recv waiting longer than ``stall_warning`` seconds is
   logged once, naming its key and the producing task;
-* security for the remote port (:mod:`rendezvous.server.auth`): TLS or mutual
+* security for the remote port (:mod:`rendezvous.auth`): TLS or mutual
   TLS, and an optional shared token on every call.
 
 Lifecycle: :meth:`Daemon.start` (collective under MPI), :meth:`Daemon.stop`
@@ -41,15 +41,14 @@ from typing import Any
 
 import grpc
 
-from rendezvous import aio, shm
+from rendezvous import aio, auth, shm
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rendezvous.rpc.servicer import SERVICE as RANK_SERVICE
 
-from . import auth
-from .local import SERVICE as LOCAL_SERVICE
-from .local import LocalServicer
-from .servicer import SERVICE as RANK_SERVICE
+from .service import SERVICE as LOCAL_SERVICE
+from .service import LocalServicer
 
 __all__ = ["Daemon", "run", "resolve_identity", "default_local_address", "parse_local_address",
            "JsonFormatter", "setup_logging", "render_config"]

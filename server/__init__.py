@@ -1,1 +1,0 @@
-"""The per-rank async gRPC server."""
