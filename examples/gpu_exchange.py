@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 import rendezvous
-from rendezvous import devices
+from rendezvous.devices import Devices
 from rendezvous.launch import launcher_rank
 
 
@@ -35,7 +35,7 @@ def main() -> int:
         from rendezvous.fakegpu import FakeBackend
 
         gpu = FakeBackend()
-        devices.register_backend(gpu)
+        gpus = Devices([gpu])  # this server's GPU is the fake
         to_gpu, to_host = gpu.array, (lambda a: a.get())
     else:
         try:
@@ -43,13 +43,15 @@ def main() -> int:
         except ImportError:
             p.error("cupy is not installed (pip install 'rendezvous[gpu]'), or pass --fake")
         to_gpu, to_host = cupy.asarray, (lambda a: a.get())
+        gpus = Devices()  # cupy's
 
     def key(src: int, dst: int, name: str, dst_type: str = "GPU") -> str:
         return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000000001;"
                 f"/job:worker/replica:0/task:{dst}/device:{dst_type}:0;{name};0:0")
 
     n = args.mib << 20
-    server = rendezvous.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi")
+    server = rendezvous.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi",
+                               devices=gpus)
     server.start()
     other = 1 - rank
     mine = np.full(n // 4, rank + 1, dtype=np.float32)

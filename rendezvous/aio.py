@@ -5,6 +5,11 @@ other ranks, and recvs from them through one :class:`~rendezvous.rpc.peer.PeerCl
 per remote task. Everything here runs on one event loop; the blocking
 :class:`rendezvous.Server` drives an instance of this class from its own loop
 thread.
+
+The server owns its state and hands it to its parts at construction: the
+receive-buffer cache, the GPU backends and their pinned pools, the counters,
+and the data planes (inline, plus MPI's under ``grpc+mpi``) through which
+the servicer answers and the peer clients receive.
 """
 
 from __future__ import annotations
@@ -20,29 +25,34 @@ from typing import Any
 
 import grpc
 
-from .rpc.peer import PeerClient
+from . import frames
+from .buffers import RecvBuffers
 from .cluster import ClusterLike, ClusterSpec, parse_address
-from .config import Config
+from .config import Config, Protocol
+from .devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
 from .errors import (
     Aborted,
     DeadlineExceeded,
     FailedPrecondition,
-    InvalidArgument,
+    NotPlaced,
     RendezvousError,
     Unavailable,
 )
 from .keys import Key, TaskName, as_key
+from .lifecycle import State
+from .rpc.options import server_options
+from .rpc.peer import PeerClient
 from .rpc.retry import RetryCache
 from .rpc.servicer import RecvTensorServicer
 from .stats import Stats, payload_nbytes
 from .table import Received, WaitingTable
-from . import devices
-from .devices import DeviceTensor, Placement, import_tensor, parse_placement, placement_for_device
+from .transport import Fetched, Path, Planes
+from .transport.inline import InlinePlane
 
-__all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port"]
+__all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port", "Fetched"]
 
 log = logging.getLogger("rendezvous")
-PROTOCOLS = ("grpc", "grpc+mpi")
+PROTOCOLS = tuple(p.value for p in Protocol)
 _ABORT = "rendezvous: step aborted"  # cancel message that marks an abort, not a user cancel
 
 
@@ -85,25 +95,30 @@ class Server:
     def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
                  protocol: str = "grpc", *, config: Config | None = None,
                  grpc_setup: GrpcSetup | None = None, stats: Stats | None = None,
-                 **overrides: Any) -> None:
-        if protocol not in PROTOCOLS:
-            raise InvalidArgument(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+                 devices: Devices | None = None, **overrides: Any) -> None:
+        self.protocol = Protocol.parse(protocol)
         self.cluster = ClusterSpec.from_any(cluster)
         self.task = TaskName(job_name, 0, int(task_index))
         self.bind_address = self.cluster.address(self.task)  # UnknownTask if absent
-        self.protocol = protocol
-        self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
+        cfg = self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
         self.table = WaitingTable()
         self._stats = stats if stats is not None else Stats()
+        #: GPU backends and their pinned pools (cupy by default, imported only when used)
+        self.devices = devices if devices is not None else Devices()
+        #: large receive buffers, reused once dropped (see rendezvous.buffers)
+        self.buffers = RecvBuffers(cfg.recv_cache_bytes)
+        self._staging = (cfg.gpu_staging_chunk_bytes, cfg.gpu_staging_depth)
         self._setup = grpc_setup or GrpcSetup()
-        self._retry = RetryCache(self.config.retry_window, self.config.retry_cache_bytes)
-        self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats,
-                                           chunk_bytes=self.config.chunk_bytes, retry=self._retry)
-        self.servicer.staging = (self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
+        self._retry = RetryCache(cfg.retry_window, cfg.retry_cache_bytes)
+        #: the data planes, most preferred first: MPI's joins at start under grpc+mpi
+        self.planes = Planes([InlinePlane(chunk_bytes=cfg.chunk_bytes, buffers=self.buffers,
+                                          devices=self.devices, staging=self._staging, stats=self._stats)])
+        self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
+                                           retry=self._retry)
         self._world = None  # rendezvous.mpi.world.MpiWorld when MPI is in use
         self._plane = None  # rendezvous.mpi.plane.MpiPlane once started
         self._engine = None
-        if protocol == "grpc+mpi" and not self.config.mpi_disabled:
+        if self.protocol is Protocol.GRPC_MPI and not cfg.mpi_disabled:
             from .mpi.world import MpiWorld  # imports mpi4py: never with MPI_DISABLED=1
 
             self._world = MpiWorld.join()
@@ -115,7 +130,7 @@ class Server:
         # fetched tensors whose placement failed, for the next recv of (step, key)
         self._undelivered: dict[tuple[int, str], collections.deque[Received]] = {}
         self._stopped: asyncio.Event | None = None
-        self._state = "new"
+        self._state = State.NEW
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -126,20 +141,25 @@ class Server:
 
     async def start(self) -> None:
         """Bind and start serving. Raises Unavailable if the address cannot be bound."""
-        if self._state != "new":
+        if self._state is not State.NEW:
             raise FailedPrecondition(f"server is {self._state}; start() is allowed once")
+        self._state = State.STARTING
         host, _ = parse_address(self.bind_address)
         self._stopped = asyncio.Event()
         setup = self._setup
-        server = grpc.aio.server(interceptors=setup.interceptors or None, options=[
-            ("grpc.max_receive_message_length", self.config.max_request_bytes),
-            ("grpc.max_send_message_length", -1),
-            ("grpc.so_reuseport", 0),
-        ])
+        # Chunked replies allocate chunk-sized frames: keep them reusable (a
+        # process-wide allocator setting, applied by the server that needs it).
+        frames.prime_allocator(self.config.chunk_bytes)
+        server = grpc.aio.server(interceptors=setup.interceptors or None,
+                                 options=server_options(self.config.max_request_bytes))
         server.add_generic_rpc_handlers(self.servicer.handlers())
         for add_service in setup.services:
             add_service(server)
-        port = add_port(server, self.bind_address, setup.server_credentials)
+        try:
+            port = add_port(server, self.bind_address, setup.server_credentials)
+        except BaseException:
+            self._state = State.NEW  # nothing started: start() may be tried again
+            raise
         await server.start()
         self._grpc = server
         self._target = f"{host}:{port}"
@@ -153,10 +173,11 @@ class Server:
                     engine.stop(0)
                     atexit.unregister(engine.stop)
                 await server.stop(0)
+                self._state = State.NEW
                 raise
-        self._state = "serving"
+        self._state = State.SERVING
         log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
-        if self.protocol == "grpc+mpi":
+        if self.protocol is Protocol.GRPC_MPI:
             sys.stderr.write(self.describe() + "\n")  # one write: ranks' lines must not interleave
             sys.stderr.flush()
 
@@ -165,7 +186,7 @@ class Server:
         from .mpi.plane import MpiPlane
 
         world = self._world
-        engine = ProgressEngine(None, poll_min_us=self.config.mpi_poll_min_us,
+        engine = ProgressEngine(poll_min_us=self.config.mpi_poll_min_us,
                                 poll_max_us=self.config.mpi_poll_max_us)
         engine.start()
         self._engine = engine
@@ -174,24 +195,25 @@ class Server:
         atexit.register(engine.stop, 5.0)
         # The allgather is collective: every rank of the job reaches it in start().
         ranks = await engine.call(lambda: world.exchange(self.task, self._target))
-        engine.comm = world.comm
-        self.mpi_ranks = {task: rank for task, (rank, _) in ranks.items()}
-        for task, (_, address) in ranks.items():
+        engine.attach(world.comm)
+        self.mpi_ranks = {task: where.rank for task, where in ranks.items()}
+        for task, where in ranks.items():
             if task in self.cluster:
-                self.cluster = self.cluster.with_address(task, address)
+                self.cluster = self.cluster.with_address(task, where.address)
             else:
-                log.warning("MPI rank %d runs %s, which is not in the cluster", ranks[task][0], task)
+                log.warning("MPI rank %d runs %s, which is not in the cluster", where.rank, task)
         outside = [str(t) for t in self.cluster.tasks() if t not in ranks]
         if outside:
             log.info("tasks outside this MPI job, served over gRPC: %s", ", ".join(outside))
-        self._plane = MpiPlane(world, engine, self.config, self._stats)
-        self.servicer.planner = self._plane.plan
+        self._plane = MpiPlane(world, engine, self.config, self._stats, buffers=self.buffers,
+                               devices=self.devices)
+        self.planes.register(self._plane)
 
     def describe(self) -> str:
         """One line: who this rank is and how it moves tensors (printed at start-up)."""
         cfg = self.config
         line = f"rendezvous: {self.task} on {self.target}, protocol {self.protocol}"
-        if self.protocol != "grpc+mpi":
+        if self.protocol is not Protocol.GRPC_MPI:
             return line
         if cfg.mpi_disabled:
             return line + "; MPI_DISABLED=1: MPI off, all transfers over gRPC"
@@ -210,14 +232,14 @@ class Server:
     async def stop(self, grace: float | None = None) -> None:
         """Drain: refuse new recvs (UNAVAILABLE), fail waiters, let replies in flight
         finish for ``grace`` seconds, then cancel the rest. Idempotent."""
-        if self._state in ("stopping", "stopped"):
+        if self._state.ending:
             if self._stopped is not None:
                 await self._stopped.wait()
             return
-        self._state = "stopping"
+        self._state = State.STOPPING
         # Drain: no new waits; waiters fail; tensors already produced are still
         # served to requests arriving within the grace period.
-        self.servicer.draining = True
+        self.servicer.begin_drain()
         drained = Unavailable(f"server {self.task} is shutting down")
         self.table.fail_waiters(drained)
         for peer in list(self._peers.values()):
@@ -244,7 +266,8 @@ class Server:
             engine, self._engine = self._engine, None
             await asyncio.get_running_loop().run_in_executor(None, engine.stop, grace or 5.0)
             atexit.unregister(engine.stop)
-        self._state = "stopped"
+        self.planes.close()
+        self._state = State.STOPPED
         if self._stopped is not None:
             self._stopped.set()
 
@@ -280,7 +303,7 @@ class Server:
                 f"key {k.format()!r} is produced by {src}; this server is {self.task} and can only send its own")
         # GPU tensors stay on their device (a DeviceTensor with a ready event on
         # the caller's current stream: call this on the producer's thread).
-        return k.format(), (None if is_dead else import_tensor(tensor))
+        return k.format(), (None if is_dead else self.devices.import_tensor(tensor))
 
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key`` for step ``step_id`` (on the loop thread).
@@ -305,67 +328,90 @@ class Server:
 
     async def recv_item(self, key: Key | str, step_id: int = 0,
                         timeout: float | None = None, device: str | Placement | None = None) -> Received:
+        """:meth:`recv` as ``Received(value, is_dead)``."""
+        return (await self.fetch(key, step_id, timeout, device)).item
+
+    async def fetch(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                    device: str | Placement | None = None) -> Fetched:
+        """:meth:`recv_item` with the path the tensor took (``Fetched``): what a
+        daemon reports for its local clients' recvs."""
         k = as_key(key)
         canonical = k.format()
         explicit = parse_placement(device)
-        target, _ = devices.resolve(explicit or placement_for_device(k.dst), explicit is not None)
+        target, _ = self.devices.resolve(explicit or placement_for_device(k.dst), explicit is not None)
         err = self.table.aborted(step_id)
         if err is not None:
             raise err
+        if (step_id, canonical) in self._undelivered:
+            return await self._recv_kept(step_id, canonical, target)
         src = k.src_task
-        kept = self._undelivered.get((step_id, canonical))
-        if kept:  # fetched before, but could not be placed: it goes first
-            item = kept.popleft()
-            if not kept:
-                del self._undelivered[(step_id, canonical)]
-            try:
-                return Received(await self._place(item.value, target), item.is_dead)
-            except BaseException:
-                self._keep(step_id, canonical, item, front=True)
-                raise
         if src is None or src == self.task:
-            try:
-                async with asyncio.timeout(timeout):
-                    item = await self.table.recv(step_id, canonical)
-            except TimeoutError:
-                raise DeadlineExceeded(f"recv of {canonical!r} (step {step_id}) timed out after {timeout:g}s") from None
-            try:
-                placed = await self._place(item.value, target)
-            except BaseException:
-                self._requeue(step_id, canonical, item)  # not delivered: it stays for a later recv
-                raise
-            self._stats.received("local", payload_nbytes(item.value))
-            return Received(placed, item.is_dead)
+            return await self._recv_local(step_id, canonical, timeout, target)
+        return await self._recv_remote(src, step_id, canonical, timeout, target)
+
+    async def _recv_kept(self, step_id: int, key: str, target: Placement) -> Fetched:
+        """A tensor fetched before whose placement failed: it goes first."""
+        kept = self._undelivered[(step_id, key)]
+        item = kept.popleft()
+        if not kept:
+            del self._undelivered[(step_id, key)]
+        try:
+            return Fetched(Received(await self._place(item.value, target), item.is_dead), Path.LOCAL, True)
+        except BaseException:
+            self._keep(step_id, key, item, front=True)
+            raise
+
+    async def _recv_local(self, step_id: int, key: str, timeout: float | None, target: Placement) -> Fetched:
+        """From this rank's own table: the object that was sent, unless it must move device."""
+        try:
+            async with asyncio.timeout(timeout):
+                item = await self.table.recv(step_id, key)
+        except TimeoutError:
+            raise DeadlineExceeded(f"recv of {key!r} (step {step_id}) timed out after {timeout:g}s") from None
+        try:
+            placed = await self._place(item.value, target)
+        except BaseException:
+            self._requeue(step_id, key, item)  # not delivered: it stays for a later recv
+            raise
+        self._stats.received(Path.LOCAL, payload_nbytes(item.value))
+        return Fetched(Received(placed, item.is_dead), Path.LOCAL, True)
+
+    async def _recv_remote(self, src: TaskName, step_id: int, key: str, timeout: float | None,
+                           target: Placement) -> Fetched:
+        """From the producing task, through its peer client (an abort of the step
+        cancels the wait and raises the step's error)."""
         peer = self._peer(src)
         task = asyncio.current_task()
         waits = self._remote.setdefault(step_id, set())
         waits.add(task)  # type: ignore[arg-type]
         try:
-            item, path = await peer.recv(canonical, step_id, timeout, target)
+            fetched = await peer.recv(key, step_id, timeout, target)
         except asyncio.CancelledError as exc:
             err = self.table.aborted(step_id)
             if exc.args and exc.args[0] == _ABORT and err is not None:
                 task.uncancel()  # type: ignore[union-attr]
                 raise err from None
             raise
-        except RendezvousError as exc:
-            self._stats.error("grpc")
-            host = getattr(exc, "host_value", None)
-            if host is not None:  # moved, but the device could not take it
-                self._keep(step_id, canonical, Received(host, False))
+        except NotPlaced as exc:  # moved, but the device could not take it
+            self._stats.error(Path.GRPC)
+            self._keep(step_id, key, Received(exc.value, False))
+            raise
+        except RendezvousError:
+            self._stats.error(Path.GRPC)
             raise
         finally:
             waits.discard(task)  # type: ignore[arg-type]
             if not waits:
                 self._remote.pop(step_id, None)
-        self._stats.received(path, payload_nbytes(item.value))
-        if path != "mpi":  # a descriptor's bytes already landed on ``target``
+        item = fetched.item
+        self._stats.received(fetched.path, payload_nbytes(item.value))
+        if not fetched.placed:
             try:
                 item = Received(await self._place(item.value, target), item.is_dead)
             except BaseException:
-                self._keep(step_id, canonical, item)
+                self._keep(step_id, key, item)
                 raise
-        return item
+        return Fetched(item, fetched.path, True)
 
     def _keep(self, step_id: int, key: str, item: Received, front: bool = False) -> None:
         """Hold a fetched tensor that could not be delivered (its placement failed)
@@ -384,11 +430,10 @@ class Server:
         """``value`` on ``target`` (already resolved); copies run off the loop."""
         if value is None:
             return None
-        if not isinstance(value, DeviceTensor) and not devices.needs_copy(value, target, True):
+        if not isinstance(value, DeviceTensor) and not self.devices.needs_copy(value, target, True):
             return value  # host data staying on the host (strings too): the object as it is
-        args = (self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
         placed = await asyncio.get_running_loop().run_in_executor(
-            None, devices.place, value, target, True, args)
+            None, self.devices.place, value, target, True, self._staging)
         if isinstance(value, DeviceTensor) and not target.is_gpu:
             self._stats.gpu("to_host")
         elif not isinstance(value, DeviceTensor) or value.device != target.index:
@@ -431,15 +476,10 @@ class Server:
     def _peer(self, task: TaskName) -> PeerClient:
         peer = self._peers.get(task)
         if peer is None:
-            if self._state != "serving":
+            if self._state is not State.SERVING:
                 raise Unavailable(f"server {self.task} is {self._state}")
-            plane = self._plane
-            peer = PeerClient(task, self.cluster.address(task), self.config,
-                              transport_options=plane.endpoint_for if plane else None,
-                              on_descriptor=plane.receive if plane else None,
-                              on_orphan=plane.drain if plane else None,
-                              credentials=self._setup.channel_credentials,
-                              metadata=self._setup.metadata)
+            peer = PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
+                              credentials=self._setup.channel_credentials, metadata=self._setup.metadata)
             self._peers[task] = peer
         return peer
 

@@ -41,19 +41,29 @@ def _read(path: str, what: str) -> bytes:
         raise InvalidArgument(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
 
 
+def read_token(token: str, token_file: str, what: str = "token_file") -> str:
+    """The shared token: ``token_file``'s content (stripped) if set, else ``token``;
+    '' for none. ``what`` names the setting in errors (a flag, a config field)."""
+    if token_file:
+        read = _read(token_file, what).decode("utf-8", "replace").strip()
+        if not read:
+            raise InvalidArgument(f"{what} {token_file!r} is empty")
+        return read
+    return token
+
+
 def load_token(config: Config) -> str:
-    """The shared token: ``token_file``'s content (stripped) if set, else ``token``; '' for none."""
-    if config.token_file:
-        token = _read(config.token_file, "token_file").decode("utf-8", "replace").strip()
-        if not token:
-            raise InvalidArgument(f"token_file {config.token_file!r} is empty")
-        return token
-    return config.token
+    """The configured token (``token_file`` wins over ``token``); '' for none."""
+    return read_token(config.token, config.token_file)
+
+
+def _bearer(token: str) -> str:
+    return f"Bearer {token}"
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """What a caller sends so a daemon with this token accepts its calls."""
-    return ((_HEADER, f"Bearer {token}"),) if token else ()
+    """What a caller sends so a server with this token accepts its calls."""
+    return ((_HEADER, _bearer(token)),) if token else ()
 
 
 def server_credentials(config: Config) -> grpc.ServerCredentials | None:
@@ -71,11 +81,24 @@ def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
     TLS the channel presents this task's own certificate."""
     if not config.tls_cert:
         return None
-    ca = _read(config.tls_ca, "tls_ca") if config.tls_ca else None
     if config.tls_client_auth:
-        return grpc.ssl_channel_credentials(ca, _read(config.tls_key, "tls_key"),
-                                            _read(config.tls_cert, "tls_cert"))
-    return grpc.ssl_channel_credentials(ca)
+        return tls_channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+    return tls_channel_credentials(config.tls_ca, "", "")
+
+
+def tls_channel_credentials(ca: str, cert: str, key: str,
+                            names: tuple[str, str, str] = ("tls_ca", "tls_cert", "tls_key")
+                            ) -> grpc.ChannelCredentials | None:
+    """TLS for a channel from PEM files: the CA bundle (empty: the system's roots)
+    and, for mutual TLS, this side's certificate and key (both or neither); None
+    when none is given. ``names`` name the three settings in errors."""
+    if bool(cert) != bool(key):
+        raise InvalidArgument(f"{names[1]} and {names[2]} go together")
+    if not (ca or cert):
+        return None
+    return grpc.ssl_channel_credentials(_read(ca, names[0]) if ca else None,
+                                        _read(key, names[2]) if key else None,
+                                        _read(cert, names[1]) if cert else None)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -85,7 +108,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
                  exempt: tuple[str, ...] = (HEALTH_PREFIX,)) -> None:
         if not token:
             raise InvalidArgument("a token interceptor needs a non-empty token")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = _bearer(token).encode()
         self._exempt = exempt
         self._on_reject = on_reject
 

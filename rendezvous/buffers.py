@@ -14,7 +14,9 @@ refers to it (its reference count says so), so nothing the caller still
 holds is ever written. At most ``limit`` bytes of buffers are tracked; beyond
 that, receives get plain ``numpy.empty`` arrays, so the memory kept after the
 arrays are dropped never exceeds ``limit`` (``recv_cache_bytes``; 0 turns the
-cache off). One cache per process, used from any thread.
+cache off). Each rank server owns one (``aio.Server.buffers``) and hands it to
+whatever receives for it (the inline plane's assemblies, the MPI plane's
+receives); it is used from any thread.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RecvBuffers", "empty", "configure", "CACHE"]
+__all__ = ["RecvBuffers", "MIN_BYTES"]
 
 #: below this, malloc reuses freed memory itself (its mmap threshold adapts up to 32 MiB)
 MIN_BYTES = 32 << 20
@@ -106,16 +108,3 @@ def _free_refs() -> int:
 
 
 _FREE_REFS = _free_refs()
-
-#: the process's cache; servers set its limit from ``recv_cache_bytes``
-CACHE = RecvBuffers()
-
-
-def empty(shape: Any, dtype: Any) -> np.ndarray:
-    """``numpy.empty`` for a received tensor, from the process's cache."""
-    return CACHE.empty(shape, dtype)
-
-
-def configure(limit: int) -> None:
-    """Set the process's cache limit in bytes (the last server configured wins)."""
-    CACHE.set_limit(limit)

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from .config import Protocol
+
 __all__ = ["main"]
 
 EPILOG = """\
@@ -81,7 +83,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
     p.add_argument("--job-name", metavar="J", help="this task's job (env RENDEZVOUS_JOB_NAME)")
     p.add_argument("--task-index", type=int, metavar="N",
                    help="this task's index (env RENDEZVOUS_TASK_INDEX; under mpiexec or srun: the rank; else 0)")
-    p.add_argument("--protocol", choices=["grpc", "grpc+mpi"], help="default grpc (env RENDEZVOUS_PROTOCOL)")
+    p.add_argument("--protocol", choices=[p.value for p in Protocol], help="default grpc (env RENDEZVOUS_PROTOCOL)")
     p.add_argument("--grace", type=float, metavar="S",
                    help="seconds replies in flight may take to finish at shutdown (default 5)")
     p.add_argument("--config", metavar="FILE", help="TOML file of config fields (env RENDEZVOUS_CONFIG)")
@@ -198,30 +200,12 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _get_security(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str], ...]]:
     """(TLS channel credentials or None, token metadata) from ``get``'s flags."""
-    import grpc
+    from . import auth
 
-    from .errors import InvalidArgument
-
-    def read(path: str, what: str) -> bytes:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise InvalidArgument(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
-
-    token = args.token
-    if args.token_file:
-        token = read(args.token_file, "--token-file").decode("utf-8", "replace").strip()
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise InvalidArgument("--tls-cert and --tls-key go together")
-    credentials = None
-    if args.tls_ca or args.tls_cert:
-        credentials = grpc.ssl_channel_credentials(
-            read(args.tls_ca, "--tls-ca") if args.tls_ca else None,
-            read(args.tls_key, "--tls-key") if args.tls_key else None,
-            read(args.tls_cert, "--tls-cert") if args.tls_cert else None)
-    return credentials, metadata
+    token = auth.read_token(args.token, args.token_file, "--token-file")
+    credentials = auth.tls_channel_credentials(args.tls_ca, args.tls_cert, args.tls_key,
+                                               ("--tls-ca", "--tls-cert", "--tls-key"))
+    return credentials, auth.token_metadata(token)
 
 
 def _get(args: argparse.Namespace) -> int:
@@ -232,17 +216,18 @@ def _get(args: argparse.Namespace) -> int:
     from . import frames
     from .errors import RendezvousError, from_status
     from .keys import parse_key
+    from .rpc.options import UNARY_METHOD, local_channel_options
     from .v1 import rendezvous_pb2 as pb
 
     try:
         parse_key(args.key)
         request = pb.RecvTensorRequest(step_id=args.step, rendezvous_key=args.key)
         credentials, metadata = _get_security(args)
-        options = [("grpc.max_receive_message_length", -1)]
+        options = local_channel_options()
         channel = (grpc.secure_channel(args.address, credentials, options=options) if credentials
                    else grpc.insecure_channel(args.address, options=options))
         with channel as ch:
-            call = ch.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
+            call = ch.unary_unary(UNARY_METHOD)
             try:
                 raw = call(request.SerializeToString(), timeout=args.timeout, metadata=metadata or None)
             except grpc.RpcError as exc:

@@ -16,11 +16,28 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["Config", "ENV_VARS", "env_flag"]
+__all__ = ["Config", "ENV_VARS", "env_flag", "Protocol"]
+
+
+class Protocol(StrEnum):
+    """How a rank moves tensors: gRPC only, or gRPC with MPI's data plane
+    (TensorFlow's ``protocol="grpc+mpi"``)."""
+
+    GRPC = "grpc"
+    GRPC_MPI = "grpc+mpi"
+
+    @classmethod
+    def parse(cls, value: "str | Protocol") -> "Protocol":
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(
+                f"protocol must be {' or '.join(p.value for p in cls)}, got {value!r}") from None
 
 
 def env_flag(value: str) -> bool:
@@ -193,8 +210,7 @@ class Config:
         self._validate_daemon()
 
     def _validate_daemon(self) -> None:
-        if self.protocol not in ("grpc", "grpc+mpi"):
-            raise InvalidArgument(f"protocol must be grpc or grpc+mpi, got {self.protocol!r}")
+        Protocol.parse(self.protocol)
         if self.task_index < -1:
             raise InvalidArgument(f"task_index must be >= 0 (or -1: the launcher's rank), got {self.task_index}")
         if not -1 <= self.metrics_port <= 65535:

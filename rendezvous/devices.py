@@ -52,13 +52,9 @@ __all__ = [
     "DeviceBackend",
     "CupyBackend",
     "PinnedPool",
-    "register_backend",
-    "unregister_backend",
-    "backend_for",
-    "gpu_backend",
-    "import_tensor",
+    "Devices",
+    "import_host",
     "is_device",
-    "place",
 ]
 
 log = logging.getLogger("rendezvous.devices")
@@ -398,67 +394,116 @@ class CupyBackend(DeviceBackend):
         return array.reshape(-1).view(self._cupy().uint8)[start:stop]
 
 
-# -- registry ---------------------------------------------------------------------
+# -- the devices a server can use -----------------------------------------------
 
-_backends: list[DeviceBackend] = [CupyBackend()]
-_pools: dict[tuple[int, int, int], PinnedPool] = {}
-_pools_lock = threading.Lock()
-_warned: set[str] = set()
+class Devices:
+    """The GPU backends a server may use, asked in order, and their pinned
+    staging pools. Each server owns one (``rendezvous.Server(devices=...)``);
+    by default it holds :class:`CupyBackend`, which imports cupy only when a
+    GPU tensor or a GPU placement appears. Tests pass
+    ``Devices([FakeBackend()])``. Used from the loop and from copy threads."""
 
+    def __init__(self, backends: list[DeviceBackend] | None = None) -> None:
+        self.backends: tuple[DeviceBackend, ...] = tuple(backends) if backends is not None else (CupyBackend(),)
+        self._pools: dict[tuple[int, int, int], PinnedPool] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
 
-def register_backend(backend: DeviceBackend) -> None:
-    """Put ``backend`` first: it is asked before the others (tests register fakes)."""
-    _backends.insert(0, backend)
-
-
-def unregister_backend(backend: DeviceBackend) -> None:
-    if backend in _backends:
-        _backends.remove(backend)
-    with _pools_lock:
-        for k in [k for k, p in _pools.items() if p.backend is backend]:
-            del _pools[k]
-
-
-def backend_for(obj: Any) -> DeviceBackend | None:
-    """The backend that recognizes ``obj`` as a device tensor, or None for host data."""
-    if type(obj) is np.ndarray:
+    def backend_for(self, obj: Any) -> DeviceBackend | None:
+        """The backend that recognizes ``obj`` as a device tensor, or None for host data."""
+        if type(obj) is np.ndarray:
+            return None
+        for b in self.backends:
+            if b.recognizes(obj):
+                return b
         return None
-    for b in _backends:
-        if b.recognizes(obj):
-            return b
-    return None
+
+    def gpu_backend(self) -> DeviceBackend | None:
+        """The backend to allocate GPU destinations with, or None if no GPU can be used."""
+        for b in self.backends:
+            if b.available():
+                return b
+        return None
+
+    def pool(self, backend: DeviceBackend, chunk_bytes: int, depth: int) -> PinnedPool:
+        """The pinned pool of ``backend`` for this chunk size, shared by this server's transfers."""
+        key = (id(backend), chunk_bytes, depth)
+        with self._lock:
+            p = self._pools.get(key)
+            if p is None:
+                p = self._pools[key] = PinnedPool(backend, chunk_bytes, depth)
+            return p
+
+    def import_tensor(self, obj: Any) -> np.ndarray | DeviceTensor:
+        """What ``send`` stores: a numpy array for host data, a :class:`DeviceTensor` for
+        GPU data. Typed by protocol: CUDA array interface or DLPack device, then DLPack on
+        the CPU, then anything numpy can view. Call on the producer's thread: the ready
+        event goes on that thread's current stream."""
+        if type(obj) is np.ndarray:
+            return as_array(obj)
+        if isinstance(obj, DeviceTensor):
+            return obj
+        backend = self.backend_for(obj)
+        if backend is not None:
+            return backend.wrap(obj)
+        return import_host(obj)
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
+
+    def resolve(self, placement: Placement, explicit: bool) -> tuple[Placement, DeviceBackend | None]:
+        """The placement that will be used and the backend for it (None for the host).
+
+        A GPU placement without a usable GPU backend falls back to the host (with one
+        warning per server) when it came from the key, and fails when it was asked
+        for explicitly."""
+        if not placement.is_gpu:
+            return CPU, None
+        backend = self.gpu_backend()
+        if backend is None:
+            if explicit:
+                raise FailedPrecondition(f"recv onto {placement} needs a GPU and cupy (rendezvous[gpu])")
+            self._warn_once("no-gpu", f"key names {placement} but no GPU backend is usable here; "
+                                      "GPU-bound tensors are received as numpy arrays")
+            return CPU, None
+        return placement, backend
+
+    def place(self, value: Any, placement: Placement, explicit: bool, pool_args: tuple[int, int]) -> Any:
+        """``value`` (numpy array or DeviceTensor, as a table or a reply gave it) where
+        ``placement`` says. Blocking copies; run off the loop for large tensors.
+        ``pool_args`` is (staging chunk bytes, depth)."""
+        if value is None:
+            return None
+        target, backend = self.resolve(placement, explicit)
+        if isinstance(value, DeviceTensor):
+            if target.is_gpu and target.index == value.device and backend is value.backend:
+                value.backend.event_wait(value.ready)
+                return value.backend.user_array(value.array)
+            host = value.backend.to_host(value, self.pool(value.backend, *pool_args))
+            if not target.is_gpu:
+                return host
+            value = host
+        if not target.is_gpu or backend is None:
+            return value
+        if getattr(value, "dtype", None) == np.dtype(object):
+            return value  # strings have no device form: they stay on the host
+        return backend.user_array(backend.from_host(value, target.index, self.pool(backend, *pool_args)))
+
+    def needs_copy(self, value: Any, placement: Placement, explicit: bool) -> bool:
+        """Whether :meth:`place` would move bytes (so the caller runs it off the loop)."""
+        if value is None:
+            return False
+        target, backend = self.resolve(placement, explicit)
+        if isinstance(value, DeviceTensor):
+            return not (target.is_gpu and target.index == value.device and backend is value.backend)
+        return target.is_gpu and backend is not None and getattr(value, "dtype", None) != np.dtype(object)
 
 
-def gpu_backend() -> DeviceBackend | None:
-    """The backend to allocate GPU destinations with, or None if no GPU can be used."""
-    for b in _backends:
-        if b.available():
-            return b
-    return None
-
-
-def pool(backend: DeviceBackend, chunk_bytes: int, depth: int) -> PinnedPool:
-    """The shared pinned pool of ``backend`` for this chunk size."""
-    key = (id(backend), chunk_bytes, depth)
-    with _pools_lock:
-        p = _pools.get(key)
-        if p is None:
-            p = _pools[key] = PinnedPool(backend, chunk_bytes, depth)
-        return p
-
-
-def import_tensor(obj: Any) -> np.ndarray | DeviceTensor:
-    """What ``send`` stores: a numpy array for host data, a :class:`DeviceTensor` for
-    GPU data. Typed by protocol: CUDA array interface or DLPack device, then DLPack on
-    the CPU, then anything numpy can view. Call on the producer's thread: the ready
-    event goes on that thread's current stream."""
-    if type(obj) is np.ndarray:
-        return as_array(obj)
-    if isinstance(obj, DeviceTensor):
-        return obj
-    backend = backend_for(obj)
-    if backend is not None:
-        return backend.wrap(obj)
+def import_host(obj: Any) -> np.ndarray:
+    """``obj`` as a host numpy array: DLPack on the CPU, then anything numpy can
+    view. A DLPack tensor on another device is refused (no backend took it)."""
     if not hasattr(obj, "__array_interface__") and hasattr(obj, "__dlpack__"):
         dev = getattr(obj, "__dlpack_device__", None)
         kind = int(dev()[0]) if dev is not None else _KDL_CPU
@@ -467,58 +512,3 @@ def import_tensor(obj: Any) -> np.ndarray | DeviceTensor:
         raise InvalidArgument(f"{type(obj).__name__} lives on DLPack device type {kind}, "
                               "which no installed backend handles (CUDA needs cupy: rendezvous[gpu])")
     return as_array(obj)
-
-
-def _warn_once(what: str, message: str) -> None:
-    if what not in _warned:
-        _warned.add(what)
-        log.warning(message)
-
-
-def resolve(placement: Placement, explicit: bool) -> tuple[Placement, DeviceBackend | None]:
-    """The placement that will be used and the backend for it (None for the host).
-
-    A GPU placement without a usable GPU backend falls back to the host (with a
-    warning) when it came from the key, and fails when it was asked for explicitly."""
-    if not placement.is_gpu:
-        return CPU, None
-    backend = gpu_backend()
-    if backend is None:
-        if explicit:
-            raise FailedPrecondition(f"recv onto {placement} needs a GPU and cupy (rendezvous[gpu])")
-        _warn_once("no-gpu", f"key names {placement} but no GPU backend is usable here; "
-                              "GPU-bound tensors are received as numpy arrays")
-        return CPU, None
-    return placement, backend
-
-
-def place(value: Any, placement: Placement, explicit: bool, pool_args: tuple[int, int]) -> Any:
-    """``value`` (numpy array or DeviceTensor, as a table or a reply gave it) where
-    ``placement`` says. Blocking copies; run off the loop for large tensors.
-    ``pool_args`` is (staging chunk bytes, depth)."""
-    if value is None:
-        return None
-    target, backend = resolve(placement, explicit)
-    if isinstance(value, DeviceTensor):
-        if target.is_gpu and target.index == value.device and backend is value.backend:
-            value.backend.event_wait(value.ready)
-            return value.backend.user_array(value.array)
-        host = value.backend.to_host(value, pool(value.backend, *pool_args))
-        if not target.is_gpu:
-            return host
-        value = host
-    if not target.is_gpu or backend is None:
-        return value
-    if getattr(value, "dtype", None) == np.dtype(object):
-        return value  # strings have no device form: they stay on the host
-    return backend.user_array(backend.from_host(value, target.index, pool(backend, *pool_args)))
-
-
-def needs_copy(value: Any, placement: Placement, explicit: bool) -> bool:
-    """Whether :func:`place` would move bytes (so the caller runs it off the loop)."""
-    if value is None:
-        return False
-    target, backend = resolve(placement, explicit)
-    if isinstance(value, DeviceTensor):
-        return not (target.is_gpu and target.index == value.device and backend is value.backend)
-    return target.is_gpu and backend is not None and getattr(value, "dtype", None) != np.dtype(object)

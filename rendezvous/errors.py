@@ -25,6 +25,7 @@ __all__ = [
     "UnknownTask",
     "FailedPrecondition",
     "ResourceExhausted",
+    "NotPlaced",
     "Unauthenticated",
     "Internal",
     "Cancelled",
@@ -110,6 +111,17 @@ class FailedPrecondition(RendezvousError):
 
 class ResourceExhausted(RendezvousError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotPlaced(ResourceExhausted):
+    """The tensor arrived but could not be put where the recv wanted it (device
+    memory full). ``value`` is the tensor as it arrived (on the host), which the
+    server keeps for the next recv of the same key and step: nothing fetched is
+    lost; the recv fails with this error, a ResourceExhausted."""
+
+    def __init__(self, message: str, value: object) -> None:
+        super().__init__(message)
+        self.value = value
 
 
 class Unauthenticated(RendezvousError):

@@ -7,10 +7,11 @@ pipelines over real MPI, stream synchronization before MPI, pinned-buffer
 reuse, the default path's host copies) runs and is tested on machines
 without a GPU. What it cannot test is cupy and CUDA themselves.
 
-    from rendezvous import devices
+    import rendezvous
+    from rendezvous.devices import Devices
     from rendezvous.fakegpu import FakeBackend
     fake = FakeBackend()
-    devices.register_backend(fake)   # GPU placements now use it
+    server = rendezvous.Server(cluster, "worker", 0, devices=Devices([fake]))  # GPU placements use it
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import buffers
+from .buffers import RecvBuffers
 from .devices import DeviceBackend, DeviceTensor
 from .errors import FailedPrecondition
 from .tensors import TensorMeta
@@ -93,6 +94,7 @@ class FakeBackend(DeviceBackend):
         self._copy: dict[int, _FakeStream] = defaultdict(lambda: _FakeStream("fake-gpu-copy"))
         self.pinned_allocs = 0
         self.copies = {"d2h": 0, "h2d": 0}
+        self._memory = RecvBuffers()  # "device memory": large buffers reused, as cupy's pool does
 
     def stream(self, device: int = 0) -> _FakeStream:
         return self._user[device]
@@ -113,7 +115,7 @@ class FakeBackend(DeviceBackend):
         if not 0 <= device < self.devices:
             raise FailedPrecondition(f"no GPU:{device} (fake backend has {self.devices})")
         # Reused host buffers, as a device memory pool (cupy's) reuses device memory.
-        return FakeDeviceArray(buffers.empty(meta.shape, meta.dtype), device)
+        return FakeDeviceArray(self._memory.empty(meta.shape, meta.dtype), device)
 
     def d2h_async(self, src: DeviceTensor, start: int, host: np.ndarray) -> Any:
         stream = self._copy[src.device]

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import buffers, wire
+from . import fields as F
+from . import wire
+from .buffers import RecvBuffers
 from .errors import InvalidArgument, RendezvousError, from_status
 from .table import Received
 from .tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, is_memcpyable
@@ -41,11 +43,13 @@ __all__ = [
     "iter_stream_frames",
     "recv_request",
     "cancel_request",
-    "batch",
+    "batch_requests",
+    "batch_responses",
     "parse_response",
     "Assembly",
     "MAX_MESSAGE_BYTES",
     "prime_allocator",
+    "with_call_id",
 ]
 
 # gRPC's message size fields are signed 32-bit; stay clear of the edge.
@@ -67,7 +71,9 @@ _primed = 0
 
 def prime_allocator(chunk_bytes: int) -> None:
     """Make the allocator keep chunk-sized frame buffers for reuse (see above).
-    Cheap: the block is never touched. Idempotent per size."""
+    Cheap: the block is never touched. Idempotent per size. The thresholds are
+    the process's (glibc has one heap policy), so this is a process-wide
+    setting by nature: a rank server applies it once when it starts."""
     global _primed
     size = min(8 * chunk_bytes, _MMAP_THRESHOLD_MAX - (64 << 10))
     if size <= _primed:
@@ -82,9 +88,10 @@ def payload_view(arr: np.ndarray) -> memoryview:
 
 
 def _response_fields(is_dead: bool, send_start_micros: int, transport_options: bytes | None) -> bytes:
-    head = wire.varint_field(2, int(is_dead)) + wire.varint_field(3, send_start_micros)
+    head = wire.varint_field(F.RESPONSE_IS_DEAD, int(is_dead)) + \
+        wire.varint_field(F.RESPONSE_SEND_START_MICROS, send_start_micros)
     if transport_options:
-        head += wire.len_field_header(4, len(transport_options)) + transport_options
+        head += wire.len_field_header(F.RESPONSE_TRANSPORT_OPTIONS, len(transport_options)) + transport_options
     return head
 
 
@@ -99,7 +106,7 @@ def _tensor_parts(value: np.ndarray) -> tuple[list, int]:
     payload = payload_view(value)
     if len(payload) == 0:
         return [meta], len(meta)
-    content = wire.len_field_header(4, len(payload))
+    content = wire.len_field_header(F.TENSOR_CONTENT, len(payload))
     return [meta, content, payload], len(meta) + len(content) + len(payload)
 
 
@@ -113,7 +120,7 @@ def unary_response(item: Received, send_start_micros: int = 0) -> bytes:
 
             raise ResourceExhausted(
                 f"tensor of {tlen} bytes does not fit one gRPC message; use RecvTensorStream, which chunks it")
-        parts.append(wire.len_field_header(1, tlen))
+        parts.append(wire.len_field_header(F.RESPONSE_TENSOR, tlen))
         parts.extend(tparts)
     return b"".join(parts)
 
@@ -123,7 +130,7 @@ def descriptor_response(meta: TensorMeta, transport_options: bytes, send_start_m
     tensor = encode_meta(meta)
     return b"".join([
         _response_fields(False, send_start_micros, transport_options),
-        wire.len_field_header(1, len(tensor)), tensor,
+        wire.len_field_header(F.RESPONSE_TENSOR, len(tensor)), tensor,
     ])
 
 
@@ -134,11 +141,11 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
     The first frame holds dtype, shape and up to ``chunk_bytes`` of content; the
     rest carry ``chunk`` fields. Each frame costs one copy of its slice.
     """
-    cid = wire.varint_field(1, call_id) or wire.tag(1, wire.VARINT) + b"\x00"
+    cid = _call_id_field(call_id)
     head = _response_fields(item.is_dead, send_start_micros, None)
     value = item.value
     if item.is_dead:
-        yield b"".join([cid, wire.len_field_header(2, len(head)), head])
+        yield b"".join([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, len(head)), head])
         return
     if not is_memcpyable(value):
         tparts, tlen = _tensor_parts(value)
@@ -146,23 +153,37 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
             from .errors import ResourceExhausted
 
             raise ResourceExhausted(f"string tensor of {tlen} bytes exceeds one gRPC message")
-        resp_len = len(head) + len(wire.len_field_header(1, tlen)) + tlen
-        yield b"".join([cid, wire.len_field_header(2, resp_len), head, wire.len_field_header(1, tlen), *tparts])
+        tensor_hdr = wire.len_field_header(F.RESPONSE_TENSOR, tlen)
+        resp_len = len(head) + len(tensor_hdr) + tlen
+        yield b"".join([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, *tparts])
         return
     meta = _meta_bytes(value.dtype, value.shape)
     payload = payload_view(value)
     total = len(payload)
     first = min(total, chunk_bytes)
-    content = wire.len_field_header(4, first) if first else b""
+    content = wire.len_field_header(F.TENSOR_CONTENT, first) if first else b""
     tlen = len(meta) + len(content) + first
-    tensor_hdr = wire.len_field_header(1, tlen)
+    tensor_hdr = wire.len_field_header(F.RESPONSE_TENSOR, tlen)
     resp_len = len(head) + len(tensor_hdr) + tlen
-    yield b"".join([cid, wire.len_field_header(2, resp_len), head, tensor_hdr, meta, content, payload[:first]])
+    yield b"".join([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, meta,
+                    content, payload[:first]])
     pos = first
     while pos < total:
         end = min(total, pos + chunk_bytes)
-        yield b"".join([cid, wire.len_field_header(3, end - pos), payload[pos:end]])
+        yield b"".join([cid, wire.len_field_header(F.STREAM_RESPONSE_CHUNK, end - pos), payload[pos:end]])
         pos = end
+
+
+def _call_id_field(call_id: int) -> bytes:
+    # call_id 0 is written explicitly: a frame must always name its call
+    return wire.varint_field(F.STREAM_RESPONSE_CALL_ID, call_id) or \
+        wire.tag(F.STREAM_RESPONSE_CALL_ID, wire.VARINT) + b"\x00"
+
+
+def with_call_id(call_id: int, response: bytes) -> bytes:
+    """A StreamResponse frame answering ``call_id`` with a whole RecvTensorResponse."""
+    return b"".join([_call_id_field(call_id),
+                     wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, len(response)), response])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -177,23 +198,33 @@ def recv_request(call_id: int, step_id: int, key: bytes, request_id: int,
     """A StreamRequest carrying one RecvTensorRequest, written by hand (it is
     on every recv's path; building protobuf objects costs more than this)."""
     req = b"".join([
-        wire.varint_field(1, step_id),
-        wire.len_field_header(2, len(key)), key,
-        wire.len_field_header(6, len(transport_options)) if transport_options else b"",
+        wire.varint_field(F.REQUEST_STEP_ID, step_id),
+        wire.len_field_header(F.REQUEST_KEY, len(key)), key,
+        wire.len_field_header(F.REQUEST_TRANSPORT_OPTIONS, len(transport_options)) if transport_options else b"",
         transport_options or b"",
-        wire.varint_field(7, request_id),
+        wire.varint_field(F.REQUEST_ID, request_id),
     ])
-    return b"".join([wire.varint_field(1, call_id), wire.len_field_header(2, len(req)), req])
+    return b"".join([wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id),
+                     wire.len_field_header(F.STREAM_REQUEST_RECV, len(req)), req])
 
 
 def cancel_request(call_id: int) -> bytes:
     """A StreamRequest cancelling ``call_id`` (an empty Cancel message)."""
-    return wire.varint_field(1, call_id) + wire.len_field_header(3, 0)
+    return wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id) + wire.len_field_header(F.STREAM_REQUEST_CANCEL, 0)
 
 
-def batch(messages: list[bytes], field_number: int) -> bytes:
-    """Several stream messages packed as one: the ``batch`` entries of an outer message."""
+def _batch(messages: list[bytes], field_number: int) -> bytes:
     return b"".join(part for m in messages for part in (wire.len_field_header(field_number, len(m)), m))
+
+
+def batch_requests(messages: list[bytes]) -> bytes:
+    """Several StreamRequests packed as one (the ``batch`` entries of an outer one)."""
+    return _batch(messages, F.STREAM_REQUEST_BATCH)
+
+
+def batch_responses(messages: list[bytes]) -> bytes:
+    """Several StreamResponse frames packed as one (the ``batch`` entries of an outer one)."""
+    return _batch(messages, F.STREAM_RESPONSE_BATCH)
 
 
 def error_frame(call_id: int, error: BaseException) -> bytes:
@@ -213,18 +244,20 @@ class ReplyHead:
     tensor: tuple[int, int] | None = None             # TensorProto span
     transport_options: tuple[int, int] | None = None  # google.protobuf.Any span
     send_start_micros: int = 0
+    #: ``decode_meta`` of the tensor span, once someone has parsed it (it is parsed once)
+    decoded: tuple[TensorMeta, int, int] | None = None
 
 
 def parse_response(buf: bytes, start: int = 0, end: int | None = None) -> ReplyHead:
     head = ReplyHead()
     for num, wt, a, b in wire.iter_fields(buf, start, end):
-        if num == 1 and wt == wire.LEN:
+        if num == F.RESPONSE_TENSOR and wt == wire.LEN:
             head.tensor = (a, b)
-        elif num == 2 and wt == wire.VARINT:
+        elif num == F.RESPONSE_IS_DEAD and wt == wire.VARINT:
             head.is_dead = bool(a)
-        elif num == 3 and wt == wire.VARINT:
+        elif num == F.RESPONSE_SEND_START_MICROS and wt == wire.VARINT:
             head.send_start_micros = wire.to_signed64(a)
-        elif num == 4 and wt == wire.LEN:
+        elif num == F.RESPONSE_TRANSPORT_OPTIONS and wt == wire.LEN:
             head.transport_options = (a, b)
     return head
 
@@ -240,7 +273,7 @@ class StreamFrame:
 def iter_stream_frames(buf: bytes) -> Iterator[StreamFrame]:
     """The frames in one StreamResponse message: itself, or the entries of its
     ``batch`` (field 5) in order. Offsets point into ``buf``; nothing is copied."""
-    spans = [(a, b) for num, wt, a, b in wire.iter_fields(buf) if num == 5 and wt == wire.LEN]
+    spans = [(a, b) for num, wt, a, b in wire.iter_fields(buf) if num == F.STREAM_RESPONSE_BATCH and wt == wire.LEN]
     if not spans:
         yield parse_stream_frame(buf)
         return
@@ -252,13 +285,13 @@ def parse_stream_frame(buf: bytes, start: int = 0, end: int | None = None) -> St
     """Split one StreamResponse into its parts (offsets into ``buf``, no copies)."""
     frame = StreamFrame(call_id=-1)
     for num, wt, a, b in wire.iter_fields(buf, start, end):
-        if num == 1 and wt == wire.VARINT:
+        if num == F.STREAM_RESPONSE_CALL_ID and wt == wire.VARINT:
             frame.call_id = a
-        elif num == 2 and wt == wire.LEN:
+        elif num == F.STREAM_RESPONSE_RESPONSE and wt == wire.LEN:
             frame.head = parse_response(buf, a, b)
-        elif num == 3 and wt == wire.LEN:
+        elif num == F.STREAM_RESPONSE_CHUNK and wt == wire.LEN:
             frame.chunk = (a, b)
-        elif num == 4 and wt == wire.LEN:
+        elif num == F.STREAM_RESPONSE_ERROR and wt == wire.LEN:
             status = pb.Status.FromString(bytes(buf[a:b]))
             frame.error = from_status(status.code, status.message)
     if frame.call_id < 0:
@@ -271,9 +304,10 @@ class Assembly:
 
     __slots__ = ("meta", "dest", "filled")
 
-    def __init__(self, meta: TensorMeta, first: memoryview) -> None:
+    def __init__(self, meta: TensorMeta, first: memoryview, buffers: RecvBuffers | None = None) -> None:
         self.meta = meta
-        self.dest = buffers.empty(meta.nbytes, np.uint8)  # reused once dropped, if large
+        # from the receive cache: a large one is reused once dropped
+        self.dest = buffers.empty(meta.nbytes, np.uint8) if buffers is not None else np.empty(meta.nbytes, np.uint8)
         self.filled = 0
         self.add(first)
 
@@ -291,9 +325,10 @@ class Assembly:
         return self.dest.view(self.meta.dtype).reshape(self.meta.shape)
 
 
-def decode_inline(buf: bytes, span: tuple[int, int],
-                  decoded: tuple[TensorMeta, int, int] | None = None) -> np.ndarray | Assembly:
-    """A whole tensor (a view on ``buf``) or, if only its first part is here, an Assembly.
+def decode_inline(buf: bytes, span: tuple[int, int], decoded: tuple[TensorMeta, int, int] | None = None,
+                  buffers: RecvBuffers | None = None) -> np.ndarray | Assembly:
+    """A whole tensor (a view on ``buf``) or, if only its first part is here, an
+    Assembly (its destination from ``buffers`` when given).
 
     ``decoded`` is ``decode_meta(buf, *span)`` when the caller has it already."""
     start, end = span
@@ -309,7 +344,7 @@ def decode_inline(buf: bytes, span: tuple[int, int],
         # No content yet but bytes are due: the typed-field (TensorFlow) encodings
         # carry no chunks, so only decode_tensor can say what this is.
         return decode_tensor(buf, start, end)
-    return Assembly(meta, memoryview(buf)[cs:ce])
+    return Assembly(meta, memoryview(buf)[cs:ce], buffers)
 
 
 def is_memcpyable_meta(meta: TensorMeta) -> bool:

@@ -15,13 +15,32 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any
 
 from .errors import RendezvousError
 
-__all__ = ["run_until_signalled", "SAME_SIGNAL_S"]
+__all__ = ["run_until_signalled", "SAME_SIGNAL_S", "State"]
 
 SAME_SIGNAL_S = 0.5
+
+
+class State(Enum):
+    """Where a server (a rank server, a daemon) is in its life; it only moves forward."""
+
+    NEW = "new"
+    STARTING = "starting"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+    @property
+    def ending(self) -> bool:
+        """Stopping or stopped: no new work is taken."""
+        return self in (State.STOPPING, State.STOPPED)
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, announce: Callable[[Any], str],

@@ -20,6 +20,7 @@ from .cluster import ClusterLike
 from .config import Config
 from .errors import FailedPrecondition
 from .keys import Key
+from .devices import Devices
 from .table import Received
 
 __all__ = ["Server", "new_event_loop"]
@@ -42,8 +43,10 @@ class Server:
     """Blocking rank server; same arguments as :class:`rendezvous.aio.Server`."""
 
     def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
-                 protocol: str = "grpc", *, config: Config | None = None, **overrides: Any) -> None:
-        self._aio = aio.Server(cluster, job_name, task_index, protocol, config=config, **overrides)
+                 protocol: str = "grpc", *, config: Config | None = None, devices: Devices | None = None,
+                 **overrides: Any) -> None:
+        self._aio = aio.Server(cluster, job_name, task_index, protocol, config=config, devices=devices,
+                               **overrides)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 

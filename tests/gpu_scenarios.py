@@ -17,7 +17,7 @@ import rendezvous
 
 from mpi_scenarios import finish, pattern, result, start, worker
 
-from rendezvous import devices
+from rendezvous.devices import Devices
 from rendezvous.fakegpu import FakeBackend
 
 
@@ -52,11 +52,12 @@ def transfers(backend: str = "fake") -> None:
     stream is synchronized before MPI reads the buffer; pinned buffers reused."""
     if backend == "fake":
         fake = FakeBackend()
-        devices.register_backend(fake)
+        gpus = Devices([fake])
     else:
         fake = _Cupy()
+        gpus = Devices()
     gpu_type = type(fake.array(np.zeros(1))).__name__
-    server = start(2, gpu_staging_chunk_bytes=1 << 20, gpu_staging_depth=3)
+    server = start(2, devices=gpus, gpu_staging_chunk_bytes=1 << 20, gpu_staging_depth=3)
     me = server.task.task
     other = 1 - me
     for i, n in enumerate(SIZES):

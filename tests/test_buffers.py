@@ -85,16 +85,12 @@ def test_clear_keeps_arrays_in_use_valid():
     assert int(a.sum()) == 3 * MiB
 
 
-def test_the_process_cache_follows_the_config():
-    from rendezvous.rpc.peer import PeerClient
-    from rendezvous.config import Config
-    from rendezvous.keys import TaskName
+def test_each_server_owns_a_cache_that_follows_its_config():
+    from rendezvous import aio
 
-    old = buffers.CACHE.limit
-    try:
-        PeerClient(TaskName("w", 0, 1), "127.0.0.1:1", Config.load({"recv_cache_bytes": 0}))
-        assert buffers.CACHE.limit == 0
-        PeerClient(TaskName("w", 0, 1), "127.0.0.1:1", Config.load({"recv_cache_bytes": 5 * MiB}))
-        assert buffers.CACHE.limit == 5 * MiB
-    finally:
-        buffers.configure(old)
+    spec = {"w": ["127.0.0.1:0"]}
+    off = aio.Server(spec, "w", 0, recv_cache_bytes=0)
+    small = aio.Server(spec, "w", 0, recv_cache_bytes=5 * MiB)
+    assert off.buffers.limit == 0 and small.buffers.limit == 5 * MiB
+    assert off.buffers is not small.buffers  # no process-wide cache: the last server built does not win
+    assert off.buffers.limit == 0

@@ -41,11 +41,11 @@ def test_cupy_round_trip_over_grpc():
 
 def test_non_contiguous_and_dlpack_inputs():
     base = cupy.arange(64, dtype=cupy.int32).reshape(8, 8)
-    dt = devices.import_tensor(base[:, ::2])  # made contiguous on the current stream
+    dt = devices.Devices().import_tensor(base[:, ::2])  # made contiguous on the current stream
     assert dt.shape == (8, 4) and dt.array.flags.c_contiguous
     torch = pytest.importorskip("torch")
     t = torch.arange(10, device="cuda")
-    dt = devices.import_tensor(t)
+    dt = devices.Devices().import_tensor(t)
     assert dt.shape == (10,) and bool((dt.array == cupy.arange(10)).all())
 
 

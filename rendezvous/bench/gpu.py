@@ -32,15 +32,13 @@ GPU_CONTENDERS = ("gpu_staged", "gpu_serial", "d2h")
 
 
 def gpu_backend(kind: str) -> tuple[Any, str]:
-    """(backend, note) for ``--gpu fake|cupy``; registers the fake so GPU placements use it."""
+    """(backend, note) for ``--gpu fake|cupy``; the GPU contenders' servers use it."""
     from rendezvous import devices
 
     if kind == "fake":
         from rendezvous.fakegpu import FakeBackend
 
-        fake = FakeBackend()
-        devices.register_backend(fake)
-        return fake, "GPU contenders on the fake GPU (host memory, copy threads): pipeline overlap only"
+        return FakeBackend(), "GPU contenders on the fake GPU (host memory, copy threads): pipeline overlap only"
     backend = devices.CupyBackend()
     if not backend.available():
         raise SystemExit("--gpu cupy needs cupy and a CUDA device")
@@ -82,8 +80,11 @@ class GpuRendezvous(Rendezvous):
 
         cluster = {"gpu": ["127.0.0.1:0"] * 2, "gpu1": ["127.0.0.1:0"] * 2}
         extra = {"gpu_staging_depth": self.depth} if self.depth else {}
+        from rendezvous.devices import Devices
+
         self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",
-                                 mpi_optimal_path=True, mpi_disabled=False, **extra)
+                                 devices=Devices([self.backend]), mpi_optimal_path=True,
+                                 mpi_disabled=False, **extra)
         await self.server.start()  # collective: both ranks, same order
 
     def key(self, n: int, i: int = 0) -> str:

@@ -285,12 +285,9 @@ class Rank:
         consumer receives it. Buffers kept between batches are dropped first,
         receive buffers kept for reuse too (a cold transfer), and free heap
         memory is handed back, so the baseline holds no earlier transfer."""
-        from rendezvous import buffers
-
         for other in self.contenders:
             other.release()
         self.ctx.drop_source()
-        buffers.CACHE.clear()
         gc.collect()
         rss.release_free_memory()
         await self.sync()

@@ -24,6 +24,7 @@ import numpy as np
 from rendezvous import shm
 from rendezvous.errors import Unavailable
 from rendezvous.keys import Key
+from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
@@ -31,7 +32,6 @@ from .local import (
     SERVICE,
     LocalPending,
     Prepared,
-    channel_options,
     channel_target,
     default_address,
     error_from,
@@ -79,7 +79,7 @@ class Client:
         async with self._lock:
             if self._session is not None:
                 return self
-            channel = grpc.aio.insecure_channel(self._target, options=channel_options())
+            channel = grpc.aio.insecure_channel(self._target, options=local_channel_options())
             try:
                 await asyncio.wait_for(channel.channel_ready(), self._connect_timeout)
                 session = channel.unary_stream(SERVICE + "Attach")(

@@ -34,7 +34,8 @@ from typing import Any, NamedTuple
 import grpc
 import numpy as np
 
-from rendezvous import shm, wire
+from rendezvous import auth, shm, wire
+from rendezvous.rpc.options import local_channel_options
 from rendezvous.errors import InvalidArgument, RendezvousError, Unavailable, from_status
 from rendezvous.keys import Key, as_key
 from rendezvous.table import Received
@@ -80,17 +81,12 @@ def channel_target(address: str) -> tuple[str, bool]:
     return address, host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
 
 
-def channel_options() -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-            ("grpc.enable_retries", 0)]
-
-
 def token_metadata(address: str, token: str | None) -> tuple[tuple[str, str], ...] | None:
     """The token goes over TCP only (a Unix socket is guarded by its file mode)."""
     token = os.environ.get("RENDEZVOUS_TOKEN", "") if token is None else token
     if not token or address.startswith("unix:"):
         return None
-    return (("authorization", f"Bearer {token}"),)
+    return auth.token_metadata(token)
 
 
 # -- the messages (shared with the async client) --------------------------------------
@@ -183,7 +179,7 @@ class Client:
         self.address = address or default_address()
         target, same_host = channel_target(self.address)
         self._metadata = token_metadata(self.address, token)
-        self._channel = grpc.insecure_channel(target, options=channel_options())
+        self._channel = grpc.insecure_channel(target, options=local_channel_options())
         self._calls = {name: self._channel.unary_unary(SERVICE + name)
                        for name in ("Send", "Recv", "Abort", "Pending")}
         self._counts: collections.Counter[str] = collections.Counter()

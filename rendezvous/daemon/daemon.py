@@ -45,7 +45,9 @@ from rendezvous import aio, auth, shm
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rendezvous.rpc.servicer import SERVICE as RANK_SERVICE
+from rendezvous.lifecycle import State
+from rendezvous.rpc.options import SERVICE as RANK_SERVICE
+from rendezvous.rpc.options import server_options
 
 from .service import SERVICE as LOCAL_SERVICE
 from .service import LocalServicer
@@ -200,8 +202,7 @@ class Daemon:
                               channel_credentials=auth.channel_credentials(config),
                               metadata=auth.token_metadata(token), interceptors=interceptors,
                               services=(self._add_ops_services,))
-        self.server = aio.Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup,
-                                 stats=self.metrics.stats)
+        self.server = aio.Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup)
         self.local = LocalServicer(self.server, self.metrics)
         raw = config.local_address or default_local_address()
         self.local_address = raw.replace("{job_name}", job).replace("{task_index}", str(index))
@@ -212,7 +213,7 @@ class Daemon:
         self.metrics_url = ""
         self._stall_task: asyncio.Task | None = None
         self._stalled_table: set[tuple[int, str]] = set()
-        self._state = "new"
+        self._state = State.NEW
         self._stopped: asyncio.Event | None = None
 
     @property
@@ -239,9 +240,9 @@ class Daemon:
 
     async def start(self) -> None:
         """Start the rank server (collective under grpc+mpi), the local service, metrics."""
-        if self._state != "new":
+        if self._state is not State.NEW:
             raise FailedPrecondition(f"daemon is {self._state}; start() is allowed once")
-        self._state = "starting"
+        self._state = State.STARTING
         self._stopped = asyncio.Event()
         swept = shm.sweep_dead()
         if swept:
@@ -258,22 +259,18 @@ class Daemon:
             raise
         await self._set_health(True)
         self._stall_task = asyncio.create_task(self._watch_stalls(), name="rendezvousd-stalls")
-        self._state = "serving"
+        self._state = State.SERVING
         log.info("rendezvousd %s serving on %s; local clients at %s", self.task, self.target, self.local_target)
 
     async def _start_local(self) -> None:
         from rendezvous.v1 import local_pb2  # noqa: F401  (registers the service for reflection)
 
-        limit = min(self.config.max_tensor_bytes + (1 << 20), (1 << 31) - 1)
+        limit = self.config.max_tensor_bytes + (1 << 20)  # an inline send carries its tensor
         interceptors = None
         if self._kind == "tcp" and self._token:
             interceptors = [auth.TokenInterceptor(self._token,
                                                   on_reject=lambda m: self.metrics.error("UNAUTHENTICATED"))]
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", -1),
-            ("grpc.so_reuseport", 0),
-        ])
+        server = grpc.aio.server(interceptors=interceptors, options=server_options(limit))
         server.add_generic_rpc_handlers(self.local.handlers())
         self._add_ops_services(server)
         if self._kind == "unix":
@@ -354,7 +351,7 @@ class Daemon:
             "local_oldest": max((now - w.started for w in waits), default=0.0),
             "sessions": len(self.local.sessions),
             "shm_live": shm.live_mappings(),
-            "draining": self._state in ("stopping", "stopped"),
+            "draining": self._state.ending,
         }
 
     async def _set_health(self, serving: bool) -> None:
@@ -408,14 +405,14 @@ class Daemon:
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop (see the module docstring). Idempotent."""
-        if self._state in ("stopping", "stopped"):
+        if self._state.ending:
             if self._stopped is not None:
                 await self._stopped.wait()
             return
-        if self._state == "new":
-            self._state = "stopped"
+        if self._state is State.NEW:
+            self._state = State.STOPPED
             return
-        self._state = "stopping"
+        self._state = State.STOPPING
         grace = self.config.grace if grace is None else grace
         log.info("rendezvousd %s draining (grace %gs)", self.task, grace)
         await self._set_health(False)
@@ -425,7 +422,7 @@ class Daemon:
         await self.server.stop(grace)  # waiters fail UNAVAILABLE; logs tensors never consumed
         await self._close_local()
         self.metrics.close()
-        self._state = "stopped"
+        self._state = State.STOPPED
         log.info("rendezvousd %s stopped", self.task)
         if self._stopped is not None:
             self._stopped.set()

@@ -19,8 +19,6 @@ from typing import Any
 
 import grpc
 
-from .service import PathStats
-
 __all__ = ["DaemonMetrics", "LATENCY_BUCKETS"]
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -34,8 +32,6 @@ class DaemonMetrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry(auto_describe=False)
-        #: given to the rank server: its counters per path, and the path of each recv
-        self.stats = PathStats()
         r = self.registry
         self.local_ops = Counter("rendezvous_local_ops", "Sends and recvs of local clients, by how the "
                                  "tensor crossed the local hop", ["op", "path"], registry=r)

@@ -22,7 +22,6 @@ protobuf's and gRPC's own (small tensors only).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import copy
 import logging
 import re
@@ -44,29 +43,17 @@ from rendezvous.errors import (
     to_status,
 )
 from rendezvous.keys import parse_key
-from rendezvous.stats import Stats, payload_nbytes
+from rendezvous.stats import payload_nbytes
 from rendezvous.tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, is_memcpyable
 from rendezvous.v1 import local_pb2 as lpb
 
-__all__ = ["LocalServicer", "PathStats", "SERVICE", "last_path"]
+__all__ = ["LocalServicer", "SERVICE"]
 
 SERVICE = "rendezvous.v1.LocalRendezvous"
 log = logging.getLogger("rendezvous.daemon")
 _CLIENT_ID = re.compile(r"[0-9a-f]{12}\Z")
 # Copies this big run on a worker thread (numpy releases the GIL) instead of the loop.
 _OFF_LOOP_BYTES = 4 << 20
-
-#: The path ("local", "grpc", "mpi") of the last transfer completed in this task.
-last_path: contextvars.ContextVar[str] = contextvars.ContextVar("rendezvous_last_path", default="local")
-
-
-class PathStats(Stats):
-    """Stats that also tell the recv's own task which path it took (for metrics)."""
-
-    def received(self, path: str, nbytes: int) -> None:
-        super().received(path, nbytes)
-        last_path.set(path)
-
 
 @dataclass
 class _Wait:
@@ -223,8 +210,7 @@ class LocalServicer:
             self.waits[wait_id] = _Wait(canonical, req.step_id, str(producer), time.monotonic())
             timeout = req.timeout if req.timeout > 0 else None
             # host arrays always: they go to the client inline or through shared memory
-            item = await self.server.recv_item(canonical, req.step_id, timeout, device="cpu")
-            path = last_path.get()
+            item, path, _ = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
             del self.waits[wait_id]
             wait_id = None
             reply, hop, nbytes = await self._reply(item, path, req.client_id)

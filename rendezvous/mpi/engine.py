@@ -24,25 +24,40 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 from rendezvous.errors import Internal, RendezvousError, Unavailable
 
-__all__ = ["ProgressEngine"]
+__all__ = ["ProgressEngine", "OpKind"]
 
 log = logging.getLogger("rendezvous.mpi")
 
 
-class _Op:
-    __slots__ = ("kind", "buf", "peer", "tag", "chunk", "future", "loop", "fn", "remaining", "error")
+class OpKind(Enum):
+    """What the MPI thread is asked to do."""
 
-    def __init__(self, kind: str, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
+    SEND = "send"          # Isend of a buffer, in chunk-sized messages
+    RECV = "recv"          # Irecv into a buffer, in chunk-sized messages
+    CALL = "call"          # run a function there (start-up collectives)
+    PIPELINE = "pipeline"  # build a transfer pipeline there and advance it until done
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _Op:
+    __slots__ = ("kind", "buf", "pipeline", "peer", "tag", "chunk", "future", "loop", "fn", "remaining",
+                 "error")
+
+    def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
                  buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
                  fn: Callable[[], Any] | None = None) -> None:
         self.kind = kind
         self.loop = loop
         self.future = future
         self.buf = buf  # kept until MPI is done with it
+        self.pipeline: Any = None  # a PIPELINE op's pipeline, once built on the MPI thread
         self.peer = peer
         self.tag = tag
         self.chunk = chunk
@@ -74,9 +89,11 @@ def _resolve_all(done: list[tuple[asyncio.Future, BaseException | None]]) -> Non
 
 
 class ProgressEngine:
-    """Owns ``comm`` (an mpi4py communicator) on a thread of its own."""
+    """Owns ``comm`` (an mpi4py communicator) on a thread of its own. ``comm``
+    may be None at first, while start-up collectives (:meth:`call`) make the
+    communicator; :meth:`attach` then gives it before any transfer."""
 
-    def __init__(self, comm: Any, *, poll_min_us: int = 10, poll_max_us: int = 1000) -> None:
+    def __init__(self, comm: Any = None, *, poll_min_us: int = 10, poll_max_us: int = 1000) -> None:
         from mpi4py import MPI  # only reached with MPI enabled
 
         self._MPI = MPI
@@ -87,12 +104,16 @@ class ProgressEngine:
         self._inbox: list[_Op] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._pipes: list[_Op] = []  # pipeline ops (op.buf is the pipeline), MPI thread only
+        self._pipes: list[_Op] = []  # PIPELINE ops being advanced, MPI thread only
         self._finished: dict[asyncio.AbstractEventLoop, list] = {}  # completions not yet handed over
         self.in_flight = 0  # operations posted and not complete (read by stats)
         self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
 
     # -- loop side ----------------------------------------------------------
+
+    def attach(self, comm: Any) -> None:
+        """The communicator every later transfer uses (made by a start-up collective)."""
+        self.comm = comm
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rendezvous-mpi", daemon=True)
@@ -109,23 +130,23 @@ class ProgressEngine:
     def isend(self, buf: Any, dest: int, tag: int, chunk: int) -> asyncio.Future:
         """Send ``buf`` (bytes-like, C-contiguous) to ``dest`` on ``tag``; in ``chunk``-byte messages."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op("send", loop, loop.create_future(), buf, dest, tag, chunk))
+        return self._submit(_Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk))
 
     def irecv(self, buf: Any, source: int, tag: int, chunk: int) -> asyncio.Future:
         """Receive into ``buf`` from ``source`` on ``tag``, in ``chunk``-byte messages."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op("recv", loop, loop.create_future(), buf, source, tag, chunk))
+        return self._submit(_Op(OpKind.RECV, loop, loop.create_future(), buf, source, tag, chunk))
 
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Run ``fn()`` on the MPI thread (collectives at start-up)."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op("call", loop, loop.create_future(), fn=fn))
+        return self._submit(_Op(OpKind.CALL, loop, loop.create_future(), fn=fn))
 
     def pipeline(self, make: Callable[[Any, Any], Any]) -> asyncio.Future:
         """Build a transfer pipeline on the MPI thread with ``make(comm, MPI)`` (see
         :mod:`rendezvous.mpi.staging`) and advance it there until it is done."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op("pipeline", loop, loop.create_future(), fn=make))
+        return self._submit(_Op(OpKind.PIPELINE, loop, loop.create_future(), fn=make))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish what is in flight (up to ``timeout``), then cancel the rest and join.
@@ -143,16 +164,16 @@ class ProgressEngine:
 
     def _post(self, op: _Op, reqs: list, owners: list) -> None:
         MPI = self._MPI
-        if op.kind == "pipeline":
+        if op.kind is OpKind.PIPELINE:
             try:
-                op.buf = op.fn(self.comm, MPI)  # type: ignore[misc]
+                op.pipeline = op.fn(self.comm, MPI)  # type: ignore[misc]
             except BaseException as exc:
                 op.loop.call_soon_threadsafe(_resolve, op.future, _mpi_error(MPI, exc, "posting a transfer"), None)
                 return
             self._pipes.append(op)
             self.in_flight += 1
             return
-        if op.kind == "call":
+        if op.kind is OpKind.CALL:
             try:
                 value, error = op.fn(), None  # type: ignore[misc]
             except BaseException as exc:  # handed to the caller, never fatal here
@@ -166,7 +187,7 @@ class ProgressEngine:
         try:
             for start in starts:
                 part = view[start:start + op.chunk]
-                if op.kind == "send":
+                if op.kind is OpKind.SEND:
                     req = self.comm.Isend([part, MPI.BYTE], op.peer, op.tag)
                 else:
                     req = self.comm.Irecv([part, MPI.BYTE], op.peer, op.tag)
@@ -262,22 +283,22 @@ class ProgressEngine:
     def _advance_pipes(self) -> bool:
         moved = False
         for op in list(self._pipes):
-            pipe = op.buf
+            pipe = op.pipeline
             moved = pipe.step() or moved
             if pipe.done:
                 self._pipes.remove(op)
                 self.in_flight -= 1
-                op.buf = None
+                op.pipeline = None
                 op.loop.call_soon_threadsafe(_resolve, op.future, pipe.error, None)
         return moved
 
     def _cancel_all(self, reqs: list, owners: list[_Op]) -> None:
         MPI = self._MPI
         for op in self._pipes:
-            op.buf.cancel()
+            op.pipeline.cancel()
             self.in_flight -= 1
-            op.loop.call_soon_threadsafe(_resolve, op.future, op.buf.error, None)
-            op.buf = None
+            op.loop.call_soon_threadsafe(_resolve, op.future, op.pipeline.error, None)
+            op.pipeline = None
         self._pipes.clear()
         if not reqs:
             return

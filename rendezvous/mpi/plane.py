@@ -1,6 +1,8 @@
 """The optimal path: descriptor over gRPC, bytes over MPI.
 
-Producer (:meth:`MpiPlane.plan`, called by the servicer for every reply):
+:class:`MpiPlane` is a :class:`rendezvous.transport.DataPlane`.
+
+Producer (:meth:`MpiPlane.plan`, asked by the server's planes for every reply):
 a tensor goes over MPI when the optimal path is on, its dtype is memcpy-able,
 it is at least the threshold, and the consumer is in the same MPI job (its
 request carries an :class:`MpiEndpoint` with our ``world_id``). Then a tag
@@ -23,13 +25,15 @@ from typing import Any
 import numpy as np
 from google.protobuf import any_pb2
 
-from rendezvous import buffers, devices, frames
+from rendezvous import frames
+from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
-from rendezvous.devices import DeviceTensor, Placement
-from rendezvous.errors import Internal, InvalidArgument, ResourceExhausted
+from rendezvous.devices import Devices, DeviceTensor, Placement
+from rendezvous.errors import Internal, InvalidArgument, NotPlaced
 from rendezvous.stats import Stats
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, decode_meta, is_memcpyable
+from rendezvous.transport import Arrival, DataPlane, Path, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .engine import ProgressEngine
@@ -77,12 +81,18 @@ class _Tags:
         self.busy[rank].discard(tag)
 
 
-class MpiPlane:
-    def __init__(self, world: MpiWorld, engine: ProgressEngine, config: Config, stats: Stats) -> None:
+class MpiPlane(DataPlane):
+    path = Path.MPI
+    descriptor_url = _TRANSFER_URL
+
+    def __init__(self, world: MpiWorld, engine: ProgressEngine, config: Config, stats: Stats, *,
+                 buffers: RecvBuffers, devices: Devices) -> None:
         self.world = world
         self.engine = engine
         self.config = config
         self.stats = stats
+        self.buffers = buffers
+        self.devices = devices
         tag_ub = world.comm.Get_attr(world.MPI.TAG_UB) or 32767
         self._tags = _Tags(min(int(tag_ub), 1 << 30))
         if config.cuda_aware is None:
@@ -96,8 +106,8 @@ class MpiPlane:
 
     # -- producer -----------------------------------------------------------
 
-    def plan(self, req: pb.RecvTensorRequest, item: Received) -> bytes | None:
-        """A descriptor reply with the MPI send posted, or None for inline."""
+    def plan(self, req: pb.RecvTensorRequest, item: Received) -> Reply | None:
+        """A committed descriptor reply with the MPI send posted, or None: inline."""
         arr = item.value
         on_device = isinstance(arr, DeviceTensor)
         if not self.config.mpi_optimal_path or not (on_device or isinstance(arr, np.ndarray)):
@@ -135,7 +145,7 @@ class MpiPlane:
                 self.stats.gpu("direct_sends")
             else:
                 chunk = min(chunk, self.config.gpu_staging_chunk_bytes)
-                pool = devices.pool(arr.backend, chunk, self.config.gpu_staging_depth)
+                pool = self.devices.pool(arr.backend, chunk, self.config.gpu_staging_depth)
                 done = self.engine.pipeline(
                     lambda comm, MPI, t=tag, c=chunk: StagedSend(comm, MPI, arr, rank, t, c, pool))
                 self.stats.gpu("staged_sends")
@@ -147,7 +157,10 @@ class MpiPlane:
         transfer = any_pb2.Any()
         transfer.Pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
                                      tag=tag, nbytes=arr.nbytes, chunk_bytes=chunk))
-        return frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), transfer.SerializeToString())
+        response = frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), transfer.SerializeToString())
+        # committed (no item): the send is posted, the descriptor is always delivered
+        return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
+                     lambda: response, None)
 
     def _sent(self, future: asyncio.Future, rank: int, tag: int) -> None:
         self._tags.give_back(rank, tag)
@@ -157,23 +170,28 @@ class MpiPlane:
 
     # -- consumer -----------------------------------------------------------
 
-    def endpoint_for(self, placement: Placement | None) -> bytes:
+    def offer(self, placement: Placement | None) -> bytes:
         """What a request for a tensor bound for ``placement`` carries: our MPI
         endpoint, asking for staging-sized messages when the bytes will be staged
         onto a GPU."""
         staged = placement is not None and placement.is_gpu and not self.cuda_aware
         return self._staged_endpoint if staged else self.endpoint
 
-    async def receive(self, buf: bytes, head: frames.ReplyHead, placement: Placement | None = None) -> Any:
-        """Move the bytes a descriptor reply announces; the tensor once they are here,
-        on ``placement`` (a resolved placement: a GPU one has a usable backend).
+    def receive(self, buf: bytes, head: frames.ReplyHead, placement: Placement | None = None) -> Arrival:
+        """Post the receive a descriptor reply announces (the descriptor is checked
+        first); the arrival's ``pending`` gives the tensor on ``placement``."""
+        transfer, meta = self._parse(buf, head)
+        return Arrival(Path.MPI, pending=self._receive(transfer, meta, placement), placed=True)
+
+    async def _receive(self, transfer: pb.MpiTransfer, meta: TensorMeta, placement: Placement | None) -> Any:
+        """Move the bytes of ``transfer``; the tensor once they are here, on
+        ``placement`` (a resolved placement: a GPU one has a usable backend).
 
         If this await is cancelled (deadline, abort) the receive stays posted and
         completes into its destination: its bytes are already on the way."""
-        transfer, meta = self._parse(buf, head)
-        backend = devices.gpu_backend() if placement is not None and placement.is_gpu else None
+        backend = self.devices.gpu_backend() if placement is not None and placement.is_gpu else None
         if backend is None:
-            dest = buffers.empty(meta.shape, meta.dtype)  # a large one is reused once dropped
+            dest = self.buffers.empty(meta.shape, meta.dtype)  # a large one is reused once dropped
             await self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
             return dest
         device = placement.index  # type: ignore[union-attr]
@@ -182,16 +200,14 @@ class MpiPlane:
         except Exception as exc:  # out of device memory, most likely: the bytes still come
             host = np.empty(meta.shape, dtype=meta.dtype)
             await self.engine.irecv(host, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
-            error = ResourceExhausted(f"cannot allocate {meta.nbytes} bytes on GPU:{device} ({exc}); "
-                                      "the tensor is kept on the host for the next recv of this key")
-            error.host_value = host  # type: ignore[attr-defined]
-            raise error from None
+            raise NotPlaced(f"cannot allocate {meta.nbytes} bytes on GPU:{device} ({exc}); "
+                            "the tensor is kept on the host for the next recv of this key", host) from None
         nbytes, src, tag, chunk = meta.nbytes, transfer.source_rank, transfer.tag, transfer.chunk_bytes
         if self.cuda_aware:
             await self.engine.pipeline(lambda comm, MPI: DirectRecv(comm, MPI, backend, dst, nbytes, src, tag, chunk))
             self.stats.gpu("direct_recvs")
         elif chunk <= self.config.gpu_staging_chunk_bytes:
-            pool = devices.pool(backend, chunk, self.config.gpu_staging_depth)
+            pool = self.devices.pool(backend, chunk, self.config.gpu_staging_depth)
             await self.engine.pipeline(
                 lambda comm, MPI: StagedRecv(comm, MPI, backend, dst, device, nbytes, src, tag, chunk, pool))
             self.stats.gpu("staged_recvs")
@@ -200,7 +216,7 @@ class MpiPlane:
             # A producer that ignored our chunk size: land on the host, then copy over.
             host = np.empty(meta.shape, dtype=meta.dtype)
             await self.engine.irecv(host, src, tag, chunk)
-            pool = devices.pool(backend, self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
+            pool = self.devices.pool(backend, self.config.gpu_staging_chunk_bytes, self.config.gpu_staging_depth)
             dst = await asyncio.get_running_loop().run_in_executor(None, backend.from_host, host, device, pool)
             self.stats.gpu("to_device")
         return backend.user_array(dst)

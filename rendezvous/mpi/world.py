@@ -17,12 +17,19 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rendezvous.errors import FailedPrecondition, InvalidArgument
 from rendezvous.keys import TaskName
 
-__all__ = ["MpiWorld", "import_mpi"]
+__all__ = ["MpiWorld", "RankAddress", "import_mpi"]
+
+
+class RankAddress(NamedTuple):
+    """Where a task of the job is: its MPI rank and its gRPC address."""
+
+    rank: int
+    address: str
 
 
 def _loaded_mpi_libraries() -> list[str]:
@@ -107,18 +114,18 @@ class MpiWorld:
                 return bool(query()), f"MPIX_Query_cuda_support in {os.path.basename(path)}"
         return False, "the MPI library offers no CUDA query"
 
-    def exchange(self, task: TaskName, address: str) -> dict[TaskName, tuple[int, str]]:
+    def exchange(self, task: TaskName, address: str) -> dict[TaskName, RankAddress]:
         """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""
         world = self.MPI.COMM_WORLD
         self.comm = world.Dup()
         self.world_id = self.comm.bcast(secrets.randbits(63) | 1 if self.rank == 0 else None, root=0)
         entries = self.comm.allgather((task.job, task.replica, task.task, address))
-        table: dict[TaskName, tuple[int, str]] = {}
+        table: dict[TaskName, RankAddress] = {}
         for rank, (job, replica, index, addr) in enumerate(entries):
             t = TaskName(job, replica, index)
             if t in table:
                 raise InvalidArgument(
-                    f"task {t} is claimed by MPI ranks {table[t][0]} and {rank}; "
+                    f"task {t} is claimed by MPI ranks {table[t].rank} and {rank}; "
                     "each rank must run a different task")
-            table[t] = (rank, addr)
+            table[t] = RankAddress(rank, addr)
         return table

@@ -13,6 +13,11 @@ the producer's table for a later recv. Each recv carries a random non-zero
 connection reset) pending recvs are re-sent on a new stream with the same
 id, and the producer answers them from its retry cache instead of consuming
 another tensor.
+
+What a request offers and how a reply's bytes are received is the server's
+data planes' business (:class:`rendezvous.transport.Planes`): the stream
+reader hands each reply's first frame to the plane it names and feeds later
+chunks to the assembly the plane returned.
 """
 
 from __future__ import annotations
@@ -22,12 +27,11 @@ import itertools
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from rendezvous import buffers, frames
+from rendezvous import frames
 from rendezvous.config import Config
 from rendezvous.errors import (
     DeadlineExceeded,
@@ -40,28 +44,13 @@ from rendezvous.errors import (
 from rendezvous.keys import TaskName
 from rendezvous.table import Received
 from rendezvous.tensors import decode_meta
+from rendezvous.transport import Fetched, Path, Planes
 
-__all__ = ["PeerClient", "channel_options", "DescriptorHandler"]
+from .options import STREAM_METHOD, peer_channel_options
+
+__all__ = ["PeerClient"]
 
 log = logging.getLogger("rendezvous.client")
-STREAM_METHOD = "/rendezvous.v1.Rendezvous/RecvTensorStream"
-
-#: Consumer-side hook for descriptor replies (MPI): given the reply bytes, its
-#: parsed head and where the recv wants the tensor (a Placement or None for
-#: the host), move the bytes and return the tensor.
-DescriptorHandler = Callable[[bytes, frames.ReplyHead, Any], Awaitable[Any]]
-
-
-def channel_options() -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_receive_message_length", -1),
-        ("grpc.max_send_message_length", -1),
-        # Ranks start at different times: retry connecting quickly at first.
-        ("grpc.initial_reconnect_backoff_ms", 50),
-        ("grpc.min_reconnect_backoff_ms", 50),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-        ("grpc.enable_retries", 0),
-    ]
 
 
 class _Broken(Exception):
@@ -73,13 +62,14 @@ class _Broken(Exception):
 
 
 class _Pending:
-    __slots__ = ("future", "assembly", "key", "placement")
+    __slots__ = ("future", "assembly", "path", "key", "placement")
 
     def __init__(self, future: asyncio.Future, key: str, placement: Any = None) -> None:
-        self.future = future
-        self.assembly: frames.Assembly | None = None
+        self.future = future  # resolves to a Fetched
+        self.assembly: Any = None  # a reply being assembled from chunk frames
+        self.path = Path.GRPC
         self.key = key
-        self.placement = placement  # where a descriptor's bytes should land
+        self.placement = placement  # where the tensor should land
 
 
 class _Stream:
@@ -88,7 +78,6 @@ class _Stream:
     def __init__(self, client: "PeerClient", call: grpc.aio.StreamStreamCall) -> None:
         self.client = client
         self.call = call
-        frames.prime_allocator(client.config.chunk_bytes)
         self.pending: dict[int, _Pending] = {}
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.alive = True
@@ -115,7 +104,7 @@ class _Stream:
                 queued = [first]
                 while not outbox.empty() and len(queued) < 4096:
                     queued.append(outbox.get_nowait())
-                await self.call.write(frames.batch(queued, 4))
+                await self.call.write(frames.batch_requests(queued))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the reader sees the status; just stop
@@ -151,58 +140,56 @@ class _Stream:
 
     def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
         p = self.pending.get(frame.call_id)
+        planes = self.client.planes
         if p is None:
-            # Cancelled or timed out: drop the rest of its reply. A descriptor's
-            # bytes are already coming over MPI and must still be received.
-            head = frame.head
-            if head is not None and head.transport_options is not None and self.client.on_orphan:
-                self.client.on_orphan(buf, head)
+            # Cancelled or timed out: drop the rest of its reply. A plane whose
+            # bytes are already on their way takes them (drain).
+            if frame.head is not None and not frame.head.is_dead:
+                planes.drain(buf, frame.head)
             return
         try:
             if frame.error is not None:
                 raise frame.error
             if frame.head is not None:
                 head = frame.head
-                decoded = _check_announced(buf, head.tensor, self.client) if head.tensor is not None else None
+                if head.tensor is not None:
+                    head.decoded = _check_announced(buf, head.tensor, self.client)
                 if head.is_dead:
-                    self._finish(frame.call_id, p, Received(None, True), "grpc")
-                elif head.transport_options is not None:
+                    self._finish(frame.call_id, p, Fetched(Received(None, True), Path.GRPC))
+                    return
+                arrival = planes.receive(buf, head, p.placement)
+                p.path = arrival.path
+                if arrival.pending is not None:
                     self.pending.pop(frame.call_id, None)
-                    handler = self.client.on_descriptor
-                    if handler is None:
-                        raise Internal("peer replied with a descriptor but no data plane is configured")
-                    task = asyncio.ensure_future(handler(buf, head, p.placement))
-                    task.add_done_callback(lambda t, p=p: _settle(p.future, t))
-                elif head.tensor is None:
-                    raise Internal("reply carries neither a tensor nor a descriptor")
+                    task = asyncio.ensure_future(arrival.pending)
+                    task.add_done_callback(lambda t, p=p, a=arrival: _settle(p.future, t, a.path, a.placed))
+                elif arrival.assembly is not None:
+                    p.assembly = arrival.assembly
                 else:
-                    value = frames.decode_inline(buf, head.tensor, decoded)
-                    if isinstance(value, frames.Assembly):
-                        p.assembly = value
-                    else:
-                        self._finish(frame.call_id, p, Received(value, False), "grpc")
+                    self._finish(frame.call_id, p, Fetched(Received(arrival.value, False), arrival.path,
+                                                           arrival.placed))
             elif frame.chunk is not None:
                 if p.assembly is None:
                     raise Internal("chunk arrived before its reply's header")
                 a, b = frame.chunk
                 if p.assembly.add(memoryview(buf)[a:b]):
-                    self._finish(frame.call_id, p, Received(p.assembly.result(), False), "grpc")
+                    self._finish(frame.call_id, p, Fetched(Received(p.assembly.result(), False), p.path))
         except RendezvousError as exc:
             self.pending.pop(frame.call_id, None)
             if not p.future.done():
                 p.future.set_exception(exc)
 
-    def _finish(self, call_id: int, p: _Pending, item: Received, path: str) -> None:
+    def _finish(self, call_id: int, p: _Pending, fetched: Fetched) -> None:
         self.pending.pop(call_id, None)
         if not p.future.done():
-            p.future.set_result((item, path))
+            p.future.set_result(fetched)
 
     def close(self) -> None:
         self.alive = False
         self.call.cancel()
 
 
-def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
+def _settle(future: asyncio.Future, task: asyncio.Future, path: Path, placed: bool) -> None:
     if future.done():
         return
     if task.cancelled():
@@ -210,7 +197,7 @@ def _settle(future: asyncio.Future, task: asyncio.Future) -> None:
     elif task.exception() is not None:
         future.set_exception(task.exception())
     else:
-        future.set_result((Received(task.result(), False), "mpi"))
+        future.set_result(Fetched(Received(task.result(), False), path, placed))
 
 
 def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> tuple[Any, int, int]:
@@ -237,20 +224,14 @@ def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> Rendezvous
 class PeerClient:
     """Recvs from one remote task. Create and use inside one running loop."""
 
-    def __init__(self, task: TaskName, address: str, config: Config, *,
-                 transport_options: bytes | Callable[[Any], bytes | None] | None = None,
-                 on_descriptor: DescriptorHandler | None = None,
-                 on_orphan: Callable[[bytes, frames.ReplyHead], None] | None = None,
+    def __init__(self, task: TaskName, address: str, config: Config, *, planes: Planes,
                  credentials: grpc.ChannelCredentials | None = None,
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.task = task
         self.address = address
         self.config = config
-        self.transport_options = transport_options
-        self.on_descriptor = on_descriptor
-        self.on_orphan = on_orphan
+        self.planes = planes
         self._credentials = credentials
-        buffers.configure(config.recv_cache_bytes)  # large receive buffers: see rendezvous.buffers
         self._metadata = metadata or None  # sent on every stream (the daemon's token)
         self._channel: grpc.aio.Channel | None = None
         self._stream: _Stream | None = None
@@ -266,15 +247,14 @@ class PeerClient:
         return f"task {self.task} at {self.address}"
 
     async def recv(self, key: str, step_id: int, timeout: float | None = None,
-                   placement: Any = None) -> tuple[Received, str]:
-        """Fetch ``key`` of ``step_id`` from the peer: ((value, is_dead), path).
+                   placement: Any = None) -> Fetched:
+        """Fetch ``key`` of ``step_id`` from the peer.
 
-        ``placement`` goes to the descriptor handler (and to ``transport_options``
-        when that is a function of it); inline replies always arrive as numpy."""
+        ``placement`` (where the recv wants the tensor) goes to the planes: with
+        the request's offer, and with the reply; ``Fetched.placed`` says whether
+        the tensor already landed there."""
         loop = asyncio.get_running_loop()
-        options = self.transport_options
-        if callable(options):
-            options = options(placement)
+        options = self.planes.offer(placement)
         deadline = None if timeout is None else loop.time() + timeout
         key_bytes = key.encode()
         request_id = next(self._request_ids)
@@ -313,9 +293,10 @@ class PeerClient:
                 raise PeerUnavailable(f"client for {self.describe()} is closed")
             if self._channel is None:
                 if self._credentials is not None:
-                    self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=channel_options())
+                    self._channel = grpc.aio.secure_channel(self.address, self._credentials,
+                                                            options=peer_channel_options())
                 else:
-                    self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+                    self._channel = grpc.aio.insecure_channel(self.address, options=peer_channel_options())
             first = not self._connected_once
             if first:
                 loop = asyncio.get_running_loop()

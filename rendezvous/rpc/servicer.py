@@ -11,7 +11,9 @@ through protobuf. Three methods are served:
   peer clients use (many recvs, chunked and interleaved replies).
 
 Every failure is answered with a status (``rendezvous.errors`` maps it); a bad
-request never takes the server down.
+request never takes the server down. How a reply carries its tensor is the
+server's data planes' choice (:class:`rendezvous.transport.Planes`); the
+servicer only writes the frames a plan gives it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from rendezvous import devices, frames, wire
-from rendezvous.devices import DeviceTensor
+from rendezvous import frames
 from rendezvous.errors import (
     FailedPrecondition,
     RendezvousError,
@@ -36,40 +36,28 @@ from rendezvous.errors import (
 from rendezvous.keys import TaskName, parse_key
 from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
+from rendezvous.transport import Path, Planes, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
+from .options import SERVICE, TF_SERVICE
 from .retry import RetryCache
 
-__all__ = ["RecvTensorServicer", "SERVICE", "TF_SERVICE"]
+__all__ = ["RecvTensorServicer"]
 
-SERVICE = "rendezvous.v1.Rendezvous"
-TF_SERVICE = "tensorflow.WorkerService"
 log = logging.getLogger("rendezvous.server")
-
-# Producer-side hook for faster transports (MPI): given the request and the
-# produced tensor, return the bytes of a descriptor RecvTensorResponse, or None
-# to send the tensor inline. Installed by the MPI data plane.
-ReplyPlanner = Callable[[pb.RecvTensorRequest, Received], "Any | None"]
-
-
-def _now_micros() -> int:
-    return time.time_ns() // 1000
 
 
 class RecvTensorServicer:
-    """Serves tensors from ``table`` to remote consumers."""
+    """Serves tensors from ``table`` to remote consumers, through ``planes``."""
 
     def __init__(self, table: WaitingTable, task: TaskName | None, *, stats: Stats,
-                 chunk_bytes: int, retry: RetryCache) -> None:
+                 planes: Planes, retry: RetryCache) -> None:
         self.table = table
         self.task = task
         self.stats = stats
-        self.chunk_bytes = chunk_bytes
+        self.planes = planes
         self.retry = retry
         self.draining = False
-        self.planner: ReplyPlanner | None = None
-        #: (chunk bytes, depth) of the pinned staging that copies GPU tensors to the host
-        self.staging = (4 << 20, 4)
         self._streams: set[_StreamConn] = set()
         self._unary_active = 0
         self._canonical: dict[str, str] = {}  # request key -> canonical key, checked already
@@ -83,6 +71,11 @@ class RecvTensorServicer:
             grpc.method_handlers_generic_handler(SERVICE, {"RecvTensor": unary, "RecvTensorStream": stream}),
             grpc.method_handlers_generic_handler(TF_SERVICE, {"RecvTensor": unary}),
         ]
+
+    def begin_drain(self) -> None:
+        """From now on only tensors already produced (or answers already given)
+        are served; a recv that would wait gets UNAVAILABLE."""
+        self.draining = True
 
     # -- taking a tensor ----------------------------------------------------
 
@@ -151,18 +144,6 @@ class RecvTensorServicer:
         except RendezvousError:
             pass  # the step was aborted meanwhile: its tensors are dropped anyway
 
-    async def host_copy(self, item: Received) -> Received:
-        """``item`` with its value on the host: GPU tensors are copied device -> pinned
-        host -> numpy off the loop (the default path's encode needs host bytes)."""
-        value = item.value
-        if not isinstance(value, DeviceTensor):
-            return item
-        loop = asyncio.get_running_loop()
-        host = await loop.run_in_executor(None, value.backend.to_host, value,
-                                          devices.pool(value.backend, *self.staging))
-        self.stats.gpu("to_host")
-        return Received(host, item.is_dead)
-
     # -- unary --------------------------------------------------------------
 
     async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -179,19 +160,23 @@ class RecvTensorServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed RecvTensorRequest: {exc}")
         try:
             item, _ = await self.take(req)
-            # A dead-line shorter than the wait is enforced by gRPC itself.
-            reply = frames.unary_response(await self.host_copy(item), _now_micros())
+            # A dead-line shorter than the wait is enforced by gRPC itself. Unary
+            # replies are always inline: TensorFlow's clients know no descriptors.
+            plan = self.planes.inline.plan(req, item)
+            if plan.prepare is not None:
+                plan = await plan.prepare()
+            reply = plan.unary()
         except RendezvousError as exc:
-            self.stats.error("grpc")
+            self.stats.error(Path.GRPC)
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug of ours: report it, keep serving
             log.exception("RecvTensor failed")
-            self.stats.error("grpc")
+            self.stats.error(Path.GRPC)
             code, message = to_status(exc)
             await context.abort(code, message)
-        self.stats.served("grpc", payload_nbytes(item.value))
+        self.stats.served(Path.GRPC, payload_nbytes(item.value))
         return reply
 
     # -- stream -------------------------------------------------------------
@@ -221,21 +206,23 @@ class RecvTensorServicer:
 
 
 
-class _Reply:
+class _Outgoing:
     """A reply being written: its next frame is made one step ahead, so the
-    writer knows when a reply ends without an extra turn."""
+    writer knows when a reply ends without an extra turn. ``item`` goes back to
+    the table if the call is cancelled before the first frame is written; a
+    ``committed`` reply (its bytes already on their way) is written anyway."""
 
-    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "path")
+    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed")
 
     def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
-                 item: Received | None, path: str) -> None:
+                 item: Received | None, committed: bool = False) -> None:
         self.frames = frames_
         self.next_frame: bytes | None = next(frames_, None)
         self.req = req
         self.key = key
         self.item = item
         self.started = False
-        self.path = path
+        self.committed = committed
 
 
 # Frames up to this size are packed together into one message (a `batch`);
@@ -256,9 +243,8 @@ class _StreamConn:
     def __init__(self, servicer: RecvTensorServicer, context: grpc.aio.ServicerContext) -> None:
         self.s = servicer
         self.context = context
-        frames.prime_allocator(servicer.chunk_bytes)
         self.waiting: dict[int, asyncio.Task] = {}
-        self.replies: dict[int, _Reply] = {}
+        self.replies: dict[int, _Outgoing] = {}
         self.ready: collections.deque[int] = collections.deque()
         self.wakeup = asyncio.Event()
         self.reader_done = False
@@ -328,9 +314,10 @@ class _StreamConn:
             task.cancel()
             return
         reply = self.replies.get(call_id)
-        if reply is None or reply.path == "mpi":
-            # A descriptor is always delivered: its MPI send is posted, and the
-            # consumer must receive those bytes even if it no longer wants them.
+        if reply is None or reply.committed:
+            # A committed reply is always delivered (a descriptor: its transfer
+            # is posted, and the consumer must take those bytes even if it no
+            # longer wants them).
             return
         del self.replies[call_id]
         if not reply.started and reply.item is not None:
@@ -348,48 +335,46 @@ class _StreamConn:
 
     def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
         try:
-            descriptor = None
-            planner = self.s.planner
-            if planner is not None and not item.is_dead:
-                descriptor = planner(req, item)
-            if descriptor is not None:
-                # bytes travel by MPI: one frame, and nothing to put back
-                reply = _Reply(iter([_frame_with_id(call_id, descriptor)]), req, key, None, "mpi")
-            elif isinstance(item.value, DeviceTensor):
-                self.waiting[call_id] = asyncio.create_task(self._staged_reply(call_id, req, item, key))
+            plan = self.s.planes.plan(req, item)
+            if plan.prepare is not None:
+                self.waiting[call_id] = asyncio.create_task(self._prepared_reply(call_id, req, key, plan))
                 return
-            else:
-                frames_iter = frames.stream_frames(call_id, item, self.s.chunk_bytes, _now_micros())
-                reply = _Reply(frames_iter, req, key, item, "grpc")
+            outgoing = self._outgoing(call_id, req, key, plan)
         except Exception as exc:
             self._reply_error(call_id, req, exc)
             return
-        self.s.stats.served(reply.path, payload_nbytes(item.value))
-        self._ready(call_id, reply)
+        self.s.stats.served(plan.path, payload_nbytes(item.value))
+        self._ready(call_id, outgoing)
 
-    async def _staged_reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
-        """A GPU tensor inline: copied to the host first (off the loop), then framed."""
+    async def _prepared_reply(self, call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> None:
+        """A reply that needs work off the loop first (a GPU tensor copied to the host)."""
+        item = plan.item
         try:
-            host = await self.s.host_copy(item)
-            frames_iter = frames.stream_frames(call_id, host, self.s.chunk_bytes, _now_micros())
+            plan = await plan.prepare()  # type: ignore[misc]
+            outgoing = self._outgoing(call_id, req, key, plan)
         except asyncio.CancelledError:
-            self.s.put_back(req, key, item)  # nothing was sent: the tensor stays for a later recv
+            if item is not None:
+                self.s.put_back(req, key, item)  # nothing was sent: the tensor stays for a later recv
             raise
         except Exception as exc:
             self._reply_error(call_id, req, exc)
             return
         finally:
             self.waiting.pop(call_id, None)
-        self.s.stats.served("grpc", payload_nbytes(item.value))
-        self._ready(call_id, _Reply(frames_iter, req, key, item, "grpc"))
+        self.s.stats.served(plan.path, payload_nbytes(item.value if item is not None else None))
+        self._ready(call_id, outgoing)
+
+    @staticmethod
+    def _outgoing(call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> _Outgoing:
+        return _Outgoing(plan.stream_frames(call_id), req, key, plan.item, plan.committed)
 
     def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
         if not isinstance(exc, RendezvousError):
             log.error("RecvTensorStream call %d failed", call_id, exc_info=exc)
-        self.s.stats.error("grpc")
-        self._ready(call_id, _Reply(iter([frames.error_frame(call_id, exc)]), req, "", None, "grpc"))
+        self.s.stats.error(Path.GRPC)
+        self._ready(call_id, _Outgoing(iter([frames.error_frame(call_id, exc)]), req, "", None))
 
-    def _ready(self, call_id: int, reply: _Reply) -> None:
+    def _ready(self, call_id: int, reply: _Outgoing) -> None:
         self.replies[call_id] = reply
         self.ready.append(call_id)
         self.wakeup.set()
@@ -421,7 +406,7 @@ class _StreamConn:
                 break
         if not batch:
             return None
-        return batch[0] if len(batch) == 1 else frames.batch(batch, 5)
+        return batch[0] if len(batch) == 1 else frames.batch_responses(batch)
 
     async def _write(self) -> None:
         while True:
@@ -441,8 +426,3 @@ class _StreamConn:
 
 class _BadStream(Exception):
     pass
-
-
-def _frame_with_id(call_id: int, response: bytes) -> bytes:
-    return b"".join([wire.tag(1, wire.VARINT), wire.encode_varint(call_id),
-                     wire.len_field_header(2, len(response)), response])

@@ -1,0 +1,198 @@
+"""The data-plane contract: how a found tensor's bytes reach the consumer.
+
+A recv is always asked for over the control plane (a ``RecvTensorRequest`` on
+the peer's gRPC stream). What happens to the tensor's bytes once the producer
+has it is up to a *data plane*. Each plane does four things, and nothing
+outside the planes knows which one moved a tensor:
+
+* **offer** (consumer): what a request carries so the producer can use this
+  plane (``RecvTensorRequest.transport_options``), or ``None``;
+* **plan** (producer): given the request and the produced tensor, a
+  :class:`Reply` if this plane will carry it, else ``None``;
+* **receive** (consumer): given a reply's first frame, an :class:`Arrival`:
+  the tensor, an assembly that more frames complete, or an awaitable for bytes
+  that come another way;
+* **drain** (consumer): a reply nobody waits for any more: make sure its
+  bytes cannot be mistaken for a later transfer's.
+
+:class:`Planes` holds a server's planes in order of preference, the inline
+plane last (it can carry anything), and picks one per reply: the producer by
+asking each in turn, the consumer by the type URL a descriptor names.
+Implementations: :class:`rendezvous.transport.inline.InlinePlane` (the bytes
+inside the gRPC reply) and :class:`rendezvous.mpi.plane.MpiPlane` (a
+descriptor over gRPC, the bytes over MPI).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, NamedTuple
+
+from rendezvous import fields, wire
+from rendezvous.errors import Internal
+from rendezvous.table import Received
+
+__all__ = ["Path", "Reply", "Arrival", "Fetched", "DataPlane", "Planes", "descriptor_type"]
+
+
+class Path(StrEnum):
+    """The way a tensor travelled, as counted in ``stats()`` and the metrics."""
+
+    LOCAL = "local"  # from this process's own table
+    GRPC = "grpc"    # inside the gRPC reply
+    MPI = "mpi"      # described over gRPC, moved by MPI
+
+
+@dataclass(slots=True)
+class Reply:
+    """How one produced tensor answers one request (made by a plane's ``plan``).
+
+    ``stream_frames(call_id)`` yields the ``StreamResponse`` frames; ``unary()``
+    is the whole ``RecvTensorResponse``. ``item`` is what goes back to the
+    table if the reply is dropped before its first frame is written; a
+    *committed* reply (its bytes already on their way) has none and is always
+    delivered. ``prepare``, when set, must be awaited first: it returns the
+    reply to send (a GPU tensor copied to the host, for instance)."""
+
+    path: Path
+    stream_frames: Callable[[int], Iterator[bytes]]
+    unary: Callable[[], bytes]
+    item: Received | None
+    prepare: Callable[[], Awaitable["Reply"]] | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.item is None
+
+
+class Arrival(NamedTuple):
+    """What a consumer makes of a reply's first frame: exactly one of ``value``
+    (the whole tensor is here), ``assembly`` (later ``chunk`` frames complete
+    it: ``add(chunk)`` returns True when whole, then ``result()``) or
+    ``pending`` (the bytes come another way; await it for the tensor).
+    ``placed``: the tensor already sits where the recv asked for it."""
+
+    path: Path
+    value: Any = None
+    assembly: Any = None
+    pending: Awaitable[Any] | None = None
+    placed: bool = False
+
+
+class Fetched(NamedTuple):
+    """A remote recv's result: the item, the path it took, and whether it is
+    already on the recv's placement (else the caller still places it)."""
+
+    item: Received
+    path: Path
+    placed: bool = False
+
+
+class DataPlane(ABC):
+    """One way to move a reply's tensor bytes. See the module docstring."""
+
+    #: the path this plane's transfers are counted under
+    path: ClassVar[Path]
+    #: type URL of the ``google.protobuf.Any`` its descriptors carry in
+    #: ``RecvTensorResponse.transport_options``; "" for a plane whose bytes
+    #: travel inside the reply itself
+    descriptor_url: ClassVar[str] = ""
+
+    def offer(self, placement: Any) -> bytes | None:
+        """What a request for a tensor bound for ``placement`` carries for this
+        plane (an encoded ``Any``), or None."""
+        return None
+
+    @abstractmethod
+    def plan(self, request: Any, item: Received) -> Reply | None:
+        """A reply carrying ``item`` to the consumer that sent ``request``, or
+        None if this plane cannot carry it. A committed reply's transfer is
+        posted before this returns."""
+
+    @abstractmethod
+    def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
+        """Start receiving the reply whose first frame is ``reply`` (``head`` is
+        its parsed :class:`rendezvous.frames.ReplyHead`), bound for ``placement``."""
+
+    def drain(self, reply: bytes, head: Any) -> None:
+        """A reply for a recv that no longer waits: take its bytes and drop them.
+        Nothing to do where the bytes travel in the reply itself."""
+
+    def close(self) -> None:
+        """Release what the plane holds; called once the server has stopped."""
+
+
+def descriptor_type(reply: bytes, span: tuple[int, int]) -> str:
+    """The type URL of the ``Any`` at ``span`` in ``reply`` (field 1), without
+    parsing the rest of it."""
+    for num, wt, a, b in wire.iter_fields(reply, *span):
+        if num == fields.ANY_TYPE_URL and wt == wire.LEN:
+            return bytes(reply[a:b]).decode("utf-8", "replace")
+    return ""
+
+
+class Planes:
+    """A server's data planes in order of preference; the last is the inline
+    plane, which carries anything."""
+
+    def __init__(self, planes: Sequence[DataPlane]) -> None:
+        if not planes or planes[-1].descriptor_url:
+            raise ValueError("the last data plane must carry tensors inline")
+        self.planes = tuple(planes)
+        self.inline = planes[-1]
+        self._by_url = {p.descriptor_url: p for p in planes if p.descriptor_url}
+
+    def register(self, plane: DataPlane) -> None:
+        """Add ``plane``, preferred over the ones already here (the inline plane
+        stays last). A server registers its MPI plane once MPI is up."""
+        if not plane.descriptor_url:
+            raise ValueError("only one plane carries tensors inline")
+        self.planes = (plane, *self.planes)
+        self._by_url[plane.descriptor_url] = plane
+
+    def offer(self, placement: Any) -> bytes | None:
+        """The request's ``transport_options``: the first plane's offer that is
+        not None (a request carries one ``Any``)."""
+        for plane in self.planes:
+            offered = plane.offer(placement)
+            if offered is not None:
+                return offered
+        return None
+
+    def plan(self, request: Any, item: Received) -> Reply:
+        """The reply for ``item``: the first plane that will carry it."""
+        if not item.is_dead:
+            for plane in self.planes[:-1]:
+                reply = plane.plan(request, item)
+                if reply is not None:
+                    return reply
+        reply = self.inline.plan(request, item)
+        assert reply is not None, "the inline plane carries every tensor"
+        return reply
+
+    def for_reply(self, reply: bytes, head: Any) -> DataPlane:
+        """The plane a reply's first frame belongs to."""
+        if head.transport_options is None:
+            return self.inline
+        url = descriptor_type(reply, head.transport_options)
+        plane = self._by_url.get(url)
+        if plane is None:
+            raise Internal(f"reply names a transport this server does not have: {url!r}")
+        return plane
+
+    def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
+        return self.for_reply(reply, head).receive(reply, head, placement)
+
+    def drain(self, reply: bytes, head: Any) -> None:
+        try:
+            plane = self.for_reply(reply, head)
+        except Internal:
+            return  # nothing of ours is in flight for a transport we do not know
+        plane.drain(reply, head)
+
+    def close(self) -> None:
+        for plane in self.planes:
+            plane.close()
