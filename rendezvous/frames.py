@@ -231,7 +231,8 @@ def error_frame(call_id: int, error: BaseException) -> bytes:
     from .errors import to_status
 
     code, message = to_status(error)
-    return pb.StreamResponse(call_id=call_id, error=pb.Status(code=code.value[0], message=message)).SerializeToString()
+    status = pb.Status(code=code.value[0], message=message).SerializeToString()
+    return b"".join([_call_id_field(call_id), wire.len_field_header(F.STREAM_RESPONSE_ERROR, len(status)), status])
 
 
 # --- consumer side -----------------------------------------------------------

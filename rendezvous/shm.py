@@ -168,6 +168,8 @@ def sweep(prefix: str) -> int:
 
 
 def _alive(pid: int) -> bool:
+    if not 0 < pid < 1 << 22:  # Linux's pid_max is at most 2**22; 0 would signal our own group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -266,11 +266,9 @@ def test_sweep_dead_chooses_names_of_dead_pids(fake_shm_dir):
     assert shm.listed(f"rdv-{dead}-") == sorted(names["not ours"][:2])
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="sweep_dead passes the pid in a name to os.kill unchecked: a pid outside the C int "
-                          "range (NAME_RE allows any digits) raises OverflowError instead of counting as a "
-                          "process that does not exist, so one stray name aborts the whole sweep")
 def test_sweep_dead_name_with_impossible_pid(fake_shm_dir):
+    """A pid outside the C int range once raised OverflowError from os.kill and
+    aborted the whole sweep (and so the daemon's start)."""
     add, unlinked = fake_shm_dir
     dead = _dead_pid()
     impossible = f"rdv-{2**31}-0123456789ab-1"  # pids are C ints: no process can have this one
