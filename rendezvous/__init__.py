@@ -8,13 +8,6 @@ TensorFlow's format (:mod:`rendezvous.keys`), errors carry gRPC status codes
 
 from __future__ import annotations
 
-import os as _os
-
-# gRPC's C core logs connection events (GOAWAY at shutdown, ...) at INFO on
-# stderr; keep that quiet unless the user chose a verbosity. No effect if grpc
-# was imported before us.
-_os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
 from .cluster import ClusterSpec
 from .config import Config
 from .errors import (

@@ -120,8 +120,16 @@ def daemon_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_grpc() -> None:
+    # A program, unlike a library, owns its environment: keep gRPC's C core
+    # (connection events at INFO) off stderr unless the user chose a verbosity.
+    # Read when gRPC initializes, so set before any channel or server exists.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def daemon_main(argv: list[str] | None = None) -> int:
     """Entry point of `rendezvousd`."""
+    _quiet_grpc()
     args = daemon_parser().parse_args(argv)
     args.daemon = True
     return _serve(args, daemon_parser())
@@ -142,6 +150,7 @@ def _load_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_grpc()
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import fields as F
 from . import wire
 from .errors import InvalidArgument, UnsupportedDType
 
@@ -253,16 +254,16 @@ class TensorMeta:
 def _encode_shape(shape: tuple[int, ...]) -> bytes:
     parts = []
     for d in shape:
-        dim = wire.varint_field(1, d)
-        parts.append(wire.len_field_header(2, len(dim)))
+        dim = wire.varint_field(F.DIM_SIZE, d)
+        parts.append(wire.len_field_header(F.SHAPE_DIM, len(dim)))
         parts.append(dim)
     body = b"".join(parts)
     # Always present, even for a scalar (as TensorFlow writes it): rank 0 is known.
-    return wire.len_field_header(2, len(body)) + body
+    return wire.len_field_header(F.TENSOR_SHAPE, len(body)) + body
 
 
 def _encode_meta(proto_dtype: int, shape: tuple[int, ...]) -> bytes:
-    return wire.varint_field(1, proto_dtype) + _encode_shape(shape)
+    return wire.varint_field(F.TENSOR_DTYPE, proto_dtype) + _encode_shape(shape)
 
 
 def encode_meta(meta: TensorMeta) -> bytes:
@@ -294,14 +295,14 @@ def encode_header(arr: np.ndarray) -> tuple[bytes, memoryview | None]:
     if proto_dtype == DT_STRING:
         parts = [_encode_meta(DT_STRING, shape)]
         for s in _string_items(arr):
-            parts.append(wire.len_field_header(8, len(s)))
+            parts.append(wire.len_field_header(F.TENSOR_STRING_VAL, len(s)))
             parts.append(s)
         return b"".join(parts), None
     flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     payload = memoryview(flat)
     header = _encode_meta(proto_dtype, shape)
     if flat.size:
-        header += wire.len_field_header(4, flat.size)
+        header += wire.len_field_header(F.TENSOR_CONTENT, flat.size)
     return header, payload
 
 
@@ -338,15 +339,15 @@ def _parse(buf, start: int, end: int | None):
     shapes: list[tuple[int, int]] = []
     content = None
     for num, wt, a, b in wire.iter_fields(buf, start, end):
-        if num == 4:
+        if num == F.TENSOR_CONTENT:
             if wt == wire.LEN:
                 content = (a, b)
-        elif num == 1:
+        elif num == F.TENSOR_DTYPE:
             if wt == wire.VARINT:
                 # An enum is an int32: protobuf keeps the low 32 bits, signed.
                 v = a & 0xFFFFFFFF
                 dtype_value = v - (1 << 32) if v >= (1 << 31) else v
-        elif num == 2:
+        elif num == F.TENSOR_SHAPE:
             if wt == wire.LEN:
                 shapes.append((a, b))
     # Repeated occurrences of a message field merge, as protobuf does.
@@ -354,13 +355,13 @@ def _parse(buf, start: int, end: int | None):
     unknown_rank = False
     for s, e in shapes:
         for num, wt, a, b in wire.iter_fields(buf, s, e):
-            if num == 2 and wt == wire.LEN:
+            if num == F.SHAPE_DIM and wt == wire.LEN:
                 size = 0
                 for dnum, dwt, da, _ in wire.iter_fields(buf, a, b):
-                    if dnum == 1 and dwt == wire.VARINT:
+                    if dnum == F.DIM_SIZE and dwt == wire.VARINT:
                         size = wire.to_signed64(da)
                 dims.append(size)
-            elif num == 3 and wt == wire.VARINT:
+            elif num == F.SHAPE_UNKNOWN_RANK and wt == wire.VARINT:
                 unknown_rank = a != 0
     return buf, dtype_value, dims, unknown_rank, content, end
 

@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 
 from rendezvous import auth, shm, wire
+from rendezvous import fields as F
 from rendezvous.rpc.options import local_channel_options
 from rendezvous.errors import InvalidArgument, RendezvousError, Unavailable, from_status
 from rendezvous.keys import Key, as_key
@@ -104,20 +105,21 @@ def prepare_send(key: Key | str, tensor: Any, step_id: int, is_dead: bool, prefi
     """The SendRequest bytes; a tensor of at least ``threshold`` bytes is written
     to shared memory first (``prefix``: the session's)."""
     k = as_key(key).format().encode()
-    head = wire.varint_field(1, step_id) + wire.len_field_header(2, len(k)) + k
+    head = wire.varint_field(F.SEND_STEP_ID, step_id) + wire.len_field_header(F.SEND_KEY, len(k)) + k
     if is_dead:
-        return Prepared(head + wire.varint_field(4, 1), None, "inline", 0)
+        return Prepared(head + wire.varint_field(F.SEND_IS_DEAD, 1), None, "inline", 0)
     arr = as_array(tensor)
     if (prefix is not None and threshold >= 0 and is_memcpyable(arr) and arr.nbytes
             and arr.nbytes >= threshold):
         name, nbytes = shm.write(prefix, arr)
         meta = encode_meta(TensorMeta(arr.dtype, arr.shape))
-        seg = wire.len_field_header(1, len(name)) + name.encode() + wire.varint_field(2, nbytes)
-        return Prepared(b"".join([head, wire.len_field_header(3, len(meta)), meta,
-                                  wire.len_field_header(5, len(seg)), seg]), name, "shm", nbytes)
+        seg = wire.len_field_header(F.SEGMENT_NAME, len(name)) + name.encode() + \
+            wire.varint_field(F.SEGMENT_NBYTES, nbytes)
+        return Prepared(b"".join([head, wire.len_field_header(F.SEND_TENSOR, len(meta)), meta,
+                                  wire.len_field_header(F.SEND_SHM, len(seg)), seg]), name, "shm", nbytes)
     header, payload = encode_header(arr)
     size = len(header) + (len(payload) if payload is not None else 0)
-    parts = [head, wire.len_field_header(3, size), header]
+    parts = [head, wire.len_field_header(F.SEND_TENSOR, size), header]
     if payload is not None:
         parts.append(payload)
     return Prepared(b"".join(parts), None, "inline", arr.nbytes if is_memcpyable(arr) else 0)
@@ -134,13 +136,13 @@ def parse_reply(raw: bytes) -> tuple[Received, str, str]:
     is_dead = False
     path = "local"
     for num, wt, a, b in wire.iter_fields(raw):
-        if num == 1 and wt == wire.LEN:
+        if num == F.LOCAL_REPLY_TENSOR and wt == wire.LEN:
             tensor = (a, b)
-        elif num == 2 and wt == wire.VARINT:
+        elif num == F.LOCAL_REPLY_IS_DEAD and wt == wire.VARINT:
             is_dead = bool(a)
-        elif num == 5 and wt == wire.LEN:
+        elif num == F.LOCAL_REPLY_SHM and wt == wire.LEN:
             segment = (a, b)
-        elif num == 6 and wt == wire.LEN:
+        elif num == F.LOCAL_REPLY_PATH and wt == wire.LEN:
             path = bytes(raw[a:b]).decode()
     if is_dead:
         return Received(None, True), path, "inline"

@@ -37,7 +37,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -52,7 +52,7 @@ from rendezvous.rpc.options import server_options
 from .service import SERVICE as LOCAL_SERVICE
 from .service import LocalServicer
 
-__all__ = ["Daemon", "run", "resolve_identity", "default_local_address", "parse_local_address",
+__all__ = ["Daemon", "Identity", "run", "resolve_identity", "default_local_address", "parse_local_address",
            "JsonFormatter", "setup_logging", "render_config"]
 
 log = logging.getLogger("rendezvous.daemon")
@@ -72,8 +72,17 @@ def _need_extra() -> None:
 # -- identity and addresses -----------------------------------------------------
 
 
-def resolve_identity(config: Config) -> tuple[Any, str, int, str]:
-    """(cluster, job name, task index, where the index came from) of a daemon."""
+class Identity(NamedTuple):
+    """Who a daemon is: its cluster, job and task index, and where the index came from."""
+
+    cluster: Any
+    job_name: str
+    task_index: int
+    index_source: str
+
+
+def resolve_identity(config: Config) -> Identity:
+    """The daemon's :class:`Identity` from its config (and the launcher's rank)."""
     if not config.cluster or not config.job_name:
         raise InvalidArgument("a daemon needs cluster and job_name (--cluster/--job-name, RENDEZVOUS_CLUSTER/"
                               "RENDEZVOUS_JOB_NAME, or the config file)")
@@ -91,7 +100,7 @@ def resolve_identity(config: Config) -> tuple[Any, str, int, str]:
             source = f"launcher {var}"
         else:
             index, source = 0, "default (no launcher)"
-    return cluster, config.job_name, index, source
+    return Identity(cluster, config.job_name, index, source)
 
 
 def default_local_address(env: Any = None) -> str:
@@ -158,12 +167,12 @@ def setup_logging(config: Config, level: int | None = None) -> None:
         logging.getLogger("rendezvous.client").setLevel(max(root.level, logging.WARNING))
 
 
-def render_config(config: Config, identity: tuple[Any, str, int, str] | None = None) -> str:
+def render_config(config: Config, identity: Identity | None = None) -> str:
     """The effective config as TOML, each value with where it came from (secrets masked)."""
     lines = ["# rendezvousd: effective configuration (value  # source)"]
     for name, value, source, secret in config.explain():
         if name == "task_index" and identity is not None:
-            value, source = identity[2], identity[3]
+            value, source = identity.task_index, identity.index_source
         if value is None:
             lines.append(f"# {name} is unset  ({source})")
             continue

@@ -28,12 +28,13 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from rendezvous import fields as F
 from rendezvous import frames, shm, wire
 from rendezvous.errors import (
     InvalidArgument,
@@ -54,6 +55,15 @@ log = logging.getLogger("rendezvous.daemon")
 _CLIENT_ID = re.compile(r"[0-9a-f]{12}\Z")
 # Copies this big run on a worker thread (numpy releases the GIL) instead of the loop.
 _OFF_LOOP_BYTES = 4 << 20
+
+class Stall(NamedTuple):
+    """A local client's recv that has waited too long."""
+
+    key: str
+    step_id: int
+    producer: str
+    age_s: float
+
 
 @dataclass
 class _Wait:
@@ -140,15 +150,15 @@ class LocalServicer:
     async def _do_send(self, raw: bytes) -> tuple[str, int]:
         step_id, key, tensor, is_dead, segment = 0, "", None, False, None
         for num, wt, a, b in wire.iter_fields(raw):
-            if num == 1 and wt == wire.VARINT:
+            if num == F.SEND_STEP_ID and wt == wire.VARINT:
                 step_id = wire.to_signed64(a)
-            elif num == 2 and wt == wire.LEN:
+            elif num == F.SEND_KEY and wt == wire.LEN:
                 key = _text(raw, a, b, "rendezvous_key")
-            elif num == 3 and wt == wire.LEN:
+            elif num == F.SEND_TENSOR and wt == wire.LEN:
                 tensor = (a, b)
-            elif num == 4 and wt == wire.VARINT:
+            elif num == F.SEND_IS_DEAD and wt == wire.VARINT:
                 is_dead = bool(a)
-            elif num == 5 and wt == wire.LEN:
+            elif num == F.SEND_SHM and wt == wire.LEN:
                 segment = _segment(raw, a, b)
         if segment is not None and (is_dead or tensor is None):
             shm.discard(segment[0])
@@ -228,7 +238,7 @@ class LocalServicer:
 
     async def _reply(self, item: Any, path: str, client_id: str) -> tuple[bytes, str, int]:
         """(LocalRecvResponse bytes, "inline" or "shm", payload bytes)."""
-        tail = wire.len_field_header(6, len(path)) + path.encode()
+        tail = wire.len_field_header(F.LOCAL_REPLY_PATH, len(path)) + path.encode()
         value = item.value
         session = self.sessions.get(client_id) if client_id else None
         if (item.is_dead or session is None or self.shm_threshold < 0 or not isinstance(value, np.ndarray)
@@ -242,8 +252,10 @@ class LocalServicer:
             shm.discard(name)
             raise Unavailable(f"client {client_id} is gone")
         meta = encode_meta(TensorMeta(value.dtype, value.shape))
-        seg = wire.len_field_header(1, len(name)) + name.encode() + wire.varint_field(2, nbytes)
-        reply = b"".join([wire.len_field_header(1, len(meta)), meta, wire.len_field_header(5, len(seg)), seg, tail])
+        seg = wire.len_field_header(F.SEGMENT_NAME, len(name)) + name.encode() + \
+            wire.varint_field(F.SEGMENT_NBYTES, nbytes)
+        reply = b"".join([wire.len_field_header(F.LOCAL_REPLY_TENSOR, len(meta)), meta,
+                          wire.len_field_header(F.LOCAL_REPLY_SHM, len(seg)), seg, tail])
         return reply, "shm", nbytes
 
     # -- Abort, Pending ----------------------------------------------------------
@@ -314,16 +326,16 @@ class LocalServicer:
 
     # -- stalls -----------------------------------------------------------------
 
-    def stalled(self, older_than: float) -> list[tuple[str, int, str, float]]:
-        """Recvs waiting longer than ``older_than`` seconds and not reported yet:
-        (key, step, producer task, age). Each is reported once."""
+    def stalled(self, older_than: float) -> list[Stall]:
+        """Recvs waiting longer than ``older_than`` seconds and not reported yet.
+        Each is reported once."""
         now = time.monotonic()
         out = []
         for w in list(self.waits.values()):
             age = now - w.started
             if not w.warned and age >= older_than:
                 w.warned = True
-                out.append((w.key, w.step_id, w.producer, age))
+                out.append(Stall(w.key, w.step_id, w.producer, age))
         return out
 
 
@@ -337,9 +349,9 @@ def _text(buf: bytes, a: int, b: int, what: str) -> str:
 def _segment(buf: bytes, a: int, b: int) -> tuple[str, int]:
     name, nbytes = "", 0
     for num, wt, x, y in wire.iter_fields(buf, a, b):
-        if num == 1 and wt == wire.LEN:
+        if num == F.SEGMENT_NAME and wt == wire.LEN:
             name = _text(buf, x, y, "shm.name")
-        elif num == 2 and wt == wire.VARINT:
+        elif num == F.SEGMENT_NBYTES and wt == wire.VARINT:
             nbytes = wire.to_signed64(x)
     if not shm.NAME_RE.match(name):
         raise InvalidArgument(f"{name!r} is not a rendezvous shared-memory segment name")
