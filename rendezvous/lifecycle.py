@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import RendezvousError
 
-__all__ = ["run_until_signalled", "SAME_SIGNAL_S", "State"]
+__all__ = ["run_until_signalled", "new_event_loop", "SAME_SIGNAL_S", "State"]
 
 SAME_SIGNAL_S = 0.5
 
@@ -43,6 +43,18 @@ class State(Enum):
         return self.value
 
 
+def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
+    """A uvloop loop when asked for and installed, else asyncio's default."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, announce: Callable[[Any], str],
                         stop: Callable[[Any], Awaitable[None]], uvloop: bool = True, out: Any = None,
                         before_exit: Callable[[Any], None] | None = None) -> int:
@@ -51,8 +63,6 @@ def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, annou
     place (whoever reads that line may signal at once), drain with ``stop(server)``
     on the first signal. 0 after a clean drain; 1 on a start-up error (printed as
     ``prog: CODE: message``) or a second signal (after ``before_exit(server)``)."""
-    from .sync import new_event_loop
-
     out = sys.stdout if out is None else out
 
     async def main() -> None:

@@ -21,22 +21,11 @@ from .config import Config
 from .errors import FailedPrecondition
 from .keys import Key
 from .devices import Devices
+from .lifecycle import new_event_loop
 from .table import Received
 
 __all__ = ["Server", "new_event_loop"]
 T = TypeVar("T")
-
-
-def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
-    """A uvloop loop when asked for and installed, else asyncio's default."""
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 class Server:

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
     from rendezvous.config import Config
-    from rendezvous.sync import new_event_loop
+    from rendezvous.lifecycle import new_event_loop
 
     from . import report
     from .worker import run_rank
