@@ -91,6 +91,19 @@ class RetryCache:
         self._entries[request_id] = _Entry(step_id, future)  # type: ignore[arg-type]
         self._completed(request_id, future)  # type: ignore[arg-type]
 
+    def unclaimed(self, request_id: int) -> Received | None:
+        """An answer that was taken for ``request_id`` but that no caller waits for
+        any more (its only caller was cancelled just as the tensor arrived). The id
+        is forgotten and the answer returned, for the caller to put back: nothing
+        was delivered, so nothing may be consumed. None when there is no such
+        answer (still waiting, failed, or another caller still wants it)."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry.waiters or not entry.task.done() or entry.task.cancelled() \
+                or entry.task.exception() is not None:
+            return None
+        self.forget(request_id)
+        return entry.task.result()
+
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""
         entry = self._entries.pop(request_id, None)

@@ -135,6 +135,14 @@ class RecvTensorServicer:
     async def _never() -> Received:
         raise Unavailable("server is draining")
 
+    def reclaim(self, req: pb.RecvTensorRequest) -> None:
+        """A call was cancelled while waiting: if the table handed its tensor over at
+        that moment (to the retry cache's task), put the tensor back."""
+        if req.request_id:
+            item = self.retry.unclaimed(req.request_id)
+            if item is not None:
+                self.put_back(req, self._check_key(req), item)
+
     def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received) -> None:
         """Return an item whose reply was never started (the consumer cancelled)."""
         if req.request_id:
@@ -159,7 +167,11 @@ class RecvTensorServicer:
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed RecvTensorRequest: {exc}")
         try:
-            item, _ = await self.take(req)
+            try:
+                item, _ = await self.take(req)
+            except asyncio.CancelledError:
+                self.reclaim(req)  # the caller's deadline or cancel: nothing is consumed
+                raise
             # A dead-line shorter than the wait is enforced by gRPC itself. Unary
             # replies are always inline: TensorFlow's clients know no descriptors.
             plan = self.planes.inline.plan(req, item)
@@ -326,6 +338,9 @@ class _StreamConn:
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:
             item, key = await self.s.take(req)
+        except asyncio.CancelledError:
+            self.s.reclaim(req)  # a tensor handed over just as the call was cancelled goes back
+            raise
         except Exception as exc:
             self._reply_error(call_id, req, exc)
             return
