@@ -413,12 +413,20 @@ class Server:
                 raise
         return Fetched(item, fetched.path, True)
 
-    def _keep(self, step_id: int, key: str, item: Received, front: bool = False) -> None:
-        """Hold a fetched tensor that could not be delivered (its placement failed)
-        for the next recv of the same key and step: fetched is never lost."""
+    def _keep(self, step_id: int, key: str, item: Received, front: bool = False,
+              why: str = "could not place the tensor") -> None:
+        """Hold a fetched tensor that could not be delivered (its placement failed,
+        or its recv gave up while it was on its way) for the next recv of the same
+        key and step: fetched is never lost."""
         queue = self._undelivered.setdefault((step_id, key), collections.deque())
         queue.appendleft(item) if front else queue.append(item)
-        log.warning("recv of %r (step %d) could not place the tensor; kept for the next recv", key, step_id)
+        log.warning("recv of %r (step %d) %s; kept for the next recv", key, step_id, why)
+
+    def _unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
+        """A tensor that arrived after its recv gave up (deadline, cancel)."""
+        if self._state.ending or self.table.aborted(step_id) is not None:
+            return  # the step (or the server) is over: its tensors are dropped anyway
+        self._keep(step_id, key, fetched.item, why="timed out or was cancelled while it was on its way")
 
     def _requeue(self, step_id: int, key: str, item: Received) -> None:
         try:
@@ -479,7 +487,8 @@ class Server:
             if self._state is not State.SERVING:
                 raise Unavailable(f"server {self.task} is {self._state}")
             peer = PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
-                              credentials=self._setup.channel_credentials, metadata=self._setup.metadata)
+                              credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
+                              on_unclaimed=self._unclaimed)
             self._peers[task] = peer
         return peer
 

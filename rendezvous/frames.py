@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from . import fields as F
 from . import wire
@@ -293,7 +294,10 @@ def parse_stream_frame(buf: bytes, start: int = 0, end: int | None = None) -> St
         elif num == F.STREAM_RESPONSE_CHUNK and wt == wire.LEN:
             frame.chunk = (a, b)
         elif num == F.STREAM_RESPONSE_ERROR and wt == wire.LEN:
-            status = pb.Status.FromString(bytes(buf[a:b]))
+            try:
+                status = pb.Status.FromString(bytes(buf[a:b]))
+            except DecodeError:
+                raise InvalidArgument("stream frame with a malformed status") from None
             frame.error = from_status(status.code, status.message)
     if frame.call_id < 0:
         raise InvalidArgument("stream frame without call_id")

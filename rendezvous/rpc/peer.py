@@ -7,8 +7,12 @@ by id. This is how thousands of recvs can be outstanding at once: they are
 messages on one HTTP/2 stream, not thousands of gRPC calls.
 
 Deadlines are per recv. A recv that times out or is cancelled sends a cancel
-for its call; if the producer had not started the reply, the tensor stays in
-the producer's table for a later recv. Each recv carries a random non-zero
+for its call and fails, but nothing it asked for is lost: if the producer had
+not started the reply, the tensor stays in the producer's table (the producer
+answers the cancel with CANCELLED); if the reply was already on its way, the
+call is kept as an *orphan* whose reply is still received, then handed to
+the oldest recv of the same key and step still waiting on this stream, or
+else to ``on_unclaimed`` (the rank server keeps it for the next recv). Each recv carries a random non-zero
 ``request_id``; when the stream breaks (the peer restarted its listener, a
 connection reset) pending recvs are re-sent on a new stream with the same
 id, and the producer answers them from its retry cache instead of consuming
@@ -27,6 +31,7 @@ import itertools
 import logging
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -36,6 +41,7 @@ from rendezvous.config import Config
 from rendezvous.errors import (
     DeadlineExceeded,
     Internal,
+    InvalidArgument,
     PeerUnavailable,
     RendezvousError,
     ResourceExhausted,
@@ -62,14 +68,16 @@ class _Broken(Exception):
 
 
 class _Pending:
-    __slots__ = ("future", "assembly", "path", "key", "placement")
+    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan")
 
-    def __init__(self, future: asyncio.Future, key: str, placement: Any = None) -> None:
+    def __init__(self, future: asyncio.Future, key: str, step_id: int, placement: Any = None) -> None:
         self.future = future  # resolves to a Fetched
         self.assembly: Any = None  # a reply being assembled from chunk frames
         self.path = Path.GRPC
         self.key = key
+        self.step_id = step_id
         self.placement = placement  # where the tensor should land
+        self.orphan = False  # its recv gave up; the reply, if one comes, is still taken
 
 
 class _Stream:
@@ -89,8 +97,17 @@ class _Stream:
         self.outbox.put_nowait(request)
 
     def cancel(self, call_id: int) -> None:
-        if self.pending.pop(call_id, None) is not None and self.alive:
-            self.outbox.put_nowait(frames.cancel_request(call_id))
+        """The recv of ``call_id`` gave up. Its call stays as an orphan until the
+        producer answers the cancel: with CANCELLED (nothing was sent), or with the
+        reply it had already started, which is received and kept, never dropped."""
+        p = self.pending.get(call_id)
+        if p is None:
+            return
+        if not self.alive:
+            del self.pending[call_id]
+            return
+        p.orphan = True
+        self.outbox.put_nowait(frames.cancel_request(call_id))
 
     async def _write(self) -> None:
         outbox = self.outbox
@@ -147,9 +164,12 @@ class _Stream:
             if frame.head is not None and not frame.head.is_dead:
                 planes.drain(buf, frame.head)
             return
+        if frame.error is not None:  # the producer's answer: an error (or CANCELLED for an orphan)
+            self.pending.pop(frame.call_id, None)
+            if not p.future.done():
+                p.future.set_exception(frame.error)
+            return
         try:
-            if frame.error is not None:
-                raise frame.error
             if frame.head is not None:
                 head = frame.head
                 if head.tensor is not None:
@@ -157,12 +177,13 @@ class _Stream:
                 if head.is_dead:
                     self._finish(frame.call_id, p, Fetched(Received(None, True), Path.GRPC))
                     return
-                arrival = planes.receive(buf, head, p.placement)
+                # an orphan's bytes land on the host: whoever takes it places it
+                arrival = planes.receive(buf, head, None if p.orphan else p.placement)
                 p.path = arrival.path
                 if arrival.pending is not None:
                     self.pending.pop(frame.call_id, None)
                     task = asyncio.ensure_future(arrival.pending)
-                    task.add_done_callback(lambda t, p=p, a=arrival: _settle(p.future, t, a.path, a.placed))
+                    task.add_done_callback(lambda t, p=p, a=arrival: self._settle(p, t, a.path, a.placed))
                 elif arrival.assembly is not None:
                     p.assembly = arrival.assembly
                 else:
@@ -176,28 +197,46 @@ class _Stream:
                     self._finish(frame.call_id, p, Fetched(Received(p.assembly.result(), False), p.path))
         except RendezvousError as exc:
             self.pending.pop(frame.call_id, None)
+            if isinstance(exc, InvalidArgument):  # the reply, not the request, is wrong
+                exc = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
             if not p.future.done():
                 p.future.set_exception(exc)
 
     def _finish(self, call_id: int, p: _Pending, fetched: Fetched) -> None:
         self.pending.pop(call_id, None)
-        if not p.future.done():
+        self._deliver(p, fetched)
+
+    def _deliver(self, p: _Pending, fetched: Fetched) -> None:
+        if not p.orphan and not p.future.done():
             p.future.set_result(fetched)
+            return
+        # Its recv gave up, but the tensor was produced and is here: the oldest
+        # recv of the same key and step still waiting on this stream takes it
+        # (its own request is cancelled, and whatever answers that becomes an
+        # orphan in turn), else the server keeps it for the next recv.
+        kept = Fetched(fetched.item, fetched.path, placed=False)
+        for call_id, other in self.pending.items():
+            if (not other.orphan and other.key == p.key and other.step_id == p.step_id
+                    and not other.future.done()):
+                other.future.set_result(kept)
+                self.cancel(call_id)
+                return
+        self.client.unclaimed(p.step_id, p.key, kept)
+
+    def _settle(self, p: _Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
+        """A reply whose bytes came another way (a plane's pending transfer) is done."""
+        if task.cancelled():
+            if not p.future.done():
+                p.future.cancel()
+        elif task.exception() is not None:
+            if not p.orphan and not p.future.done():
+                p.future.set_exception(task.exception())
+        else:
+            self._deliver(p, Fetched(Received(task.result(), False), path, placed))
 
     def close(self) -> None:
         self.alive = False
         self.call.cancel()
-
-
-def _settle(future: asyncio.Future, task: asyncio.Future, path: Path, placed: bool) -> None:
-    if future.done():
-        return
-    if task.cancelled():
-        future.cancel()
-    elif task.exception() is not None:
-        future.set_exception(task.exception())
-    else:
-        future.set_result(Fetched(Received(task.result(), False), path, placed))
 
 
 def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> tuple[Any, int, int]:
@@ -226,11 +265,14 @@ class PeerClient:
 
     def __init__(self, task: TaskName, address: str, config: Config, *, planes: Planes,
                  credentials: grpc.ChannelCredentials | None = None,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+                 metadata: tuple[tuple[str, str], ...] = (),
+                 on_unclaimed: Callable[[int, str, Fetched], None] | None = None) -> None:
         self.task = task
         self.address = address
         self.config = config
         self.planes = planes
+        #: where a reply nobody waits for any more goes (the rank server keeps it)
+        self._on_unclaimed = on_unclaimed
         self._credentials = credentials
         self._metadata = metadata or None  # sent on every stream (the daemon's token)
         self._channel: grpc.aio.Channel | None = None
@@ -245,6 +287,14 @@ class PeerClient:
 
     def describe(self) -> str:
         return f"task {self.task} at {self.address}"
+
+    def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
+        """A tensor that arrived for a recv that had given up."""
+        if self._on_unclaimed is not None:
+            self._on_unclaimed(step_id, key, fetched)
+        else:
+            log.warning("recv of %r (step %d) from %s gave up before its tensor arrived; dropped "
+                        "(no server to keep it)", key, step_id, self.describe())
 
     async def recv(self, key: str, step_id: int, timeout: float | None = None,
                    placement: Any = None) -> Fetched:
@@ -264,7 +314,7 @@ class PeerClient:
                 while True:
                     stream = await self._get_stream(deadline)
                     call_id = next(self._ids)
-                    pending = _Pending(loop.create_future(), key, placement)
+                    pending = _Pending(loop.create_future(), key, step_id, placement)
                     stream.submit(call_id, pending, frames.recv_request(
                         call_id, step_id, key_bytes, request_id, options))
                     try:

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from rendezvous import frames
 from rendezvous.errors import (
+    Cancelled,
     FailedPrecondition,
     RendezvousError,
     Unavailable,
@@ -224,10 +225,10 @@ class _Outgoing:
     the table if the call is cancelled before the first frame is written; a
     ``committed`` reply (its bytes already on their way) is written anyway."""
 
-    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed")
+    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack")
 
     def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
-                 item: Received | None, committed: bool = False) -> None:
+                 item: Received | None, committed: bool = False, ack: bool = False) -> None:
         self.frames = frames_
         self.next_frame: bytes | None = next(frames_, None)
         self.req = req
@@ -235,6 +236,7 @@ class _Outgoing:
         self.item = item
         self.started = False
         self.committed = committed
+        self.ack = ack  # only the CANCELLED answer to a cancel
 
 
 # Frames up to this size are packed together into one message (a `batch`);
@@ -261,6 +263,7 @@ class _StreamConn:
         self.wakeup = asyncio.Event()
         self.reader_done = False
         self.closing = False  # set while draining: end once nothing is left to write
+        self.failed = False  # the consumer broke the protocol: end now, with INVALID_ARGUMENT
         self.writing = False  # a message is being handed to gRPC
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
@@ -295,6 +298,9 @@ class _StreamConn:
                         self._handle(one)
                 else:
                     self._handle(msg)
+        except _BadStream:
+            self.failed = True  # the writer stops at once: the stream ends with the error
+            raise
         finally:
             self.reader_done = True
             self.wakeup.set()
@@ -303,6 +309,11 @@ class _StreamConn:
         kind = msg.WhichOneof("kind")
         call_id = msg.call_id
         if kind == "recv":
+            queued = self.replies.get(call_id)
+            if queued is not None and queued.ack and not queued.started:
+                # the consumer reuses the id of a call it cancelled: it is done with
+                # that call, so the answer to its cancel is moot
+                del self.replies[call_id]
             if call_id in self.waiting or call_id in self.replies:
                 raise _BadStream(f"call_id {call_id} is already in use on this stream")
             req = msg.recv
@@ -321,19 +332,32 @@ class _StreamConn:
             raise _BadStream(f"StreamRequest {call_id} has neither recv nor cancel")
 
     def _cancel(self, call_id: int) -> None:
+        """The consumer gave up on ``call_id``. What was not sent goes back to the
+        table and the cancel is answered with CANCELLED; a reply already on its
+        way (started, or committed: a descriptor whose transfer is posted) is
+        written to its end, and the consumer keeps what it receives."""
         task = self.waiting.pop(call_id, None)
         if task is not None:
-            task.cancel()
+            task.cancel()  # its tensor, if handed over meanwhile, goes back (see _serve)
+            self._ack_cancel(call_id)
             return
         reply = self.replies.get(call_id)
-        if reply is None or reply.committed:
-            # A committed reply is always delivered (a descriptor: its transfer
-            # is posted, and the consumer must take those bytes even if it no
-            # longer wants them).
+        if reply is None or reply.committed or reply.started:
             return
         del self.replies[call_id]
-        if not reply.started and reply.item is not None:
+        if reply.item is not None:
             self.s.put_back(reply.req, reply.key, reply.item)
+        self._ack_cancel(call_id)
+
+    def _ack_cancel(self, call_id: int) -> None:
+        frame = frames.error_frame(call_id, Cancelled(f"call {call_id} cancelled by the consumer; nothing sent"))
+        self._ready(call_id, _Outgoing(iter((frame,)), None, "", None, ack=True))  # type: ignore[arg-type]
+
+    def _done_waiting(self, call_id: int) -> None:
+        # Only this call's own task: a cancelled call's task may unwind after a
+        # new call reused its id.
+        if self.waiting.get(call_id) is asyncio.current_task():
+            del self.waiting[call_id]
 
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:
@@ -345,7 +369,7 @@ class _StreamConn:
             self._reply_error(call_id, req, exc)
             return
         finally:
-            self.waiting.pop(call_id, None)
+            self._done_waiting(call_id)
         self._reply(call_id, req, item, key)
 
     def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
@@ -375,7 +399,7 @@ class _StreamConn:
             self._reply_error(call_id, req, exc)
             return
         finally:
-            self.waiting.pop(call_id, None)
+            self._done_waiting(call_id)
         self.s.stats.served(plan.path, payload_nbytes(item.value if item is not None else None))
         self._ready(call_id, outgoing)
 
@@ -424,7 +448,7 @@ class _StreamConn:
         return batch[0] if len(batch) == 1 else frames.batch_responses(batch)
 
     async def _write(self) -> None:
-        while True:
+        while not self.failed:
             message = self._next_message()
             if message is not None:
                 self.writing = True
