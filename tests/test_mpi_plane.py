@@ -290,12 +290,8 @@ def test_tags_are_unique_per_rank_while_in_flight_and_reused_after():
     run(main(), 20)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mpi.plane._Tags.take: the capacity check `len(busy) >= limit - _FIRST_TAG` allows only "
-    "TAG_UB - 1 transfers in flight to a rank although tags 1..TAG_UB (TAG_UB of them) are valid and "
-    "used by the cycle; with TAG_UB=3 the third concurrent send fails with 'all 3 MPI tags to rank 1 "
-    "are in flight' while only two are"))
 def test_every_tag_up_to_tag_ub_can_be_in_flight():
+    """The capacity check once allowed one transfer fewer in flight than there are tags."""
     async def main():
         engine = FakeEngine()
         plane = make_plane(FakeWorld(tag_ub=3), engine)
@@ -388,11 +384,8 @@ def test_endpoint_rank_outside_the_world_is_invalid_argument(rank):
     run(main(), 20)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mpi.plane.MpiPlane.plan: an MpiEndpoint Any whose value is not a parseable MpiEndpoint makes "
-    "`opts.Unpack(endpoint)` raise protobuf's DecodeError out of plan (the servicer answers INTERNAL and "
-    "logs it as a server bug) instead of InvalidArgument or a counted fallback to inline"))
 def test_unparseable_endpoint_is_invalid_argument_or_a_fallback():
+    """A malformed MpiEndpoint once raised protobuf's DecodeError out of plan (answered INTERNAL)."""
     async def main():
         engine = FakeEngine()
         plane = make_plane(engine=engine)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 
 from rendezvous import frames
 from rendezvous.buffers import RecvBuffers
@@ -68,7 +69,7 @@ class _Tags:
 
     def take(self, rank: int) -> int:
         busy = self.busy[rank]
-        if len(busy) >= self.limit - _FIRST_TAG:
+        if len(busy) >= self.limit - _FIRST_TAG + 1:  # tags _FIRST_TAG..limit, all usable
             raise Internal(f"all {self.limit} MPI tags to rank {rank} are in flight")
         tag = self.next[rank]
         while tag in busy:
@@ -125,7 +126,11 @@ class MpiPlane(DataPlane):
             self.stats.fallback("grpc")  # the consumer has no MPI
             return None
         endpoint = pb.MpiEndpoint()
-        if not opts.Unpack(endpoint) or endpoint.world_id != self.world.world_id:
+        try:
+            unpacked = opts.Unpack(endpoint)
+        except DecodeError:
+            raise InvalidArgument("request carries a malformed MpiEndpoint") from None
+        if not unpacked or endpoint.world_id != self.world.world_id:
             self.stats.fallback("grpc")  # the consumer is in another MPI job
             return None
         if not 0 <= endpoint.rank < self.world.size:
