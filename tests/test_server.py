@@ -244,6 +244,16 @@ def test_retry_with_same_request_id_does_not_consume_twice():
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await call(other, timeout=5)
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                # same id, same step, another key: refused, not the first key's tensor
+                # (it once was answered with it)
+                b.send(key(1, 0, "other"), np.array([3.0]), step_id=2)
+                wrong = pb.RecvTensorRequest(rendezvous_key=key(1, 0, "other"), step_id=2,
+                                             request_id=424242).SerializeToString()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(wrong, timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "key" in info.value.details()
+                assert (await a.recv(key(1, 0, "other"), step_id=2, timeout=5))[0] == 3.0
     run(main())
 
 

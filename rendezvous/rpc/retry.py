@@ -23,10 +23,11 @@ __all__ = ["RetryCache"]
 
 
 class _Entry:
-    __slots__ = ("step_id", "task", "waiters", "done_at", "nbytes")
+    __slots__ = ("step_id", "key", "task", "waiters", "done_at", "nbytes")
 
-    def __init__(self, step_id: int, task: asyncio.Task) -> None:
+    def __init__(self, step_id: int, key: str, task: asyncio.Task) -> None:
         self.step_id = step_id
+        self.key = key
         self.task = task
         self.waiters = 0
         self.done_at: float | None = None
@@ -49,8 +50,10 @@ class RetryCache:
         return len(self._entries)
 
     async def run(self, step_id: int, request_id: int,
-                  take: Callable[[], Awaitable[Received]]) -> Received:
-        """The answer for ``request_id``, taking a tensor only the first time."""
+                  take: Callable[[], Awaitable[Received]], key: str = "") -> Received:
+        """The answer for ``request_id``, taking a tensor only the first time. The
+        same id for another step or key is INVALID_ARGUMENT (a retry asks for
+        the same tensor)."""
         self._expire(time.monotonic())
         entry = self._entries.get(request_id)
         if entry is None:
@@ -58,12 +61,15 @@ class RetryCache:
                 raise FailedPrecondition(
                     f"request_id {request_id} was already answered and its reply is no longer held "
                     f"(retry window {self.window:g}s); not consuming another tensor")
-            entry = _Entry(step_id, asyncio.ensure_future(take()))
+            entry = _Entry(step_id, key, asyncio.ensure_future(take()))
             entry.task.add_done_callback(lambda t, rid=request_id: self._completed(rid, t))
             self._entries[request_id] = entry
         elif entry.step_id != step_id:
             raise InvalidArgument(
                 f"request_id {request_id} was first used for step {entry.step_id}, now for step {step_id}")
+        elif entry.key != key:
+            raise InvalidArgument(
+                f"request_id {request_id} was first used for key {entry.key!r}, now for {key!r}")
         entry.waiters += 1
         try:
             return await asyncio.shield(entry.task)
@@ -84,11 +90,11 @@ class RetryCache:
         """Held, in flight, or answered and released: a retry, not a new request."""
         return request_id in self._entries or request_id in self._answered
 
-    def record(self, step_id: int, request_id: int, item: Received) -> None:
+    def record(self, step_id: int, request_id: int, item: Received, key: str = "") -> None:
         """Note an answer taken without waiting (the tensor was already there)."""
         future = asyncio.get_running_loop().create_future()
         future.set_result(item)
-        self._entries[request_id] = _Entry(step_id, future)  # type: ignore[arg-type]
+        self._entries[request_id] = _Entry(step_id, key, future)  # type: ignore[arg-type]
         self._completed(request_id, future)  # type: ignore[arg-type]
 
     def unclaimed(self, request_id: int) -> Received | None:

@@ -90,13 +90,13 @@ class RecvTensorServicer:
         step = req.step_id
         if self.draining:
             if req.request_id and self.retry.has(req.request_id):
-                return await self.retry.run(step, req.request_id, self._never), canonical
+                return await self.retry.run(step, req.request_id, self._never, canonical), canonical
             item = self.table.try_take(step, canonical)
             if item is None:
                 raise Unavailable(f"server {self.task} is draining; not accepting new recvs")
             return item, canonical
         if req.request_id:
-            item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical))
+            item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical), canonical)
         else:
             item = await self.table.recv(step, canonical)
         return item, canonical
@@ -114,7 +114,7 @@ class RecvTensorServicer:
         if item is None:
             return None
         if rid:
-            self.retry.record(req.step_id, rid, item)
+            self.retry.record(req.step_id, rid, item, key)
         return item, key
 
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
