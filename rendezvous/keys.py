@@ -59,7 +59,15 @@ MAX_ITER_ID: int = (1 << 63) - 1
 MAX_DEVICE_INT: int = (1 << 31) - 1
 """Largest replica, task or device id (an ``int`` in TensorFlow)."""
 
+MAX_KEY_LENGTH: int = 16384
+"""Longest key accepted (characters). TensorFlow's keys are a few hundred
+characters; a longer one is refused, so that nobody can make a server hold
+megabytes per key."""
+
 _CACHE_SIZE = 4096
+# Only keys (and devices) up to this long are cached, so each cache holds at
+# most _CACHE_SIZE * _CACHEABLE characters, whatever callers send.
+_CACHEABLE = 1024
 _QUOTE_LIMIT = 200  # characters of offending text quoted in a message
 
 _IDENT_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -196,8 +204,17 @@ class DeviceName:
         return self.type.upper() == "GPU"
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def _parse_device(s: str) -> DeviceName | str:
+    """:func:`_parse_device_uncached`, cached for names of ordinary length."""
+    return _parse_device_cached(s) if len(s) <= _CACHEABLE else _parse_device_uncached(s)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _parse_device_cached(s: str) -> DeviceName | str:
+    return _parse_device_uncached(s)
+
+
+def _parse_device_uncached(s: str) -> DeviceName | str:
     """The :class:`DeviceName` for ``s``, or a phrase saying what is wrong with it.
 
     Cached on the string; returning (not raising) the reason lets invalid
@@ -334,6 +351,9 @@ class Key:
         """
         if not isinstance(s, str):
             raise InvalidKey(f"invalid rendezvous key: expected a string, got {type(s).__name__}", field="key")
+        if len(s) > MAX_KEY_LENGTH:
+            raise InvalidKey(f"invalid rendezvous key: {len(s)} characters, more than the {MAX_KEY_LENGTH} "
+                             f"allowed: {_q(s)}", field="key")
         parts = s.split(";")
         if len(parts) != 5:
             raise InvalidKey(f"invalid rendezvous key: expected 5 ';'-separated fields "
@@ -407,6 +427,8 @@ def parse_key(s: str) -> Key:
     """:meth:`Key.parse`, cached on the string (keys repeat every step)."""
     if not isinstance(s, str):  # also keeps unhashable values away from the cache
         raise InvalidKey(f"invalid rendezvous key: expected a string, got {type(s).__name__}", field="key")
+    if len(s) > _CACHEABLE:
+        return Key.parse(s)  # long keys are rare: not worth their room in the cache
     return _parse_key_cached(s)
 
 

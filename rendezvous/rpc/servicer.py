@@ -46,6 +46,10 @@ from .retry import RetryCache
 __all__ = ["RecvTensorServicer"]
 
 log = logging.getLogger("rendezvous.server")
+# Checked request keys remembered, at most this many of at most this length:
+# a bound in bytes (about 16 MiB with the canonical strings), whatever is sent.
+_CACHED_KEYS = 1 << 13
+_CACHED_KEY_CHARS = 1024
 
 
 class RecvTensorServicer:
@@ -127,9 +131,11 @@ class RecvTensorServicer:
         if src is not None and self.task is not None and src != self.task:
             raise FailedPrecondition(
                 f"key {raw!r} is produced by {src}, but this server is {self.task}")
-        if len(self._canonical) >= 1 << 16:
-            self._canonical.clear()  # bounded: keys of old steps are not asked for again
-        canonical = self._canonical[raw] = key.format()
+        canonical = key.format()
+        if len(raw) <= _CACHED_KEY_CHARS:
+            if len(self._canonical) >= _CACHED_KEYS:
+                self._canonical.clear()  # bounded: keys of old steps are not asked for again
+            self._canonical[raw] = canonical
         return canonical
 
     @staticmethod

@@ -1,0 +1,65 @@
+"""Hostile and careless inputs: each gets a clear status, the server keeps
+serving, and nothing it holds grows without bound."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from rendezvous import keys
+from rendezvous.errors import InvalidKey
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+from conftest import cluster, run
+
+pytestmark = pytest.mark.timeout(60)
+
+PRODUCER = "/job:worker/replica:0/task:1/device:CPU:0"
+CONSUMER = "/job:worker/replica:0/task:0/device:CPU:0"
+
+
+def test_a_key_longer_than_the_limit_is_refused_naming_the_limit():
+    long_name = "n" * keys.MAX_KEY_LENGTH
+    with pytest.raises(InvalidKey, match=f"more than the {keys.MAX_KEY_LENGTH}"):
+        keys.parse_key(f"{PRODUCER};0000000000000001;{CONSUMER};{long_name};0:0")
+    fits = "n" * (keys.MAX_KEY_LENGTH - 200)
+    assert keys.parse_key(f"{PRODUCER};0000000000000001;{CONSUMER};{fits};0:0").name == fits
+
+
+def test_megabyte_keys_are_refused_and_nothing_keeps_them():
+    """Distinct 1 MB keys with short deadlines once grew a server by the size of
+    every key it was sent (kept in several caches): now each is INVALID_ARGUMENT
+    and no cache holds one."""
+    async def main():
+        async with cluster(2) as (a, b):
+            before = keys._parse_key_cached.cache_info().currsize
+            async with grpc.aio.insecure_channel(b.target) as channel:
+                call = channel.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
+                for i in range(20):
+                    huge = f"{PRODUCER};0000000000000001;{CONSUMER};{str(i) * (1 << 20)};0:0"
+                    request = pb.RecvTensorRequest(step_id=1, rendezvous_key=huge).SerializeToString()
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(request, timeout=10)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "characters" in info.value.details()
+                # a key of ordinary length is still served
+                ok = f"{PRODUCER};0000000000000001;{CONSUMER};fine;0:0"
+                b.send(ok, np.array([1]), step_id=1)
+                reply = pb.RecvTensorResponse.FromString(
+                    await call(pb.RecvTensorRequest(step_id=1, rendezvous_key=ok).SerializeToString(), timeout=10))
+                assert reply.tensor.tensor_content == np.array([1]).tobytes()
+            held = sum(len(k) for k in b.servicer._canonical)
+            assert held < 1 << 12, f"the servicer keeps {held} characters of keys"
+            assert keys._parse_key_cached.cache_info().currsize <= before + 1
+    run(main())
+
+
+def test_long_keys_that_are_valid_are_served_but_not_cached():
+    async def main():
+        async with cluster(2) as (a, b):
+            k = f"{PRODUCER};0000000000000001;{CONSUMER};{'x' * 8000};0:0"
+            b.send(k, np.array([7]), step_id=1)
+            assert (await a.recv(k, step_id=1, timeout=10))[0] == 7
+            assert all(len(raw) <= 1024 for raw in b.servicer._canonical)
+    run(main())
