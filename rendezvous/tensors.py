@@ -26,7 +26,7 @@ import numpy as np
 
 from . import fields as F
 from . import wire
-from .errors import InvalidArgument, UnsupportedDType
+from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -499,16 +499,33 @@ def _from_typed_fields(buf, start: int, end: int, meta: TensorMeta, proto_dtype:
     return flat.reshape(meta.shape)
 
 
-def decode_tensor(buf, start: int = 0, end: int | None = None) -> np.ndarray:
+def announced_bytes(meta: TensorMeta) -> int:
+    """Bytes an array of ``meta`` takes once decoded (a string tensor: its
+    object array's pointers, before any string)."""
+    return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+def check_announced(meta: TensorMeta, limit: int | None, who: str = "tensor") -> None:
+    """ResourceExhausted if decoding ``meta`` would take more than ``limit`` bytes;
+    checked before anything is allocated or expanded."""
+    if limit is not None and announced_bytes(meta) > limit:
+        raise ResourceExhausted(f"{who} announces {announced_bytes(meta)} bytes (dtype {meta.dtype}, shape "
+                                f"{list(meta.shape)}); the limit is {limit} (max_tensor_bytes)")
+
+
+def decode_tensor(buf, start: int = 0, end: int | None = None, max_bytes: int | None = None) -> np.ndarray:
     """The array in the TensorProto bytes ``buf[start:end]``.
 
     tensor_content decodes to a view on ``buf`` (no copy; read-only when
-    ``buf`` is bytes). Without it, TensorFlow's typed fields are read.
-    Unknown fields are skipped. Malformed bytes raise InvalidArgument, dtypes
-    without a numpy equivalent UnsupportedDType.
+    ``buf`` is bytes). Without it, TensorFlow's typed fields are read (one value
+    may fill a whole shape). Unknown fields are skipped. Malformed bytes raise
+    InvalidArgument, dtypes without a numpy equivalent UnsupportedDType, and a
+    tensor announcing more than ``max_bytes`` ResourceExhausted before anything
+    is expanded.
     """
     buf, dtype_value, dims, unknown_rank, content, end = _parse(buf, start, end)
     meta = _checked_meta(dtype_value, dims, unknown_rank)
+    check_announced(meta, max_bytes)
     dtype = meta.dtype
     n = math.prod(meta.shape)
     # TensorFlow reads tensor_content only when it is non-empty.

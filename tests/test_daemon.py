@@ -27,7 +27,9 @@ from rendezvous import errors, shm
 from rendezvous.client.aio import Client
 from rendezvous.config import Config
 from rendezvous.daemon.daemon import Daemon
+from rendezvous.v1 import local_pb2 as lpb
 from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import tensor_pb2 as tpb
 
 from conftest import run, until
 
@@ -222,9 +224,21 @@ def test_local_limits(sockdir):
             with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
                 await c.send(key(0, 0, "huge"), np.ones((1 << 20) + 8, np.uint8))  # via shared memory
             assert shm.listed(c._prefix) == []  # the refused segment is gone
-            with pytest.raises(errors.RendezvousError) as info:
-                await c.send(key(0, 0, "huge"), np.ones(3 << 20, np.uint8).astype(object))  # inline, too big
-            assert info.value.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+            # Inline sends the client library would never write: a few bytes that
+            # announce a huge tensor (one float_val filling 2**28 floats, 2**26
+            # empty strings), and real content over the limit. Each once expanded.
+            one_float = tpb.TensorProto(dtype=1, float_val=[1.0])
+            one_float.tensor_shape.dim.add(size=1 << 28)
+            no_strings = tpb.TensorProto(dtype=7)
+            no_strings.tensor_shape.dim.add(size=1 << 26)
+            content = tpb.TensorProto(dtype=4, tensor_content=bytes(3 << 19))
+            content.tensor_shape.dim.add(size=3 << 19)
+            for tensor in (one_float, no_strings, content):
+                raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "hostile"), tensor=tensor)
+                assert len(raw.SerializeToString()) < (1 << 20) or tensor is content
+                with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
+                    await c._call("Send", raw.SerializeToString(), timeout=10)
+            assert not d.server.pending()  # none of them was queued
             await c.send(key(0, 0, "fits"), np.ones(1 << 20, np.uint8))
     run(main())
 

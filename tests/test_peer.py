@@ -576,3 +576,28 @@ def test_a_cancel_answered_with_cancelled_ends_the_orphan():
             await until(lambda: not client._stream.pending, what="the orphan to end")
             assert kept == []
     run(main(), 20)
+
+
+def test_a_reply_too_large_for_memory_fails_that_recv_only(monkeypatch):
+    """A tensor under max_tensor_bytes but larger than memory once raised an
+    uncaught MemoryError that broke the stream (and re-sent its other recvs)."""
+    from rendezvous import frames as frames_mod
+
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            big = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
+            small = asyncio.ensure_future(client.recv(key(1, 0, "small"), step_id=1, timeout=10))
+            req_big, req_small = await side.recvs(2)
+
+            def no_memory(*args, **kwargs):
+                raise MemoryError()
+            monkeypatch.setattr(frames_mod.Assembly, "__init__", no_memory)
+            side.write(*reply(req_big.call_id, np.arange(4096, dtype=np.float64), chunk=1024))
+            with pytest.raises(errors.ResourceExhausted, match="out of memory"):
+                await big
+            monkeypatch.undo()
+            side.write(*reply(req_small.call_id, np.array([2])))
+            assert (await small).item.value.tolist() == [2]
+            assert client._stream is not None and client._stream.alive
+    run(main(), 20)

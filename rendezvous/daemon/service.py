@@ -45,7 +45,7 @@ from rendezvous.errors import (
 )
 from rendezvous.keys import parse_key
 from rendezvous.stats import payload_nbytes
-from rendezvous.tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, is_memcpyable
+from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor, encode_meta, is_memcpyable
 from rendezvous.v1 import local_pb2 as lpb
 
 __all__ = ["LocalServicer", "SERVICE"]
@@ -193,14 +193,14 @@ class LocalServicer:
                 raise
             table.send(step_id, canonical, value, False)  # an aborted step drops (and frees) it
             return "shm", nbytes
-        value = decode_tensor(raw, *tensor)  # a view on the request bytes: no copy
+        # a view on the request bytes (no copy); its announced size is checked
+        # before typed fields are expanded (one value may announce any shape)
+        value = decode_tensor(raw, *tensor, max_bytes=self.config.max_tensor_bytes)
         table.send(step_id, canonical, value, False)
         return "inline", payload_nbytes(value)
 
     def _check_size(self, meta: TensorMeta) -> None:
-        limit = self.config.max_tensor_bytes
-        if meta.nbytes > limit:
-            raise ResourceExhausted(f"tensor of {meta.nbytes} bytes exceeds max_tensor_bytes ({limit})")
+        check_announced(meta, self.config.max_tensor_bytes)
 
     # -- Recv -----------------------------------------------------------------
 

@@ -195,6 +195,13 @@ class _Stream:
                 a, b = frame.chunk
                 if p.assembly.add(memoryview(buf)[a:b]):
                     self._finish(frame.call_id, p, Fetched(Received(p.assembly.result(), False), p.path))
+        except MemoryError:
+            # under max_tensor_bytes but more than this process can hold: that recv
+            # fails; the stream and every other recv on it go on
+            self.pending.pop(frame.call_id, None)
+            if not p.future.done():
+                p.future.set_exception(ResourceExhausted(
+                    f"out of memory for the tensor {self.client.describe()} announced for {p.key!r}"))
         except RendezvousError as exc:
             self.pending.pop(frame.call_id, None)
             if isinstance(exc, InvalidArgument):  # the reply, not the request, is wrong
