@@ -114,7 +114,7 @@ class Server:
         self.planes = Planes([InlinePlane(chunk_bytes=cfg.chunk_bytes, buffers=self.buffers,
                                           devices=self.devices, staging=self._staging, stats=self._stats)])
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
-                                           retry=self._retry)
+                                           retry=self._retry, max_waiting=cfg.max_waiting_calls)
         self._world = None  # rendezvous.mpi.world.MpiWorld when MPI is in use
         self._plane = None  # rendezvous.mpi.plane.MpiPlane once started
         self._engine = None

@@ -78,6 +78,10 @@ class Config:
     uvloop: bool = _knob(
         True, "RENDEZVOUS_UVLOOP",
         "Run the blocking Server's event loop on uvloop when it is installed.", parse=env_flag)
+    max_waiting_calls: int = _knob(
+        1 << 16, "RENDEZVOUS_MAX_WAITING_CALLS",
+        "Most recvs a server holds waiting for their tensors at once, from all peers (and, in rendezvousd, "
+        "as many again from its local clients); beyond that a recv fails with RESOURCE_EXHAUSTED.")
     max_tensor_bytes: int = _knob(
         64 << 30, "RENDEZVOUS_MAX_TENSOR_BYTES",
         "Largest tensor a peer's reply (or a local client) may announce; bigger ones fail with "

@@ -63,3 +63,30 @@ def test_long_keys_that_are_valid_are_served_but_not_cached():
             assert (await a.recv(k, step_id=1, timeout=10))[0] == 7
             assert all(len(raw) <= 1024 for raw in b.servicer._canonical)
     run(main())
+
+
+def test_waiting_recvs_are_bounded_per_server():
+    """200,000 waiting calls on one stream once took a daemon to 700 MB: beyond
+    max_waiting_calls a recv fails with RESOURCE_EXHAUSTED, the others wait on,
+    and a recv whose tensor is already there is still answered."""
+    import asyncio
+
+    from rendezvous.errors import ResourceExhausted
+
+    async def main():
+        async with cluster(2, max_waiting_calls=50) as (a, b):
+            def k(i):
+                return f"{PRODUCER};0000000000000001;{CONSUMER};w{i};0:0"
+            waits = [asyncio.ensure_future(a.recv(k(i), step_id=1, timeout=30)) for i in range(60)]
+            done, _ = await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_EXCEPTION)
+            refused = [w for w in waits if w.done() and isinstance(w.exception(), ResourceExhausted)]
+            assert len(refused) == 10, [w.exception() for w in waits if w.done()]
+            assert "max_waiting_calls" in str(refused[0].exception())
+            assert b.servicer.waiting_calls() == 50
+            b.send(k(1000), np.array([9]), step_id=1)  # produced already: answered at once
+            assert (await a.recv(k(1000), step_id=1, timeout=10))[0] == 9
+            for i in range(60):
+                b.send(k(i), np.array([i]), step_id=1)
+            served = [w for w in waits if w not in refused]
+            assert [int((await w)[0]) for w in served] == [i for i, w in enumerate(waits) if w not in refused]
+    run(main())

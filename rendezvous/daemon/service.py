@@ -216,6 +216,9 @@ class LocalServicer:
             key = parse_key(req.rendezvous_key)
             canonical = key.format()
             producer = key.src_task or self.server.task
+            if len(self.waits) >= self.config.max_waiting_calls:
+                raise ResourceExhausted(f"the daemon already holds {len(self.waits)} waiting local recvs "
+                                        "(max_waiting_calls); try again later")
             wait_id = self._next_wait = self._next_wait + 1
             self.waits[wait_id] = _Wait(canonical, req.step_id, str(producer), time.monotonic())
             timeout = req.timeout if req.timeout > 0 else None

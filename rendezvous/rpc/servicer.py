@@ -31,6 +31,7 @@ from rendezvous.errors import (
     Cancelled,
     FailedPrecondition,
     RendezvousError,
+    ResourceExhausted,
     Unavailable,
     to_status,
 )
@@ -56,8 +57,9 @@ class RecvTensorServicer:
     """Serves tensors from ``table`` to remote consumers, through ``planes``."""
 
     def __init__(self, table: WaitingTable, task: TaskName | None, *, stats: Stats,
-                 planes: Planes, retry: RetryCache) -> None:
+                 planes: Planes, retry: RetryCache, max_waiting: int = 1 << 16) -> None:
         self.table = table
+        self.max_waiting = max_waiting  # recvs held waiting at once, all streams and unary calls
         self.task = task
         self.stats = stats
         self.planes = planes
@@ -76,6 +78,17 @@ class RecvTensorServicer:
             grpc.method_handlers_generic_handler(SERVICE, {"RecvTensor": unary, "RecvTensorStream": stream}),
             grpc.method_handlers_generic_handler(TF_SERVICE, {"RecvTensor": unary}),
         ]
+
+    def waiting_calls(self) -> int:
+        """Recvs held waiting for their tensors (or a reply's preparation) now."""
+        return self._unary_active + sum(len(c.waiting) for c in self._streams)
+
+    def check_room(self) -> None:
+        """RESOURCE_EXHAUSTED if no more recvs may wait: what peers can make this
+        server hold is bounded (``max_waiting_calls``)."""
+        if self.waiting_calls() >= self.max_waiting:
+            raise ResourceExhausted(f"server {self.task} already holds {self.max_waiting} waiting recvs "
+                                    "(max_waiting_calls); try again later")
 
     def begin_drain(self) -> None:
         """From now on only tensors already produced (or answers already given)
@@ -162,6 +175,11 @@ class RecvTensorServicer:
     # -- unary --------------------------------------------------------------
 
     async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            self.check_room()
+        except RendezvousError as exc:
+            self.stats.error(Path.GRPC)
+            await context.abort(exc.code, exc.message)
         self._unary_active += 1
         try:
             return await self._unary_call(request, context)
@@ -330,8 +348,13 @@ class _StreamConn:
                 return
             if taken is not None:  # produced already: answer without a task
                 self._reply(call_id, req, *taken)
-            else:
-                self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
+                return
+            try:
+                self.s.check_room()
+            except RendezvousError as exc:
+                self._reply_error(call_id, req, exc)
+                return
+            self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
         elif kind == "cancel":
             self._cancel(call_id)
         else:
