@@ -11,7 +11,7 @@ from rendezvous import keys
 from rendezvous.errors import InvalidKey
 from rendezvous.v1 import rendezvous_pb2 as pb
 
-from conftest import cluster, run
+from conftest import cluster, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +78,8 @@ def test_waiting_recvs_are_bounded_per_server():
             def k(i):
                 return f"{PRODUCER};0000000000000001;{CONSUMER};w{i};0:0"
             waits = [asyncio.ensure_future(a.recv(k(i), step_id=1, timeout=30)) for i in range(60)]
-            done, _ = await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_EXCEPTION)
+            await until(lambda: sum(w.done() for w in waits) >= 10 and b.servicer.waiting_calls() == 50,
+                        what="the recvs over the limit to be refused")
             refused = [w for w in waits if w.done() and isinstance(w.exception(), ResourceExhausted)]
             assert len(refused) == 10, [w.exception() for w in waits if w.done()]
             assert "max_waiting_calls" in str(refused[0].exception())
