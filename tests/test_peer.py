@@ -601,3 +601,24 @@ def test_a_reply_too_large_for_memory_fails_that_recv_only(monkeypatch):
             assert (await small).item.value.tolist() == [2]
             assert client._stream is not None and client._stream.alive
     run(main(), 20)
+
+
+def test_a_reply_arriving_in_the_same_turn_as_the_deadline_is_kept():
+    """The reply resolved the recv's future just as its deadline cancelled it:
+    the recv raised DeadlineExceeded and the tensor was lost."""
+    async def main():
+        kept = []
+        async with scripted(on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=5, timeout=10))
+            (req,) = await side.recvs(1)
+            stream = client._stream
+            await until(lambda: req.call_id in stream.pending, what="the call to be pending")
+            # the reply completes the future, and in the same turn the recv is cancelled
+            stream._dispatch(reply(req.call_id, np.array([42]))[0])
+            r.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await r
+            (step, k, fetched), = kept
+            assert (step, k) == (5, K1) and fetched.item.value.tolist() == [42]
+    run(main(), 20)

@@ -333,7 +333,13 @@ class PeerClient:
                         log.info("re-sending recv of %s to %s (attempt %d)", key, self.describe(), attempts)
                         await asyncio.sleep(min(1.0, 0.05 * 2 ** attempts))  # a restarting peer gets a moment
                     except BaseException:
-                        stream.cancel(call_id)
+                        fut = pending.future
+                        if fut.done() and not fut.cancelled() and fut.exception() is None:
+                            # The tensor arrived in the same turn as the deadline (or the
+                            # cancel): this recv gives up, but the tensor is kept.
+                            self.unclaimed(step_id, key, fut.result())
+                        else:
+                            stream.cancel(call_id)
                         raise
         except TimeoutError:
             raise DeadlineExceeded(
