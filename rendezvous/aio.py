@@ -267,6 +267,7 @@ class Server:
             await asyncio.get_running_loop().run_in_executor(None, engine.stop, grace or 5.0)
             atexit.unregister(engine.stop)
         self.planes.close()
+        self._retry.close()
         self._state = State.STOPPED
         if self._stopped is not None:
             self._stopped.set()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = ["TokenInterceptor", "token_metadata", "load_token", "server_credentia
 
 log = logging.getLogger("rendezvous.daemon")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_REFUSAL_LOG_INTERVAL_S = 10.0
 _HEADER = "authorization"
 
 
@@ -111,6 +113,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self._expected = _bearer(token).encode()
         self._exempt = exempt
         self._on_reject = on_reject
+        self._refused = 0
+        self._quiet_until = 0.0
 
     def _accepts(self, metadata: Any) -> bool:
         for key, value in metadata or ():
@@ -123,7 +127,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self._exempt) or self._accepts(details.invocation_metadata):
             return handler
-        log.warning("refused %s: missing or wrong token", details.method)
+        self._refused += 1
+        now = time.monotonic()
+        if now >= self._quiet_until:  # one line per interval, however many are refused
+            log.warning("refused %s: missing or wrong token (%d refused since the last report)",
+                        details.method, self._refused)
+            self._refused = 0
+            self._quiet_until = now + _REFUSAL_LOG_INTERVAL_S
         if self._on_reject is not None:
             self._on_reject(details.method)
         return _refusal(handler)

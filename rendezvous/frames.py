@@ -298,6 +298,8 @@ def parse_stream_frame(buf: bytes, start: int = 0, end: int | None = None) -> St
                 status = pb.Status.FromString(bytes(buf[a:b]))
             except DecodeError:
                 raise InvalidArgument("stream frame with a malformed status") from None
+            if status.code == 0:
+                raise InvalidArgument("stream frame carries an error whose status is OK")
             frame.error = from_status(status.code, status.message)
     if frame.call_id < 0:
         raise InvalidArgument("stream frame without call_id")

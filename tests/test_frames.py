@@ -570,3 +570,10 @@ def test_prime_allocator_is_idempotent_per_size(monkeypatch):
     assert frames._primed == 8 * 1024
     frames.prime_allocator(1 << 30)  # capped below glibc's adaptive threshold limit
     assert frames._primed == (32 << 20) - (64 << 10)
+
+
+def test_an_error_frame_whose_status_is_ok_is_malformed():
+    """It once became an error whose code is OK."""
+    raw = pb.StreamResponse(call_id=3, error=pb.Status(code=0, message="fine?")).SerializeToString()
+    with pytest.raises(InvalidArgument, match="status is OK"):
+        frames.parse_stream_frame(raw)

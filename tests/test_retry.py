@@ -67,3 +67,26 @@ def test_cancelled_sole_caller_withdraws_the_take():
         table.send(4, "k", np.array([5]))
         assert (await cache.run(4, 9, lambda: table.recv(4, "k"))).value[0] == 5
     run(main())
+
+
+def test_an_idle_cache_releases_answers_when_their_window_ends():
+    """Served tensors were released only when the next request arrived: an idle
+    producer held them (up to retry_cache_bytes) for good."""
+    import asyncio
+
+    import numpy as np
+
+    from rendezvous.table import Received
+
+    async def main():
+        cache = RetryCache(window=0.05, max_bytes=1 << 30)
+        loop = asyncio.get_running_loop()
+        cache.record(1, 7, Received(np.ones(1024), False), "k")
+        assert cache.has(7)
+        end = loop.time() + 5
+        while cache.has(7) and loop.time() < end:  # no request comes: the timer releases it
+            await asyncio.sleep(0.01)
+        assert not cache.has(7) and cache.known(7)  # released, and a late retry still refused
+        cache.close()
+
+    asyncio.run(main())

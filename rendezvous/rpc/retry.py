@@ -45,6 +45,7 @@ class RetryCache:
         self._done: OrderedDict[int, _Entry] = OrderedDict()  # completed, oldest first
         self._done_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()  # ids whose answers were released
+        self._timer: asyncio.TimerHandle | None = None  # releases answers when their window ends
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -134,6 +135,27 @@ class RetryCache:
         self._done[request_id] = entry
         self._done_bytes += entry.nbytes
         self._expire(entry.done_at)
+        self._arm()
+
+    def _arm(self) -> None:
+        """Release the oldest answer when its window ends, even if no request
+        comes (an idle producer must not hold served tensors beyond the window)."""
+        if self._timer is not None or not self._done:
+            return
+        oldest = next(iter(self._done.values()))
+        delay = max(0.0, oldest.done_at + self.window - time.monotonic())  # type: ignore[operator]
+        self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._expire(time.monotonic())
+        self._arm()
+
+    def close(self) -> None:
+        """Stop the release timer (the server is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _expire(self, now: float) -> None:
         while self._done:
