@@ -599,3 +599,32 @@ def test_get_command_sends_the_token_and_speaks_tls(sockdir, pki, capsys):
             assert await asyncio.to_thread(get, d0.target, "t", "--tls-cert", cert) == 1
             assert "go together" in capsys.readouterr().err
     run(main())
+
+
+def test_a_client_cannot_hand_over_another_clients_segment(sockdir):
+    """A send naming a segment of another session was once taken (mapped and
+    unlinked) by the daemon: the other client's bytes became this one's tensor."""
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            await a.connect()
+            await b.connect()
+            value = np.arange(1 << 16, dtype=np.float64)
+            name, nbytes = shm.write(a._prefix, value)  # a's segment, not yet sent
+            try:
+                meta = tpb.TensorProto(dtype=2)
+                meta.tensor_shape.dim.add(size=value.size)
+                for client_id in (b.client_id, "", "0123456789ab"):
+                    raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "stolen"), tensor=meta,
+                                          shm=lpb.ShmSegment(name=name, nbytes=nbytes), client_id=client_id)
+                    with pytest.raises(errors.InvalidArgument, match="not one of this client's session"):
+                        await b._call("Send", raw.SerializeToString(), timeout=10)
+                    assert shm.listed(a._prefix) == [name]  # untouched: still a's to send
+                assert not d.server.pending()
+                # its owner may send it
+                raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "mine"), tensor=meta,
+                                      shm=lpb.ShmSegment(name=name, nbytes=nbytes), client_id=a.client_id)
+                await a._call("Send", raw.SerializeToString(), timeout=10)
+                np.testing.assert_array_equal(await b.recv(key(0, 0, "mine"), step_id=1, timeout=10), value)
+            finally:
+                shm.discard(name)
+    run(main())

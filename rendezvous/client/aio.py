@@ -120,9 +120,11 @@ class Client:
         nbytes = getattr(tensor, "nbytes", 0) if not is_dead else 0
         if self._prefix and nbytes >= _OFF_LOOP_BYTES:
             prepared: Prepared = await asyncio.get_running_loop().run_in_executor(
-                None, prepare_send, key, tensor, step_id, is_dead, self._prefix, self.shm_threshold)
+                None, prepare_send, key, tensor, step_id, is_dead, self._prefix, self.shm_threshold,
+                self.client_id)
         else:
-            prepared = prepare_send(key, tensor, step_id, is_dead, self._prefix, self.shm_threshold)
+            prepared = prepare_send(key, tensor, step_id, is_dead, self._prefix, self.shm_threshold,
+                                    self.client_id)
         try:
             await self._call("Send", prepared.body)
         except BaseException:

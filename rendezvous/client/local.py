@@ -101,9 +101,9 @@ class Prepared(NamedTuple):
 
 
 def prepare_send(key: Key | str, tensor: Any, step_id: int, is_dead: bool, prefix: str | None,
-                 threshold: int) -> Prepared:
+                 threshold: int, client_id: str) -> Prepared:
     """The SendRequest bytes; a tensor of at least ``threshold`` bytes is written
-    to shared memory first (``prefix``: the session's)."""
+    to shared memory first (``prefix`` and ``client_id``: the session's)."""
     k = as_key(key).format().encode()
     head = wire.varint_field(F.SEND_STEP_ID, step_id) + wire.len_field_header(F.SEND_KEY, len(k)) + k
     if is_dead:
@@ -115,8 +115,10 @@ def prepare_send(key: Key | str, tensor: Any, step_id: int, is_dead: bool, prefi
         meta = encode_meta(TensorMeta(arr.dtype, arr.shape))
         seg = wire.len_field_header(F.SEGMENT_NAME, len(name)) + name.encode() + \
             wire.varint_field(F.SEGMENT_NBYTES, nbytes)
+        who = client_id.encode()
         return Prepared(b"".join([head, wire.len_field_header(F.SEND_TENSOR, len(meta)), meta,
-                                  wire.len_field_header(F.SEND_SHM, len(seg)), seg]), name, "shm", nbytes)
+                                  wire.len_field_header(F.SEND_SHM, len(seg)), seg,
+                                  wire.len_field_header(F.SEND_CLIENT_ID, len(who)), who]), name, "shm", nbytes)
     header, payload = encode_header(arr)
     size = len(header) + (len(payload) if payload is not None else 0)
     parts = [head, wire.len_field_header(F.SEND_TENSOR, size), header]
@@ -222,7 +224,8 @@ class Client:
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key`` (whose producer is the daemon's task).
         Returns once the daemon holds it; the caller may then reuse its array."""
-        prepared = prepare_send(key, tensor, step_id, is_dead, self._prefix, self.shm_threshold)
+        prepared = prepare_send(key, tensor, step_id, is_dead, self._prefix, self.shm_threshold,
+                                self.client_id)
         try:
             self._call("Send", prepared.body)
         except BaseException:

@@ -148,7 +148,7 @@ class LocalServicer:
         return b""
 
     async def _do_send(self, raw: bytes) -> tuple[str, int]:
-        step_id, key, tensor, is_dead, segment = 0, "", None, False, None
+        step_id, key, tensor, is_dead, segment, client_id = 0, "", None, False, None, ""
         for num, wt, a, b in wire.iter_fields(raw):
             if num == F.SEND_STEP_ID and wt == wire.VARINT:
                 step_id = wire.to_signed64(a)
@@ -160,6 +160,14 @@ class LocalServicer:
                 is_dead = bool(a)
             elif num == F.SEND_SHM and wt == wire.LEN:
                 segment = _segment(raw, a, b)
+            elif num == F.SEND_CLIENT_ID and wt == wire.LEN:
+                client_id = _text(raw, a, b, "client_id")
+        if segment is not None:
+            session = self.sessions.get(client_id) if client_id else None
+            if session is None or not segment[0].startswith(session.prefix):
+                # never touched: it is not this sender's to hand over (or to remove)
+                raise InvalidArgument(f"segment {segment[0]!r} is not one of this client's session "
+                                      "(a shared-memory send names a segment its own session wrote)")
         if segment is not None and (is_dead or tensor is None):
             shm.discard(segment[0])
             raise InvalidArgument("a shared-memory send needs the tensor's dtype and shape, and is never dead")

@@ -16,18 +16,20 @@ class ShmSegment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("step_id", "rendezvous_key", "tensor", "is_dead", "shm")
+    __slots__ = ("step_id", "rendezvous_key", "tensor", "is_dead", "shm", "client_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_DEAD_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rendezvous_key: str
     tensor: _tensor_pb2.TensorProto
     is_dead: bool
     shm: ShmSegment
-    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
+    client_id: str
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class SendResponse(_message.Message):
     __slots__ = ()
