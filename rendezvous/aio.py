@@ -151,7 +151,7 @@ class Server:
         # process-wide allocator setting, applied by the server that needs it).
         frames.prime_allocator(self.config.chunk_bytes)
         server = grpc.aio.server(interceptors=setup.interceptors or None,
-                                 options=server_options(self.config.max_request_bytes))
+                                 options=server_options(self.config.max_request_bytes, self.config.keepalive_time))
         server.add_generic_rpc_handlers(self.servicer.handlers())
         for add_service in setup.services:
             add_service(server)

@@ -78,6 +78,14 @@ class Config:
     uvloop: bool = _knob(
         True, "RENDEZVOUS_UVLOOP",
         "Run the blocking Server's event loop on uvloop when it is installed.", parse=env_flag)
+    keepalive_time: float = _knob(
+        20.0, "RENDEZVOUS_KEEPALIVE_TIME",
+        "Seconds between HTTP/2 pings on an idle connection to a peer, so that a peer that went silent (hung, "
+        "its host or link gone) is noticed even by recvs without a deadline; 0: never ping.")
+    keepalive_timeout: float = _knob(
+        10.0, "RENDEZVOUS_KEEPALIVE_TIMEOUT",
+        "Seconds a ping may go unanswered before the connection counts as dead: its recvs are re-sent, "
+        "then fail with UNAVAILABLE.")
     max_waiting_calls: int = _knob(
         1 << 16, "RENDEZVOUS_MAX_WAITING_CALLS",
         "Most recvs a server holds waiting for their tensors at once, from all peers (and, in rendezvousd, "
@@ -208,7 +216,7 @@ class Config:
             raise InvalidArgument("need gpu_staging_chunk_bytes >= 4096 and gpu_staging_depth >= 1")
         if self.chunk_bytes < 1024:
             raise InvalidArgument(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
-        for name in ("connect_timeout", "retry_window"):
+        for name in ("connect_timeout", "retry_window", "keepalive_time", "keepalive_timeout"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative")
         self._validate_daemon()

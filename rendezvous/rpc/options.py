@@ -17,21 +17,33 @@ STREAM_METHOD = f"/{SERVICE}/RecvTensorStream"
 MAX_GRPC_MESSAGE = (1 << 31) - 1
 
 
-def server_options(max_receive_bytes: int) -> list[tuple[str, Any]]:
+def server_options(max_receive_bytes: int, keepalive_time: float = 0.0) -> list[tuple[str, Any]]:
     """Options of every gRPC server we run: requests up to ``max_receive_bytes``,
-    replies of any size, and a port that no other process may share."""
-    return [
+    replies of any size, a port that no other process may share, and peers'
+    keepalive pings accepted as often as every ``keepalive_time`` seconds (a
+    server refuses pings more frequent than it allows by closing the
+    connection)."""
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", min(max_receive_bytes, MAX_GRPC_MESSAGE)),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),
     ]
+    if keepalive_time > 0:
+        options += [
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive_time * 1000 / 2)),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    return options
 
 
-def peer_channel_options() -> list[tuple[str, Any]]:
+def peer_channel_options(keepalive_time: float = 0.0, keepalive_timeout: float = 10.0) -> list[tuple[str, Any]]:
     """A rank's channel to another rank: replies of any size, no transparent
-    retries (a recv is re-sent by the peer client, with its request_id), and
-    quick reconnects while the job's ranks come up at different times."""
-    return [
+    retries (a recv is re-sent by the peer client, with its request_id), quick
+    reconnects while the job's ranks come up at different times, and a ping
+    every ``keepalive_time`` seconds that must be answered within
+    ``keepalive_timeout`` (0: no pings), so a silent peer is noticed."""
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", -1),
         ("grpc.max_send_message_length", -1),
         ("grpc.initial_reconnect_backoff_ms", 50),
@@ -39,6 +51,16 @@ def peer_channel_options() -> list[tuple[str, Any]]:
         ("grpc.max_reconnect_backoff_ms", 1000),
         ("grpc.enable_retries", 0),
     ]
+    if keepalive_time > 0:
+        options += [
+            ("grpc.keepalive_time_ms", int(keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", int(keepalive_timeout * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # gRPC's core also times every ping out on its own (a minute by default)
+            ("grpc.http2.ping_timeout_ms", int(keepalive_timeout * 1000)),
+        ]
+    return options
 
 
 def local_channel_options() -> list[tuple[str, Any]]:

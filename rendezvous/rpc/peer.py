@@ -295,6 +295,9 @@ class PeerClient:
     def describe(self) -> str:
         return f"task {self.task} at {self.address}"
 
+    def _channel_options(self) -> list[tuple[str, Any]]:
+        return peer_channel_options(self.config.keepalive_time, self.config.keepalive_timeout)
+
     def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived for a recv that had given up."""
         if self._on_unclaimed is not None:
@@ -357,9 +360,9 @@ class PeerClient:
             if self._channel is None:
                 if self._credentials is not None:
                     self._channel = grpc.aio.secure_channel(self.address, self._credentials,
-                                                            options=peer_channel_options())
+                                                            options=self._channel_options())
                 else:
-                    self._channel = grpc.aio.insecure_channel(self.address, options=peer_channel_options())
+                    self._channel = grpc.aio.insecure_channel(self.address, options=self._channel_options())
             first = not self._connected_once
             if first:
                 loop = asyncio.get_running_loop()
