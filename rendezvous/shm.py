@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
-__all__ = ["available", "new_prefix", "write", "take", "discard", "sweep", "sweep_dead", "listed", "live_mappings", "NAME_RE", "SHM_DIR"]
+__all__ = ["available", "new_prefix", "write", "take", "read", "discard", "sweep", "sweep_dead", "listed", "live_mappings", "NAME_RE", "SHM_DIR"]
 
 try:
     import _posixshmem  # CPython's own binding of shm_open/shm_unlink (POSIX only)
@@ -143,6 +143,40 @@ def take(name: str, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarr
         os.close(fd)
     _mapped(mm)
     return np.frombuffer(mm, dtype=dt, count=count).reshape(shape)
+
+
+def read(name: str, nbytes: int, dest: np.ndarray) -> np.ndarray:
+    """Copy segment ``name`` into ``dest`` (``nbytes`` bytes, C-contiguous) with
+    read calls, unlink its name, and return ``dest``.
+
+    What a daemon uses for a client's segment: the client can still truncate a
+    segment after handing it over, and a mapping of it would then fault (SIGBUS
+    kills the whole process) on the next access. A read of a truncated file is
+    only short: that send fails with InvalidArgument and nothing else happens.
+    NotFound and InvalidArgument as for :func:`take`."""
+    if _posixshmem is None:
+        raise FailedPrecondition("this platform has no POSIX shared memory")
+    if not NAME_RE.match(name):
+        raise InvalidArgument(f"{name!r} is not a rendezvous shared-memory segment name")
+    if nbytes <= 0 or dest.nbytes != nbytes:
+        raise InvalidArgument(f"segment {name}: {nbytes} bytes announced for a {dest.nbytes}-byte tensor")
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
+    except FileNotFoundError:
+        raise NotFound(f"shared-memory segment {name} does not exist (already taken, or swept)") from None
+    try:
+        _unlink(name)
+        view = memoryview(dest.reshape(-1).view(np.uint8))
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], done)
+            if n <= 0:
+                raise InvalidArgument(f"segment {name} holds {done} bytes, {nbytes} announced "
+                                      "(it was truncated)")
+            done += n
+    finally:
+        os.close(fd)
+    return dest
 
 
 def discard(name: str) -> bool:

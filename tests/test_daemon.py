@@ -173,8 +173,11 @@ def test_abort_fails_waiters_and_frees_shared_memory(sockdir):
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
             base = shm.live_mappings()
             await a.send(key(0, 0, "big"), np.ones(1 << 20, np.float32), step_id=5)
-            assert shm.live_mappings() == base + 1  # the daemon maps the client's segment
-            assert shm.listed(a._prefix) == []  # and its name is already gone
+            # the daemon read the client's segment into its own memory: it maps none
+            # of a client's segments (a truncated one would fault), and the name is gone
+            assert shm.live_mappings() == base
+            assert shm.listed(a._prefix) == []
+            assert d.server.table.stats()["tensors"] == 1
             waiter = asyncio.create_task(b.recv(key(0, 0, "other"), step_id=5, timeout=10))
             await until(lambda: d.server.table.stats()["waiters"] == 1, what="the recv waiting")
             await a.abort(5, "stop step 5")
@@ -183,7 +186,8 @@ def test_abort_fails_waiters_and_frees_shared_memory(sockdir):
             with pytest.raises(errors.Aborted):
                 await a.send(key(0, 0, "late"), np.ones(1 << 20, np.float32), step_id=5)
             gc.collect()
-            assert shm.live_mappings() == base, "an aborted step's tensor still maps its segment"
+            assert d.server.table.stats()["tensors"] == 0, "an aborted step's tensor is still held"
+            assert shm.live_mappings() == base
             # consumption frees it too (local consumers are not kept for retries)
             await a.send(key(0, 0, "eaten"), np.ones(1 << 20, np.float32), step_id=6)
             got = await b.recv(key(0, 0, "eaten"), step_id=6, timeout=5)
@@ -627,4 +631,49 @@ def test_a_client_cannot_hand_over_another_clients_segment(sockdir):
                 np.testing.assert_array_equal(await b.recv(key(0, 0, "mine"), step_id=1, timeout=10), value)
             finally:
                 shm.discard(name)
+    run(main())
+
+
+def test_a_client_truncating_its_segment_after_the_send_cannot_crash_the_daemon(sockdir):
+    """The daemon once mapped a client's segment: truncating it after the hand-off
+    made the next access to the tensor fault (SIGBUS) and killed the daemon.
+    Now the daemon reads the segment into its own memory."""
+    import mmap
+    import os
+
+    from rendezvous.shm import _posixshmem
+
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            await a.connect()
+            value = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+            name = f"{a._prefix}999"
+            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, value.nbytes)
+                with mmap.mmap(fd, value.nbytes) as mm:
+                    np.frombuffer(mm, np.float32)[:] = value
+                meta = tpb.TensorProto(dtype=1)
+                meta.tensor_shape.dim.add(size=value.size)
+                raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "cut"), tensor=meta,
+                                      shm=lpb.ShmSegment(name=name, nbytes=value.nbytes), client_id=a.client_id)
+                await a._call("Send", raw.SerializeToString(), timeout=10)
+                os.ftruncate(fd, 0)  # the client's mistake, or malice, after the hand-off
+            finally:
+                os.close(fd)
+                shm.discard(name)
+            got = await b.recv(key(0, 0, "cut"), step_id=1, timeout=10)  # the daemon reads its copy
+            np.testing.assert_array_equal(got, value)
+            # a segment truncated *before* the daemon reads it fails that send only
+            name2, nbytes2 = shm.write(a._prefix, value)
+            fd = _posixshmem.shm_open("/" + name2, os.O_RDWR, 0)
+            os.ftruncate(fd, 100)
+            os.close(fd)
+            raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "short"), tensor=meta,
+                                  shm=lpb.ShmSegment(name=name2, nbytes=nbytes2), client_id=a.client_id)
+            with pytest.raises(errors.InvalidArgument, match="truncated"):
+                await a._call("Send", raw.SerializeToString(), timeout=10)
+            assert shm.listed(a._prefix) == []
+            await a.send(key(0, 0, "after"), value)  # the daemon goes on serving
+            np.testing.assert_array_equal(await b.recv(key(0, 0, "after"), step_id=0, timeout=10), value)
     run(main())

@@ -195,7 +195,16 @@ class LocalServicer:
             try:
                 meta, _, _ = decode_meta(raw, *tensor)
                 self._check_size(meta)
-                value = shm.take(name, nbytes, meta.dtype, meta.shape)
+                if meta.nbytes != nbytes:
+                    raise InvalidArgument(f"segment {name}: {nbytes} bytes announced, dtype {meta.dtype} and "
+                                          f"shape {meta.shape} need {meta.nbytes}")
+                # Read, not mapped: the client could truncate its segment later, and a
+                # mapping of it would then fault and kill the daemon (one copy).
+                dest = self.server.buffers.empty(meta.shape, meta.dtype)
+                if nbytes >= _OFF_LOOP_BYTES:
+                    value = await asyncio.get_running_loop().run_in_executor(None, shm.read, name, nbytes, dest)
+                else:
+                    value = shm.read(name, nbytes, dest)
             except BaseException:
                 shm.discard(name)
                 raise
