@@ -602,3 +602,27 @@ def test_gpu_tensor_is_copied_to_the_host_and_served():
             assert h.stats.gpu_snapshot()["to_host"] == 1
             assert h.stats.snapshot()["grpc"]["served_bytes"] == host.nbytes
     run(main(), 20)
+
+
+def test_a_reply_cut_off_by_the_streams_end_goes_back_to_the_table():
+    """The consumer's stream broke (it died, or its connection did) after the
+    first frames of a chunked reply: the tensor was lost. Now it goes back to the
+    table, and its request_id is forgotten, so the recv re-sent on a new stream
+    takes it exactly once."""
+    async def main():
+        async with serving(chunk_bytes=256 << 10) as h:
+            # 128 frames: more than gRPC's flow-control window lets through unread
+            value = np.arange(8 << 20, dtype=np.float32)
+            h.table.send(1, K("cut"), value)
+            s = h.stream()
+            await s.send(recv(1, K("cut"), request_id=77))
+            first = await s.read()
+            assert first and first[0].head is not None  # the reply has started
+            s.call.cancel()  # the consumer goes away mid-reply
+            await until(lambda: len(h.table) == 1, what="the cut-off tensor to go back")
+            assert _tensors(h.table) == {K("cut"): 1}
+            again = h.stream()  # the consumer's re-sent recv, same request_id
+            await again.send(recv(1, K("cut"), request_id=77))
+            np.testing.assert_array_equal(await again.value(1), value)
+            assert len(h.table) == 0
+    run(main(), 20)

@@ -283,6 +283,7 @@ class _StreamConn:
         self.context = context
         self.waiting: dict[int, asyncio.Task] = {}
         self.replies: dict[int, _Outgoing] = {}
+        self.flushing: dict[int, _Outgoing] = {}  # replies whose last frame is being written
         self.ready: collections.deque[int] = collections.deque()
         self.wakeup = asyncio.Event()
         self.reader_done = False
@@ -302,11 +303,16 @@ class _StreamConn:
             reader.cancel()
             for task in self.waiting.values():
                 task.cancel()
-            # Replies never started go back to the table: nothing produced is lost.
-            for reply in self.replies.values():
-                if not reply.started and reply.item is not None:
+            # Replies whose last frame was not written (never started, or cut off
+            # by the stream's end) go back to the table, and their request ids are
+            # forgotten, so a re-sent request takes the tensor once: nothing
+            # produced is lost or delivered twice. Committed replies' bytes travel
+            # another way and were delivered by their one frame.
+            for reply in (*self.replies.values(), *self.flushing.values()):
+                if reply.item is not None and not reply.committed:
                     self.s.put_back(reply.req, reply.key, reply.item)
             self.replies.clear()
+            self.flushing.clear()
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
         try:
@@ -466,6 +472,7 @@ class _StreamConn:
             reply.next_frame = next(reply.frames, None)
             if reply.next_frame is None:
                 del self.replies[call_id]
+                self.flushing[call_id] = reply  # done once the write of this message returns
             else:
                 self.ready.append(call_id)
             batch.append(frame)
@@ -485,6 +492,7 @@ class _StreamConn:
                     await self.context.write(message)
                 finally:
                     self.writing = False
+                self.flushing.clear()
                 continue
             if (self.reader_done or self.closing) and not self.waiting and not self.replies:
                 return
