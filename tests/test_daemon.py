@@ -10,6 +10,7 @@ import gc
 import ipaddress
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -54,10 +55,13 @@ def sockdir():
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments():
-    before = set(shm.listed())
+    # Only this process's segments (its clients' sessions): another test run or a
+    # benchmark on the machine has segments of its own.
+    mine = f"rdv-{os.getpid()}-"
+    before = set(shm.listed(mine))
     yield
     gc.collect()
-    leaked = set(shm.listed()) - before
+    leaked = set(shm.listed(mine)) - before
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
 
 
@@ -639,7 +643,6 @@ def test_a_client_truncating_its_segment_after_the_send_cannot_crash_the_daemon(
     made the next access to the tensor fault (SIGBUS) and killed the daemon.
     Now the daemon reads the segment into its own memory."""
     import mmap
-    import os
 
     from rendezvous.shm import _posixshmem
 
