@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-loopback test protos bench clean
+.PHONY: all venv demo demo-loopback test soak protos bench clean
 
 all: test
 
@@ -37,6 +37,13 @@ bench: $(BENCH_STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+SOAK_OPS ?= 100000
+
+# The long reliability run (RELIABILITY.md): SOAK_OPS transfers through two
+# daemons with deadlines racing replies and hostile requests mixed in.
+soak: $(STAMP)
+	RENDEZVOUS_SOAK_OPS=$(SOAK_OPS) $(BIN)/python -m pytest -q -s -p no:randomly tests/test_soak.py
 
 protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py
