@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from .config import Protocol
+from .config import Config, Protocol
 
 __all__ = ["main"]
 
@@ -139,8 +139,6 @@ def daemon_main(argv: list[str] | None = None) -> int:
 def _load_config(args: argparse.Namespace):
     import dataclasses
 
-    from .config import Config
-
     overrides = {field: getattr(args, dest) for dest, field in _FLAG_FIELDS.items()
                  if getattr(args, dest, None) is not None}
     file = args.config or os.environ.get("RENDEZVOUS_CONFIG") or None
@@ -251,11 +249,16 @@ def _get(args: argparse.Namespace) -> int:
     if args.text:
         print(text_format.MessageToString(pb.RecvTensorResponse.FromString(raw)), end="")
         return 0
-    head = frames.parse_response(raw)
-    if head.is_dead:
-        print("dead tensor (the producer's branch did not run)")
-        return 0
-    value = frames.decode_inline(raw, head.tensor) if head.tensor else None
+    try:
+        head = frames.parse_response(raw)
+        if head.is_dead:
+            print("dead tensor (the producer's branch did not run)")
+            return 0
+        limit = Config.load().max_tensor_bytes  # what the server announces is checked first
+        value = frames.decode_inline(raw, head.tensor, max_bytes=limit) if head.tensor else None
+    except RendezvousError as exc:
+        print(f"rendezvous get: malformed reply: {exc.code.name}: {exc.message}", file=sys.stderr)
+        return 1
     if not isinstance(value, np.ndarray):
         print("rendezvous get: reply carries no tensor", file=sys.stderr)
         return 1

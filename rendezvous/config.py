@@ -13,6 +13,7 @@ first character ``1`` means on, anything else off.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -216,6 +217,10 @@ class Config:
             raise InvalidArgument("need gpu_staging_chunk_bytes >= 4096 and gpu_staging_depth >= 1")
         if self.chunk_bytes < 1024:
             raise InvalidArgument(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidArgument(f"{f.name} must be a finite number of seconds, got {value}")
         for name in ("connect_timeout", "retry_window", "keepalive_time", "keepalive_timeout"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative")
@@ -261,8 +266,8 @@ def _read_toml(path: "str | os.PathLike[str]") -> dict[str, Any]:
             data = tomllib.load(fh)
     except OSError as exc:
         raise InvalidArgument(f"cannot read config file {where!r}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidArgument(f"config file {where!r} is not TOML: {exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"config file {where!r} is not TOML (UTF-8): {exc}") from None
     out: dict[str, Any] = {}
     for name, value in data.items():
         f = _FIELDS.get(name)
@@ -283,7 +288,12 @@ def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
             return value
     elif isinstance(value, int):
         if wanted.startswith(("int", "float")):
-            return float(value) if wanted.startswith("float") else value
+            if not wanted.startswith("float"):
+                return value
+            try:
+                return float(value)
+            except OverflowError:
+                raise InvalidArgument(f"{where}: {value} is too large for a number of seconds") from None
     elif isinstance(value, float):
         if wanted.startswith("float"):
             return value

@@ -29,7 +29,7 @@ from . import wire
 from .buffers import RecvBuffers
 from .errors import InvalidArgument, RendezvousError, from_status
 from .table import Received
-from .tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, is_memcpyable
+from .tensors import TensorMeta, check_announced, decode_meta, decode_tensor, encode_meta, is_memcpyable
 from .v1 import rendezvous_pb2 as pb
 
 __all__ = [
@@ -314,7 +314,13 @@ class Assembly:
     def __init__(self, meta: TensorMeta, first: memoryview, buffers: RecvBuffers | None = None) -> None:
         self.meta = meta
         # from the receive cache: a large one is reused once dropped
-        self.dest = buffers.empty(meta.nbytes, np.uint8) if buffers is not None else np.empty(meta.nbytes, np.uint8)
+        try:
+            self.dest = buffers.empty(meta.nbytes, np.uint8) if buffers is not None \
+                else np.empty(meta.nbytes, np.uint8)
+        except MemoryError:
+            from .errors import ResourceExhausted
+
+            raise ResourceExhausted(f"cannot allocate the {meta.nbytes} bytes a reply announces") from None
         self.filled = 0
         self.add(first)
 
@@ -333,13 +339,18 @@ class Assembly:
 
 
 def decode_inline(buf: bytes, span: tuple[int, int], decoded: tuple[TensorMeta, int, int] | None = None,
-                  buffers: RecvBuffers | None = None) -> np.ndarray | Assembly:
+                  buffers: RecvBuffers | None = None, max_bytes: int | None = None) -> np.ndarray | Assembly:
     """A whole tensor (a view on ``buf``) or, if only its first part is here, an
     Assembly (its destination from ``buffers`` when given).
 
-    ``decoded`` is ``decode_meta(buf, *span)`` when the caller has it already."""
+    ``decoded`` is ``decode_meta(buf, *span)`` when the caller has it already
+    (and has checked its size); otherwise a tensor announcing more than
+    ``max_bytes`` is ResourceExhausted before anything is allocated."""
     start, end = span
-    meta, cs, ce = decoded if decoded is not None else decode_meta(buf, start, end)
+    if decoded is None:
+        decoded = decode_meta(buf, start, end)
+        check_announced(decoded[0], max_bytes)
+    meta, cs, ce = decoded
     memcpyable = is_memcpyable_meta(meta)
     if memcpyable and ce > cs and ce - cs == meta.nbytes:
         # the whole content is here: a view on the message, nothing parsed twice

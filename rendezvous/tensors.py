@@ -379,6 +379,13 @@ def _checked_meta(dtype_value: int, dims: list[int], unknown_rank: bool) -> Tens
         n *= d
     if n > _INT64_MAX:
         raise InvalidArgument(f"tensor_shape {dims} has more than 2**63-1 elements")
+    # numpy refuses a shape whose non-zero dimensions multiply past its index
+    # range even when another dimension is 0 (an empty tensor)
+    extent = dtype.itemsize or 1
+    for d in dims:
+        extent *= d or 1
+    if extent > _INT64_MAX:
+        raise InvalidArgument(f"tensor_shape {dims} of {dtype} is larger than any array can be")
     return TensorMeta(dtype, tuple(dims))
 
 

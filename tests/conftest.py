@@ -4,8 +4,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from hypothesis import HealthCheck, settings
+
 from rendezvous import aio
 from rendezvous.keys import make_key
+
+
+# Hypothesis: no per-example deadline (a busy 2-core machine runs live servers:
+# time is not what the properties test); each property sets its own max_examples.
+settings.register_profile("rendezvous", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("rendezvous")
 
 
 def dev(job: str, task: int, kind: str = "CPU") -> str:

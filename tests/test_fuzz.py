@@ -1,0 +1,1234 @@
+"""Property-based fuzzing of everything that reads bytes or text from outside.
+
+Surfaces: rendezvous keys, TensorProto decoding, stream frames and their
+reassembly, the producer's RecvTensor methods through a live rank server,
+the daemon's local service through a live daemon, and TOML config files.
+
+Every property accepts exactly two outcomes: a well-formed result (checked,
+sizes included), or a RendezvousError of a sensible kind (for a server: a
+status with a sensible code, never UNKNOWN or INTERNAL for bad input). A
+server or daemon must go on serving afterwards and hold nothing the fuzzing
+left behind.
+
+Defects it found are fixed; each one's minimal input stays as a plain test
+(look for "DEFECT"), which fails if the defect comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import tempfile
+import threading
+import tomllib
+from pathlib import Path
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import assume, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from rendezvous import fields as F
+from rendezvous import frames, keys, shm, tensors, wire
+from rendezvous.buffers import RecvBuffers
+from rendezvous.client.aio import Client
+from rendezvous.client.local import parse_reply
+from rendezvous.config import _FIELDS as CONFIG_FIELDS
+from rendezvous.config import Config
+from rendezvous.daemon.daemon import Daemon
+from rendezvous.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    InvalidKey,
+    NotFound,
+    RendezvousError,
+    ResourceExhausted,
+    Unavailable,
+    UnsupportedDType,
+)
+from rendezvous.keys import TaskName
+from rendezvous.rpc import servicer as servicer_module
+from rendezvous.table import Received
+from rendezvous.v1 import local_pb2 as lpb
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import tensor_pb2 as tpb
+
+from conftest import cluster, dev, until
+from conftest import key as worker_key
+
+pytestmark = pytest.mark.timeout(120)
+
+LIMIT = 1 << 20  # max_bytes of the decoding properties, max_tensor_bytes of the fuzzed daemon
+KEY_FIELDS = frozenset({"key", "src_device", "src_incarnation", "dst_device", "name", "frame_iter"})
+# a key error quotes at most _QUOTE_LIMIT characters of text, each at most 10 once repr'd (\U0001xxxx)
+QUOTED = 10 * keys._QUOTE_LIMIT + 100
+W0 = "/job:worker/replica:0/task:0/device:CPU:0"
+W1 = "/job:worker/replica:0/task:1/device:CPU:0"
+VALID_KEY = f"{W1};0000000000000001;{W0};edge_1;0:0"
+Code = grpc.StatusCode
+
+
+# -- mutation of valid inputs ---------------------------------------------------------------
+
+_INTERESTING = st.sampled_from([0, 1, 2, 7, 127, 128, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62,
+                                2**63 - 1, 2**63, 2**64 - 1])
+
+
+def _position(draw: st.DrawFn, n: int) -> int:
+    """A position in ``[0, n]``, drawn the same way whatever ``n`` is (inputs built
+    around a shared-memory segment's name vary in length from run to run)."""
+    return draw(st.integers(0, 1 << 16)) % (n + 1)
+
+
+@st.composite
+def _mutated_bytes(draw: st.DrawFn, base: bytes) -> bytes:
+    """``base`` with 1 to 4 byte-level edits: overwrite, insert, delete, truncate,
+    duplicate a slice, insert a varint of an interesting value or a random field tag."""
+    buf = bytearray(base)
+    for _ in range(draw(st.integers(1, 4))):
+        i = _position(draw, len(buf))
+        op = draw(st.sampled_from(("set", "insert", "delete", "truncate", "duplicate", "varint", "tag")))
+        if op == "set":
+            if buf:
+                buf[min(i, len(buf) - 1)] = draw(st.integers(0, 255))
+        elif op == "insert":
+            buf[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete":
+            del buf[i:i + draw(st.integers(1, 8))]
+        elif op == "truncate":
+            del buf[i:]
+        elif op == "duplicate":
+            j = i + _position(draw, len(buf) - i)
+            buf[j:j] = buf[i:j]
+        elif op == "varint":
+            buf[i:i] = wire.encode_varint(draw(_INTERESTING))
+        else:
+            tag = (draw(st.integers(0, 40)) << 3) | draw(st.integers(0, 7))
+            buf[i:i] = wire.encode_varint(tag) + draw(st.binary(max_size=4))
+    return bytes(buf)
+
+
+def mutated(base: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    return base.flatmap(_mutated_bytes)
+
+
+_KEYISH = "/:;0123456789abcdefxABCDEF -_jobreplicatskdvicepugCPUGPU\u0661\n\x00\u00e9"
+
+
+@st.composite
+def _mutated_text(draw: st.DrawFn, base: str) -> str:
+    s = base
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(s)))
+        j = draw(st.integers(i, min(len(s), i + 6)))
+        s = s[:i] + draw(st.text(_KEYISH, max_size=3)) + s[j:]
+    return s
+
+
+# -- 1. keys -----------------------------------------------------------------------------------
+
+_NUMBERS = st.one_of(
+    st.integers(0, 3).map(str),
+    st.sampled_from(["00", "01", "-1", "+1", "1 ", "0x1", "1_0", "\u0661", "", "2147483647", "2147483648",
+                     "9223372036854775807", "9223372036854775808", "18446744073709551615",
+                     "18446744073709551616"]),
+    st.integers(0, 2**70).map(str),
+)
+_WORDS = st.one_of(
+    st.sampled_from(["worker", "ps", "w_1", "CPU", "GPU", "cpu", "gpu", "job", "Job", "task", "replica",
+                     "device", "DEVICE", "1a", "_a", "", "a b", "\u00e9", "a:b"]),
+    st.text("abcXYZ019_", min_size=1, max_size=6),
+)
+
+
+@st.composite
+def _device_texts(draw: st.DrawFn) -> str:
+    """Device-name-like text: components from the grammar, in canonical order or
+    any order, with valid and invalid words and numbers."""
+    if draw(st.booleans()):
+        comps = [c for c in ("job", "replica", "task") if draw(st.booleans())]
+        comps.append(draw(st.sampled_from(("device", "legacy"))))
+    else:
+        comps = draw(st.lists(st.sampled_from(("job", "replica", "task", "device", "legacy", "junk")), max_size=5))
+    parts = []
+    for comp in comps:
+        if comp == "job":
+            parts.append(f"job:{draw(_WORDS)}")
+        elif comp in ("replica", "task"):
+            parts.append(f"{comp}:{draw(_NUMBERS)}")
+        elif comp == "device":
+            parts.append(f"device:{draw(_WORDS)}:{draw(_NUMBERS)}")
+        elif comp == "legacy":
+            parts.append(f"{draw(_WORDS)}:{draw(_NUMBERS)}")
+        else:
+            parts.append(draw(st.text(_KEYISH, max_size=6)))
+    return draw(st.sampled_from(("/", "/", "/", "", "//"))) + "/".join(parts)
+
+
+@st.composite
+def _key_texts(draw: st.DrawFn) -> str:
+    frame_iter = f"{draw(_NUMBERS)}{draw(st.sampled_from([':', ':', '', '::', ';']))}{draw(_NUMBERS)}"
+    return ";".join([draw(_device_texts()), draw(st.text("0123456789abcdefABCDEFg-", max_size=18)),
+                     draw(_device_texts()), draw(st.text(max_size=10)), frame_iter])
+
+
+_IDENTS = st.from_regex(r"[A-Za-z][A-Za-z0-9_]{0,6}", fullmatch=True)
+_DEVICE_INTS = st.integers(0, keys.MAX_DEVICE_INT)
+
+
+@st.composite
+def _valid_devices(draw: st.DrawFn) -> str:
+    out = ""
+    if draw(st.booleans()):
+        out += f"/job:{draw(_IDENTS)}"
+    if draw(st.booleans()):
+        out += f"/replica:{draw(_DEVICE_INTS)}"
+    if draw(st.booleans()):
+        out += f"/task:{draw(_DEVICE_INTS)}"
+    if draw(st.booleans()):
+        return out + f"/device:{draw(_IDENTS)}:{draw(_DEVICE_INTS)}"
+    legacy = draw(_IDENTS.filter(lambda t: t.lower() not in {"job", "replica", "task", "device"}))
+    return out + f"/{legacy}:{draw(_DEVICE_INTS)}"
+
+
+_valid_keys = st.builds(
+    lambda src, inc, dst, name, frame, it: f"{src};{inc:016x};{dst};{name};{frame}:{it}",
+    _valid_devices(), st.integers(0, keys.MAX_INCARNATION), _valid_devices(),
+    st.text(min_size=1, max_size=12).map(lambda s: s.replace(";", "")).filter(bool),
+    st.integers(0, keys.MAX_FRAME_ID), st.integers(0, keys.MAX_ITER_ID),
+)
+
+
+def _check_key(s: str) -> keys.Key | None:
+    """parse_key(s) is a Key that formats to a string parsing back to it, or InvalidKey."""
+    try:
+        k = keys.parse_key(s)
+    except InvalidKey as exc:
+        assert exc.field in KEY_FIELDS, exc.field
+        assert exc.message.startswith("invalid rendezvous key"), exc.message
+        assert len(exc.message) < 2 * QUOTED + 400, "quoted text in a key error is not shortened"
+        with pytest.raises(InvalidKey):
+            keys.Key.parse(s)  # the uncached parse agrees
+        return None
+    assert isinstance(k, keys.Key)
+    assert len(s) <= keys.MAX_KEY_LENGTH
+    text = k.format()
+    again = keys.parse_key(text)
+    assert again == k and again.format() == text
+    assert keys.Key.parse(text) == k and keys.Key.parse(s) == k
+    # device names are kept as written, and their parse prints them back
+    assert str(k.src) == k.src_device and str(k.dst) == k.dst_device
+    return k
+
+
+@settings(deadline=None, max_examples=800)
+@given(st.one_of(
+    st.text(max_size=60),
+    st.text(_KEYISH, max_size=60),
+    _key_texts(),
+    _mutated_text(VALID_KEY),
+    _valid_keys.flatmap(_mutated_text),
+))
+def test_fuzz_parse_key_round_trips_or_raises_invalid_key(s):
+    _check_key(s)
+
+
+@settings(deadline=None, max_examples=200)
+@given(_valid_keys)
+def test_fuzz_canonical_keys_parse_and_format_back_to_themselves(s):
+    k = _check_key(s)
+    assert k is not None and k.format() == s
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.one_of(st.integers(keys.MAX_KEY_LENGTH - 4, keys.MAX_KEY_LENGTH + 4),
+                 st.integers(keys.MAX_KEY_LENGTH + 1, 4 * keys.MAX_KEY_LENGTH)),
+       st.booleans(),
+       st.characters(exclude_characters=";", exclude_categories=("Cs",)),
+       st.text(min_size=1, max_size=12))
+def test_fuzz_keys_longer_than_the_limit_always_raise(length, as_name, ch, junk):
+    if as_name:  # a valid key but for its length: the name makes it long
+        head, tail = f"{W1};0000000000000001;{W0};", ";0:0"
+        s = head + ch * (length - len(head) - len(tail)) + tail
+    else:
+        s = (junk * (length // len(junk) + 1))[:length]
+    assert len(s) == length
+    if length <= keys.MAX_KEY_LENGTH:
+        k = _check_key(s)
+        assert k is not None or not as_name
+        return
+    for parse in (keys.parse_key, keys.Key.parse):
+        with pytest.raises(InvalidKey) as info:
+            parse(s)
+        assert info.value.field == "key"
+        assert f"more than the {keys.MAX_KEY_LENGTH}" in info.value.message
+        assert len(info.value.message) < QUOTED + 200
+
+
+# -- 2. tensors ---------------------------------------------------------------------------------
+
+_FIXED = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+          np.uint32, np.uint64, np.bool_, np.complex64, np.complex128]
+_SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
+_DTYPE_VALUES = st.one_of(st.sampled_from(sorted(tensors._DT_NAMES)),
+                          st.sampled_from([11, 12, 13, 15, 16, 20, 21, 24, 101, 119]),
+                          st.integers(-2**31, 2**31 - 1))
+_DIMS = st.one_of(st.integers(-2, 6), st.sampled_from([2**10, 2**17, 2**20, 2**31, 2**40, 2**62, 2**63 - 1, -2**63]))
+_I32 = st.integers(-2**31, 2**31 - 1)
+_TYPED = {
+    "half_val": _I32, "int_val": _I32,
+    "float_val": st.floats(width=32), "double_val": st.floats(),
+    "int64_val": st.integers(-2**63, 2**63 - 1), "uint32_val": st.integers(0, 2**32 - 1),
+    "uint64_val": st.integers(0, 2**64 - 1), "bool_val": st.booleans(), "string_val": st.binary(max_size=8),
+    "scomplex_val": st.floats(width=32), "dcomplex_val": st.floats(),
+}
+
+
+@st.composite
+def _tensor_protos(draw: st.DrawFn) -> bytes:
+    """TensorProtos written by protobuf: any dtype value, odd shapes (negative,
+    huge, too many dims, unknown rank), typed fields, content of any length."""
+    t = tpb.TensorProto(dtype=draw(_DTYPE_VALUES))
+    dims = draw(st.one_of(st.lists(_DIMS, max_size=6), st.integers(30, 70).map(lambda n: [1] * n)))
+    for d in dims:
+        dim = t.tensor_shape.dim.add(size=d)
+        if draw(st.integers(0, 7)) == 0:
+            dim.name = draw(st.text(max_size=4))
+    if draw(st.integers(0, 9)) == 0:
+        t.tensor_shape.unknown_rank = True
+    if draw(st.integers(0, 9)) == 0:
+        t.version_number = draw(_I32)
+    for name in draw(st.lists(st.sampled_from(["tensor_content", *_TYPED]), max_size=3, unique=True)):
+        if name == "tensor_content":
+            t.tensor_content = draw(st.binary(max_size=64))
+        else:
+            getattr(t, name).extend(draw(st.lists(_TYPED[name], max_size=8)))
+    return t.SerializeToString()
+
+
+@st.composite
+def _small_arrays(draw: st.DrawFn) -> np.ndarray:
+    if draw(st.integers(0, 5)) == 0:
+        return draw(hnp.arrays(object, _SHAPES, elements=st.binary(max_size=12)))
+    return draw(hnp.arrays(st.sampled_from(_FIXED), _SHAPES))
+
+
+_encodings = _small_arrays().map(tensors.encode_tensor)
+_tensor_inputs = st.one_of(
+    st.binary(max_size=256),
+    _tensor_protos(),
+    mutated(_tensor_protos()),
+    _encodings,
+    mutated(_encodings),
+)
+
+
+_NPY_MAX_INTP = (1 << 63) - 1
+
+
+def _beyond_numpy(meta: tensors.TensorMeta) -> bool:
+    """A shape with no elements whose other dimensions, times the itemsize, are more
+    than numpy can index. Decoding one once raised ValueError (the DEFECT of
+    test_a_zero_element_tensor_numpy_cannot_shape_is_invalid_argument); now
+    decode_meta refuses it with InvalidArgument, so no decoded meta is one."""
+    return 0 in meta.shape and math.prod(d for d in meta.shape if d) * meta.dtype.itemsize > _NPY_MAX_INTP
+
+
+def _check_decode(buf, start: int = 0, end: int | None = None) -> np.ndarray | None:
+    """decode_meta and decode_tensor(max_bytes=LIMIT) of buf[start:end]: a bounded,
+    well-formed array, or InvalidArgument / UnsupportedDType / ResourceExhausted."""
+    try:
+        meta, cs, ce = tensors.decode_meta(buf, start, end)
+    except RendezvousError as exc:
+        assert type(exc) in (InvalidArgument, UnsupportedDType) and exc.message, repr(exc)
+        with pytest.raises(InvalidArgument):  # decoding checks the same meta first
+            tensors.decode_tensor(buf, start, end, max_bytes=LIMIT)
+        return None
+    assert isinstance(meta, tensors.TensorMeta) and all(d >= 0 for d in meta.shape)
+    assert start <= cs <= ce <= (len(buf) if end is None else end)
+    assert not _beyond_numpy(meta)  # refused by decode_meta (see _beyond_numpy)
+    try:
+        out = tensors.decode_tensor(buf, start, end, max_bytes=LIMIT)
+    except ResourceExhausted as exc:
+        assert tensors.announced_bytes(meta) > LIMIT, exc.message
+        return None
+    except InvalidArgument as exc:
+        assert type(exc) in (InvalidArgument, UnsupportedDType) and exc.message, repr(exc)
+        assert tensors.announced_bytes(meta) <= LIMIT, "a size over max_bytes must be refused as such"
+        return None
+    assert tensors.announced_bytes(meta) <= LIMIT, "a tensor over max_bytes was decoded"
+    assert isinstance(out, np.ndarray) and out.shape == meta.shape and out.dtype == meta.dtype
+    if out.dtype == object:
+        assert out.size * 8 <= LIMIT
+        assert all(type(x) is bytes for x in out.reshape(-1))
+    else:
+        assert out.nbytes <= LIMIT
+        assert tensors.is_memcpyable(out)
+    return out
+
+
+@settings(deadline=None, max_examples=800)
+@given(_tensor_inputs)
+def test_fuzz_decode_tensor_is_bounded_or_refuses(buf):
+    _check_decode(buf)
+
+
+def _outcome(buf, start: int = 0, end: int | None = None):
+    try:
+        out = tensors.decode_tensor(buf, start, end, max_bytes=LIMIT)
+    except RendezvousError as exc:
+        return type(exc)
+    if out.dtype == object:
+        return out.dtype, out.shape, out.reshape(-1).tolist()
+    return out.dtype, out.shape, out.tobytes()
+
+
+@settings(deadline=None, max_examples=300)
+@given(_tensor_inputs, st.binary(max_size=8), st.binary(max_size=8), st.sampled_from([bytes, bytearray, memoryview]))
+def test_fuzz_decode_tensor_reads_only_its_span(buf, head, tail, kind):
+    """The same message inside a larger buffer (any buffer type) decodes the same."""
+    framed = kind(head + buf + tail)
+    _check_decode(framed, len(head), len(head) + len(buf))
+    assert _outcome(framed, len(head), len(head) + len(buf)) == _outcome(buf)
+
+
+@settings(deadline=None, max_examples=200)
+@given(_tensor_inputs, st.integers(-4, 300), st.integers(-4, 300))
+def test_fuzz_decode_tensor_spans_anywhere(buf, start, end):
+    """Any (start, end), in range or not: only InvalidArgument for a bad span."""
+    _check_decode(buf, start, end)
+
+
+def _native(dt: np.dtype) -> np.dtype:
+    return dt.newbyteorder("=") if dt.byteorder == ">" else dt
+
+
+def _views(a: np.ndarray, how: str) -> np.ndarray:
+    """``a`` as a non-contiguous view, when it has an axis to make one on."""
+    if how == "transpose":
+        return a.T
+    if how == "step" and a.ndim:
+        return a[::2]
+    if how == "reverse" and a.ndim:
+        return a[::-1]
+    return a
+
+
+_byte_orders = st.sampled_from(_FIXED).flatmap(
+    lambda t: st.sampled_from([np.dtype(t), np.dtype(t).newbyteorder(">"), np.dtype(t).newbyteorder("<")]))
+_round_trip_arrays = st.one_of(
+    hnp.arrays(_byte_orders, _SHAPES),
+    hnp.arrays(np.uint16, _SHAPES).map(lambda a: a.view(ml_dtypes.bfloat16)),
+)
+
+
+@settings(deadline=None, max_examples=300)
+@given(_round_trip_arrays, st.sampled_from(["none", "transpose", "step", "reverse"]))
+def test_fuzz_fixed_dtype_round_trip(a, how):
+    a = _views(a, how)
+    data = tensors.encode_tensor(a)
+    out = tensors.decode_tensor(data)
+    assert out.dtype == _native(a.dtype) and out.shape == a.shape
+    # bitwise: NaN payloads, signed zeros and subnormals survive
+    assert out.tobytes() == np.ascontiguousarray(a, dtype=_native(a.dtype)).tobytes()
+    # the announced size is exactly the decoded one: max_bytes refuses one byte less
+    assert tensors.decode_tensor(data, max_bytes=out.nbytes).tobytes() == out.tobytes()
+    if out.nbytes:
+        with pytest.raises(ResourceExhausted):
+            tensors.decode_tensor(data, max_bytes=out.nbytes - 1)
+    meta, cs, ce = tensors.decode_meta(data)
+    assert (meta.dtype, meta.shape, ce - cs) == (out.dtype, out.shape, out.nbytes)
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.one_of(hnp.arrays(object, _SHAPES, elements=st.binary(max_size=16)),
+                 hnp.arrays(st.sampled_from([np.dtype("S1"), np.dtype("S5")]), _SHAPES)),
+       st.sampled_from(["none", "transpose", "step"]))
+def test_fuzz_string_round_trip(a, how):
+    a = _views(a, how)
+    out = tensors.decode_tensor(tensors.encode_tensor(a))
+    assert out.dtype == object and out.shape == a.shape
+    assert out.reshape(-1).tolist() == np.ascontiguousarray(a).reshape(-1).tolist()
+    assert all(type(x) is bytes for x in out.reshape(-1))
+
+
+# -- 3. frames ------------------------------------------------------------------------------------
+
+_CALL_IDS = st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1))
+_ERRORS = st.sampled_from([InvalidArgument("bad"), Aborted("step 3 aborted"), NotFound("nope"),
+                           FailedPrecondition("not mine"), ResourceExhausted("full"), Unavailable("gone"),
+                           ValueError("a bug"), RendezvousError("plain")])
+
+
+@st.composite
+def _frame_messages(draw: st.DrawFn) -> bytes:
+    """Valid StreamResponse frames (data, dead, error), batches of them, and
+    whole RecvTensorResponses."""
+    kind = draw(st.sampled_from(("data", "data", "dead", "error", "batch", "unary")))
+    cid = draw(_CALL_IDS)
+    if kind == "error":
+        return frames.error_frame(cid, draw(_ERRORS))
+    if kind == "dead":
+        return next(frames.stream_frames(cid, Received(None, True), 1024))
+    if kind == "unary":
+        return frames.unary_response(Received(draw(_small_arrays()), False), draw(st.integers(-2**63, 2**63 - 1)))
+    if kind == "batch":
+        return frames.batch_responses(draw(st.lists(_frame_messages(), min_size=1, max_size=3)))
+    msgs = list(frames.stream_frames(cid, Received(draw(_small_arrays()), False), draw(st.integers(1, 64)),
+                                     draw(st.integers(0, 2**63 - 1))))
+    return msgs[draw(st.integers(0, len(msgs) - 1))]
+
+
+_frame_inputs = st.one_of(st.binary(max_size=200), _frame_messages(), mutated(_frame_messages()))
+
+
+def _check_inline(buf: bytes, span: tuple[int, int]) -> None:
+    """decode_inline(buf, span) with no decoded meta: an array of the announced
+    dtype and shape, or an Assembly holding what is here of it, or a RendezvousError."""
+    try:
+        meta, cs, ce = tensors.decode_meta(buf, *span)
+    except RendezvousError as exc:
+        assert isinstance(exc, InvalidArgument), repr(exc)
+        with pytest.raises(InvalidArgument):
+            frames.decode_inline(buf, span)
+        return
+    assert not _beyond_numpy(meta)  # refused by decode_meta (see _beyond_numpy)
+    if tensors.announced_bytes(meta) > LIMIT:
+        # bounded by the caller's max_bytes before anything is allocated (once it
+        # was not: the DEFECT test_decode_inline_without_decoded_meta_refuses_an_impossible_size)
+        with pytest.raises(ResourceExhausted):
+            frames.decode_inline(buf, span, max_bytes=LIMIT)
+        return
+    try:
+        out = frames.decode_inline(buf, span, max_bytes=LIMIT)
+    except RendezvousError as exc:
+        assert isinstance(exc, InvalidArgument), repr(exc)
+        return
+    if isinstance(out, frames.Assembly):
+        assert out.meta == meta and tensors.is_memcpyable(meta.dtype)
+        assert out.dest.nbytes == meta.nbytes and out.filled == ce - cs < meta.nbytes
+        assert out.dest[:out.filled].tobytes() == bytes(buf[cs:ce])
+    else:
+        assert isinstance(out, np.ndarray) and out.shape == meta.shape and out.dtype == meta.dtype
+        assert (out.size * 8 if out.dtype == object else out.nbytes) <= LIMIT
+
+
+def _check_stream_frame(buf: bytes, fr: frames.StreamFrame) -> None:
+    assert isinstance(fr, frames.StreamFrame) and 0 <= fr.call_id < 2**64
+    head = fr.head
+    for span in (fr.chunk, head and head.tensor, head and head.transport_options):
+        if span:
+            assert 0 <= span[0] <= span[1] <= len(buf)
+    if fr.error is not None:
+        assert isinstance(fr.error, RendezvousError) and fr.error.code != Code.OK
+    if head is not None and head.tensor is not None:
+        _check_inline(buf, head.tensor)
+
+
+@settings(deadline=None, max_examples=600)
+@given(_frame_inputs, st.integers(-2, 210), st.integers(-2, 210))
+def test_fuzz_frames_parse_or_raise_invalid_argument(buf, start, end):
+    try:
+        fr = frames.parse_stream_frame(buf)
+    except RendezvousError as exc:
+        assert isinstance(exc, InvalidArgument), repr(exc)
+    else:
+        _check_stream_frame(buf, fr)
+    try:
+        got = list(frames.iter_stream_frames(buf))
+    except RendezvousError as exc:
+        assert isinstance(exc, InvalidArgument), repr(exc)
+    else:
+        assert got
+        for fr in got:
+            _check_stream_frame(buf, fr)
+    try:
+        head = frames.parse_response(buf)
+    except RendezvousError as exc:
+        assert isinstance(exc, InvalidArgument), repr(exc)
+    else:
+        if head.tensor is not None:
+            _check_inline(buf, head.tensor)
+    # any span: parsed as a frame, and as a tensor
+    try:
+        fr = frames.parse_stream_frame(buf, start, end)
+    except RendezvousError as exc:
+        assert isinstance(exc, InvalidArgument), repr(exc)
+    else:
+        _check_stream_frame(buf, fr)
+    _check_inline(buf, (start, end))
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.one_of(_small_arrays(), _round_trip_arrays), _CALL_IDS, st.integers(1, 64), st.booleans())
+def test_fuzz_stream_frames_reassemble_to_the_tensor(a, call_id, chunk, batched):
+    msgs = list(frames.stream_frames(call_id, Received(a, False), chunk))
+    if batched:
+        msgs = [frames.batch_responses(msgs)]
+    result = assembly = None
+    for buf in msgs:
+        for fr in frames.iter_stream_frames(buf):
+            assert fr.call_id == call_id and fr.error is None and result is None
+            if fr.head is not None:
+                assert assembly is None and not fr.head.is_dead
+                out = frames.decode_inline(buf, fr.head.tensor)
+                if isinstance(out, frames.Assembly):
+                    assembly = out
+                else:
+                    result = out
+            else:
+                assert assembly is not None and fr.chunk is not None
+                if assembly.add(memoryview(buf)[fr.chunk[0]:fr.chunk[1]]):
+                    result = assembly.result()
+    assert result is not None
+    assert result.shape == a.shape
+    if a.dtype == object:
+        assert result.reshape(-1).tolist() == a.reshape(-1).tolist()
+    else:
+        assert result.dtype == _native(a.dtype)
+        assert result.tobytes() == np.ascontiguousarray(a, dtype=_native(a.dtype)).tobytes()
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.sampled_from(_FIXED), st.lists(st.integers(0, 6), max_size=3), st.integers(0, 48),
+       st.lists(st.integers(0, 40), max_size=8), st.booleans())
+def test_fuzz_assembly_never_writes_past_the_announced_size(dtype, shape, first, parts, cached):
+    meta = tensors.TensorMeta(dtype, tuple(shape))
+    counter = iter(range(1, 1 << 30))
+
+    def piece(n: int) -> bytes:
+        return bytes(next(counter) % 251 + 1 for _ in range(n))  # never 0: unwritten bytes show
+
+    buffers = RecvBuffers(limit=1 << 16, min_bytes=0) if cached else None
+    head = piece(first)
+    if first > meta.nbytes:
+        with pytest.raises(InvalidArgument):
+            frames.Assembly(meta, memoryview(head), buffers)
+        return
+    asm = frames.Assembly(meta, memoryview(head), buffers)
+    dest, expected = asm.dest, bytearray(head)
+    for n in parts:
+        part, before = piece(n), asm.filled
+        if before + n > meta.nbytes:
+            with pytest.raises(InvalidArgument):
+                asm.add(memoryview(part))
+            assert asm.filled == before
+        else:
+            assert asm.add(memoryview(part)) == (before + n == meta.nbytes)
+            expected += part
+        assert asm.dest is dest and dest.nbytes == meta.nbytes
+        assert asm.filled == len(expected) <= meta.nbytes
+        assert dest[:asm.filled].tobytes() == bytes(expected)
+    if asm.filled == meta.nbytes:
+        out = asm.result()
+        assert out.shape == meta.shape and out.dtype == meta.dtype and out.tobytes() == bytes(expected)
+
+
+def _proto(dtype: int, dims: list[int], content: bytes) -> bytes:
+    t = tpb.TensorProto(dtype=dtype, tensor_content=content)
+    for d in dims:
+        t.tensor_shape.dim.add(size=d)
+    return t.SerializeToString()
+
+
+# DT_FLOAT, shape [2**61], 4 bytes of tensor_content: a first frame announcing 2**63 bytes
+_ANNOUNCES_2_63 = b'\x08\x01\x12\x0c\x12\n\x08\x80\x80\x80\x80\x80\x80\x80\x80 "\x04\x00\x00\x00\x00'
+# DT_FLOAT, shape [2**53], 4 bytes of tensor_content: 32 PiB, more than any address space
+_ANNOUNCES_32_PIB = b'\x08\x01\x12\x0b\x12\t\x08\x80\x80\x80\x80\x80\x80\x80\x10"\x04\x00\x00\x00\x00'
+
+
+@pytest.mark.parametrize("buf", [_ANNOUNCES_2_63, _ANNOUNCES_32_PIB], ids=["2**63 bytes", "32 PiB"])
+def test_decode_inline_without_decoded_meta_refuses_an_impossible_size(buf):
+    assert buf in (_proto(tensors.DT_FLOAT, [1 << 61], bytes(4)), _proto(tensors.DT_FLOAT, [1 << 53], bytes(4)))
+    with pytest.raises(RendezvousError):
+        frames.decode_inline(buf, (0, len(buf)))
+
+
+# DT_FLOAT, shape [0, 2**61]: no elements, so nothing announced, but numpy cannot shape it
+_ZERO_BUT_HUGE = b"\x08\x01\x12\x0e\x12\x00\x12\n\x08\x80\x80\x80\x80\x80\x80\x80\x80 "
+
+
+def test_a_zero_element_tensor_numpy_cannot_shape_is_invalid_argument():
+    assert _ZERO_BUT_HUGE == _proto(tensors.DT_FLOAT, [0, 1 << 61], b"")
+    with pytest.raises(InvalidArgument):
+        tensors.decode_tensor(_ZERO_BUT_HUGE, max_bytes=LIMIT)
+
+
+# -- shared: an event loop on a thread, so one cluster or daemon serves every example ---------
+
+class _LoopThread:
+    """An asyncio loop running on its own thread. ``run`` runs a coroutine on it
+    from the test's thread; ``enter`` enters an async context for the module."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-loop", daemon=True)
+        self.thread.start()
+        self.stack = contextlib.AsyncExitStack()
+
+    def run(self, coro, timeout: float = 30.0):
+        async def guarded():
+            return await asyncio.wait_for(coro, timeout)
+        return asyncio.run_coroutine_threadsafe(guarded(), self.loop).result(timeout + 10)
+
+    def enter(self, cm):
+        return self.run(self.stack.enter_async_context(cm))
+
+    def close(self) -> None:
+        try:
+            self.run(self.stack.aclose(), 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+_STEPS = st.one_of(st.sampled_from([0, 1, 1, 2]), st.integers(-3, 3), st.sampled_from([2**31, 2**63 - 1, -2**63]))
+CHECK_STEP = 7  # the step of the after-fuzzing checks; never aborted by a fuzzed request
+_NAMES = st.sampled_from(["a", "b", "edge_1", "a", "b", "x;y", ""])  # mostly valid, so that sends meet recvs
+
+
+# -- 4. the producer's RecvTensor through a real server --------------------------------------
+
+RECV_UNARY = "/rendezvous.v1.Rendezvous/RecvTensor"
+TF_UNARY = "/tensorflow.WorkerService/RecvTensor"
+RECV_STREAM = "/rendezvous.v1.Rendezvous/RecvTensorStream"
+PRODUCER = TaskName("worker", 0, 1)  # b, the server fuzzed
+WAIT_S = 0.1  # deadline of a call whose recv may wait (for a tensor no fuzzed request produces)
+INPUT_CODES = frozenset({Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.NOT_FOUND,
+                         Code.RESOURCE_EXHAUSTED, Code.CANCELLED, Code.OK})
+
+
+
+def _key_text(src: int, dst: int, name: str, job: str = "worker") -> str:
+    """conftest's key, written out: the name may be one no key can have."""
+    return f"{dev(job, src)};0000000000001234;{dev(job, dst)};{name};0:0"
+
+
+_request_keys = st.one_of(
+    _NAMES.map(lambda n: _key_text(1, 0, n)),             # b's own: would wait
+    _NAMES.map(lambda n: _key_text(1, 0, n)),
+    _NAMES.map(lambda n: _key_text(0, 1, n)),             # a's: not this server's
+    _NAMES.map(lambda n: f"/cpu:0;1;/cpu:0;{n};0:0"),     # no task: this server's, would wait
+    _NAMES.map(lambda n: _key_text(1, 0, n, job="ps")),   # not in the cluster
+    _key_texts(), st.text(max_size=30), _mutated_text(VALID_KEY),
+    st.just(VALID_KEY + "x" * keys.MAX_KEY_LENGTH),
+)
+
+
+@st.composite
+def _recv_requests(draw: st.DrawFn) -> pb.RecvTensorRequest:
+    req = pb.RecvTensorRequest(step_id=draw(_STEPS), rendezvous_key=draw(_request_keys), dma_ok=draw(st.booleans()),
+                               request_id=draw(st.one_of(st.just(0), st.integers(-2**63, 2**63 - 1))))
+    if draw(st.booleans()):
+        req.transport_options.type_url = draw(st.text(max_size=20))
+        req.transport_options.value = draw(st.binary(max_size=16))
+    return req
+
+
+@st.composite
+def _stream_requests(draw: st.DrawFn, nested: bool = True) -> pb.StreamRequest:
+    msg = pb.StreamRequest(call_id=draw(_CALL_IDS))
+    kind = draw(st.sampled_from(("recv", "recv", "cancel", "none")))
+    if kind == "recv":
+        msg.recv.CopyFrom(draw(_recv_requests()))
+    elif kind == "cancel":
+        msg.cancel.SetInParent()
+    if nested and draw(st.integers(0, 2)) == 0:
+        msg.batch.extend(draw(st.lists(_stream_requests(nested=draw(st.booleans())), max_size=4)))
+    return msg
+
+
+def _serialized(s: st.SearchStrategy) -> st.SearchStrategy[bytes]:
+    return s.map(lambda m: m.SerializeToString())
+
+
+# half intact requests (most mutated ones no longer parse), a quarter mutated, a quarter garbage
+_unary_inputs = st.one_of(_serialized(_recv_requests()), _serialized(_recv_requests()),
+                          mutated(_serialized(_recv_requests())), st.binary(max_size=100))
+_stream_inputs = st.lists(st.one_of(_serialized(_stream_requests()), _serialized(_stream_requests()),
+                                    mutated(_serialized(_stream_requests())), st.binary(max_size=100)),
+                          min_size=1, max_size=3)
+
+
+def _would_wait(req: pb.RecvTensorRequest) -> bool:
+    """Whether the server would hold ``req`` waiting (its key is this server's)."""
+    try:
+        k = keys.parse_key(req.rendezvous_key)
+    except InvalidKey:
+        return False
+    return k.src_task is None or k.src_task == PRODUCER
+
+
+def _unary_may_wait(raw: bytes) -> bool:
+    try:
+        return _would_wait(pb.RecvTensorRequest.FromString(raw))
+    except DecodeError:
+        return False
+
+
+def _stream_may_wait(messages: list[bytes]) -> bool:
+    for raw in messages:
+        try:
+            msg = pb.StreamRequest.FromString(raw)
+        except DecodeError:
+            return False  # the stream ends here
+        for one in (msg, *msg.batch):
+            if one.WhichOneof("kind") == "recv" and _would_wait(one.recv):
+                return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    lt = _LoopThread()
+    try:
+        a, b = lt.enter(cluster(2))
+
+        async def open_channel():
+            return grpc.aio.insecure_channel(b.target)
+
+        channel = lt.run(open_channel())
+        lt.stack.push_async_callback(channel.close)
+        yield lt, a, b, channel
+    finally:
+        lt.close()
+
+
+async def _unary_call(channel, method: str, raw: bytes) -> str:
+    """One fuzzed unary call; the status it got."""
+    may_wait = _unary_may_wait(raw)
+    try:
+        reply = await channel.unary_unary(method)(raw, timeout=WAIT_S if may_wait else 5.0)
+    except grpc.aio.AioRpcError as exc:
+        allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set())
+        assert exc.code() in allowed, (exc.code(), exc.details(), method, raw)
+        return exc.code().name
+    pb.RecvTensorResponse.FromString(reply)  # nothing is ever produced, but a reply must parse
+    return "OK"
+
+
+# grpc.aio's own status (not the server's) when a write fails because the call has
+# ended at the transport (the server answered a malformed message while we wrote on)
+CORE_WRITE_FAILED = "Internal error from Core"
+
+
+async def _stream_once(channel, messages: list[bytes], timeout: float):
+    """(status code, details, replies, messages written) of one stream."""
+    call = channel.stream_stream(RECV_STREAM)(timeout=timeout)
+    written = 0
+    try:
+        for raw in messages:
+            await call.write(raw)
+            written += 1
+        await call.done_writing()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.InternalError):
+        pass  # the server ended the call already (a malformed request): its status says why
+    replies = []
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            replies.append(reply)
+    return await call.code(), await call.details(), replies, written
+
+
+async def _stream_call(channel, messages: list[bytes]) -> str:
+    """One fuzzed stream; the status it ended with."""
+    may_wait = _stream_may_wait(messages)
+    timeout = WAIT_S if may_wait else 5.0
+    code, details, replies, written = await _stream_once(channel, messages, timeout)
+    for _ in range(5):
+        if not (code == Code.INTERNAL and details == CORE_WRITE_FAILED and written < len(messages)):
+            break
+        # The client library's status, not the server's: replay what was written
+        # before the call ended (at least the first message: a short deadline can
+        # run out before it under load), to read the server's own status.
+        messages = messages[:max(written, 1)]
+        code, details, more, written = await _stream_once(channel, messages, timeout)
+        replies += more
+    allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set())
+    assert code in allowed, (code, details, messages)
+    for reply in replies:  # every reply the server wrote is a well-formed frame of an error
+        for fr in frames.iter_stream_frames(reply):
+            assert fr.head is None and fr.chunk is None, "a tensor that was never produced was sent"
+            assert fr.error is not None
+            assert fr.error.code in INPUT_CODES - {Code.OK}, (fr.error.code, fr.error.message)
+    return code.name
+
+
+async def _rank_still_serves(a, b, streams_before: int, tag: str) -> None:
+    await until(lambda: b.servicer.waiting_calls() == 0 and b.table.stats()["waiters"] == 0
+                and b.servicer.open_streams() <= streams_before, 10, "the fuzzed calls to be gone")
+    assert b.table.stats()["tensors"] == 0 and b.table.stats()["keys"] == 0
+    assert len(b.servicer._canonical) <= servicer_module._CACHED_KEYS
+    assert all(len(raw) <= servicer_module._CACHED_KEY_CHARS for raw in b.servicer._canonical)
+    k = worker_key(1, 0, f"fuzz-check-{tag}")
+    b.send(k, np.array([1]), step_id=CHECK_STEP)
+    assert (await a.recv(k, step_id=CHECK_STEP, timeout=10)).tolist() == [1]
+
+
+def test_fuzz_recv_tensor_unary_answers_with_a_status(ranks):
+    lt, a, b, channel = ranks
+    streams_before = b.servicer.open_streams()
+
+    @settings(deadline=None, max_examples=150)
+    @given(st.sampled_from([RECV_UNARY, TF_UNARY]), _unary_inputs)
+    def one(method, raw):
+        event(f"unary: {lt.run(_unary_call(channel, method, raw))}")
+
+    one()
+    lt.run(_rank_still_serves(a, b, streams_before, "unary"))
+
+
+def test_fuzz_recv_tensor_stream_answers_with_a_status(ranks):
+    lt, a, b, channel = ranks
+    streams_before = b.servicer.open_streams()
+
+    @settings(deadline=None, max_examples=120)
+    @given(_stream_inputs)
+    def one(messages):
+        event(f"stream: {lt.run(_stream_call(channel, messages))}")
+
+    one()
+    lt.run(_rank_still_serves(a, b, streams_before, "stream"))
+
+
+# -- 5. the daemon's local service ------------------------------------------------------------
+
+NODE0 = "/job:node/replica:0/task:0/device:CPU:0"
+NODE1 = "/job:node/replica:0/task:1/device:CPU:0"
+LOCAL_CODES = frozenset({Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.NOT_FOUND, Code.RESOURCE_EXHAUSTED,
+                         Code.ABORTED, Code.CANCELLED})
+SHM_THRESHOLD = 256  # low, so that daemon replies go through shared memory too
+# deadline of a local recv that may wait with no timeout of its own; not shorter, so that
+# a reply written to shared memory just as the deadline passes stays unlikely
+LOCAL_WAIT_S = 0.5
+
+
+def _node_key(name: str, src: str = NODE0) -> str:
+    return f"{src};0000000000000001;{NODE0};{name};0:0"
+
+
+_local_keys = st.one_of(
+    _NAMES.map(_node_key),                                # the daemon's own
+    _NAMES.map(_node_key),
+    _NAMES.map(_node_key),
+    _NAMES.map(lambda n: _node_key(n, NODE1)),            # a task not in its cluster
+    _NAMES.map(lambda n: f"/cpu:0;1;/cpu:0;{n};0:0"),     # no task: the daemon's
+    _NAMES.map(lambda n: _key_text(0, 1, n)),             # another job
+    _key_texts(), st.text(max_size=20), _mutated_text(_node_key("edge_1")),
+)
+_dtypes_for_shm = st.sampled_from([np.uint8, np.float32, np.int64, np.complex128])
+# aborts hit step 2 and steps far off, so that steps 0 and 1 mostly stay live for sends and recvs
+_ABORT_STEPS = st.one_of(st.just(2), st.integers(-2**63, 2**63 - 1).filter(lambda s: s not in (0, 1, CHECK_STEP)))
+
+
+@pytest.fixture(scope="module")
+def node():
+    lt = _LoopThread()
+    try:
+        sockdir = lt.stack.enter_context(tempfile.TemporaryDirectory(prefix="rdv", dir="/tmp"))
+        cfg = Config.load(dict(cluster=json.dumps({"node": ["127.0.0.1:0"]}), job_name="node", task_index=0,
+                               local_address=f"unix:{sockdir}/d.sock", grace=0.5, connect_timeout=5.0,
+                               stall_warning=0.0, max_tensor_bytes=LIMIT, shm_threshold=SHM_THRESHOLD), env={})
+
+        async def start() -> Daemon:
+            d = Daemon(cfg)
+            await d.start()
+            lt.stack.push_async_callback(d.stop, 0.5)
+            d.server.update_cluster({"node": [d.target]})
+            return d
+
+        d = lt.run(start())
+        client = lt.enter(Client(d.local_target))
+        assert client._prefix, "the fuzzing client must use shared memory"
+        yield lt, d, client
+    finally:
+        lt.close()
+
+
+def _named_segment(raw: bytes) -> str | None:
+    """The segment name a SendRequest hands over, read as the daemon reads it."""
+    name = None
+    try:
+        for num, wt, a, b in wire.iter_fields(raw):
+            if num == F.SEND_SHM and wt == wire.LEN:
+                name = ""
+                for n2, w2, x, y in wire.iter_fields(raw, a, b):
+                    if n2 == F.SEGMENT_NAME and w2 == wire.LEN:
+                        name = bytes(raw[x:y]).decode("utf-8", "replace")
+    except InvalidArgument:
+        return None
+    return name
+
+
+async def _local_call(client: Client, method: str, raw: bytes, timeout: float) -> bytes | RendezvousError:
+    try:
+        return await client._call(method, raw, timeout=timeout)
+    except RendezvousError as exc:
+        return exc
+
+
+def _local_recv_may_wait(raw: bytes) -> tuple[bool, bool]:
+    """(whether the daemon may hold this recv waiting, whether its own timeout of at
+    most a second ends that wait)."""
+    try:
+        req = lpb.LocalRecvRequest.FromString(raw)
+        k = keys.parse_key(req.rendezvous_key)
+    except (DecodeError, InvalidKey):
+        return False, False
+    return k.src_task is None or k.src_task == TaskName("node", 0, 0), 0 < req.timeout <= 1
+
+
+def _check_local_outcome(method: str, out, may_wait: bool = False) -> None:
+    event(f"{method}: {out.code.name if isinstance(out, RendezvousError) else 'OK'}")
+    if isinstance(out, RendezvousError):
+        allowed = LOCAL_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set())
+        assert out.code in allowed, (method, out.code, out.message)
+    else:
+        assert isinstance(out, bytes)
+
+
+def test_fuzz_daemon_local_service(node):
+    lt, d, client = node
+    prefix, own = client._prefix, client.client_id
+
+    def send(data) -> None:
+        made: list[str] = []
+        try:
+            send_one(data, made)
+        finally:
+            for name in made:  # what Client.send does with its segment when a send fails
+                shm.discard(name)
+
+    def send_one(data, made: list[str]) -> None:
+        seg_name = None
+        # the simplest draws are the intact, valid requests (Hypothesis favours them)
+        if data.draw(st.integers(0, 4)) == 4:
+            raw = data.draw(st.binary(max_size=120), "raw")
+        else:
+            req = lpb.SendRequest(step_id=data.draw(_STEPS), rendezvous_key=data.draw(_local_keys),
+                                  is_dead=data.draw(st.integers(0, 5)) == 5)
+            who = data.draw(st.sampled_from(["own", "own", "other", "none", "bad"]), "client_id")
+            req.client_id = {"own": own, "other": "0123456789ab", "none": "", "bad": "\u00e9\n"}[who]
+            if data.draw(st.booleans(), "shared memory"):
+                value = np.arange(data.draw(st.integers(1, 600)), dtype=data.draw(_dtypes_for_shm))
+                seg_name, nbytes = shm.write(prefix, value)
+                made.append(seg_name)
+                req.shm.name = data.draw(st.sampled_from([seg_name, seg_name, prefix + "999999", "rdv-1-x-1"]))
+                req.shm.nbytes = data.draw(st.sampled_from([nbytes, nbytes, 0, -1, nbytes + 1, 2**62]))
+                meta = tensors.encode_meta(tensors.TensorMeta(value.dtype, value.shape))
+                req.tensor.ParseFromString(data.draw(_tensor_protos()) if data.draw(st.booleans())
+                                           else data.draw(st.sampled_from([meta, meta, b""])))
+            elif not data.draw(st.booleans()):
+                req.tensor.ParseFromString(tensors.encode_tensor(data.draw(_small_arrays())))
+            else:
+                with contextlib.suppress(DecodeError):  # a proto that protobuf itself refuses stays out
+                    req.tensor.ParseFromString(data.draw(_tensor_protos()))
+            raw = req.SerializeToString()
+            intact = data.draw(st.integers(0, 2), "mutate") != 2
+            if not intact:
+                raw = data.draw(_mutated_bytes(raw))
+        out = lt.run(_local_call(client, "Send", raw, 5.0))
+        _check_local_outcome("Send", out)
+        if seg_name is not None:
+            if intact and req.shm.name == seg_name and who != "own":
+                # another session's segment (or none): refused, and never touched
+                assert isinstance(out, InvalidArgument) and "session" in out.message, out
+                assert shm.listed(seg_name) == [seg_name]
+            if not isinstance(out, RendezvousError) and _named_segment(raw) == seg_name:
+                assert shm.listed(seg_name) == [], "a segment the daemon took is still listed"
+
+    def recv(data) -> None:
+        if data.draw(st.integers(0, 4)) == 4:
+            raw = data.draw(st.binary(max_size=80), "raw")
+        else:
+            req = lpb.LocalRecvRequest(
+                step_id=data.draw(_STEPS), rendezvous_key=data.draw(_local_keys),
+                timeout=data.draw(st.one_of(st.sampled_from([0.05, 1e-9, 0.0, 1e308]), st.floats())),
+                client_id=data.draw(st.sampled_from([own, "", "0123456789ab", "zz"])))
+            raw = req.SerializeToString()
+            if data.draw(st.integers(0, 2), "mutate") == 2:
+                raw = data.draw(_mutated_bytes(raw))
+        may_wait, own_deadline = _local_recv_may_wait(raw)
+        # a recv with a short timeout of its own is answered by the daemon; one without
+        # would wait for good (nothing is sent meanwhile): the call's deadline ends it
+        out = lt.run(_local_call(client, "Recv", raw, 5.0 if own_deadline or not may_wait else LOCAL_WAIT_S))
+        _check_local_outcome("Recv", out, may_wait)
+        if isinstance(out, bytes):  # a tensor some fuzzed send left: take it as the client would
+            item, _, _ = parse_reply(out)
+            assert item.is_dead or isinstance(item.value, np.ndarray)
+
+    def abort(data) -> None:
+        if data.draw(st.integers(0, 3)) == 3:
+            raw = data.draw(st.binary(max_size=60), "raw")
+        else:
+            raw = lpb.AbortRequest(step_id=data.draw(_ABORT_STEPS), message=data.draw(st.text(max_size=20))
+                                   ).SerializeToString()
+            if data.draw(st.integers(0, 2), "mutate") == 2:
+                raw = data.draw(_mutated_bytes(raw))
+        with contextlib.suppress(DecodeError):
+            # steps 0 and 1 stay live (so that sends meet recvs), CHECK_STEP for the final check
+            assume(lpb.AbortRequest.FromString(raw).step_id not in (0, 1, CHECK_STEP))
+        _check_local_outcome("Abort", lt.run(_local_call(client, "Abort", raw, 5.0)))
+
+    @settings(deadline=None, max_examples=150)
+    @given(st.data())
+    def one(data):
+        try:
+            op = data.draw(st.sampled_from(["Send", "Send", "Recv", "Recv", "Abort"]))
+            {"Send": send, "Recv": recv, "Abort": abort}[op](data)
+            assert shm.listed(prefix) == [], "a shared-memory segment of the client's session was left behind"
+        finally:
+            shm.sweep(prefix)  # a failing example must not fail the ones after it
+
+    one()
+    lt.run(_node_still_serves(d, client))
+
+
+def test_daemon_send_of_a_zero_element_tensor_numpy_cannot_shape_is_invalid_argument(node):
+    lt, d, client = node
+    raw = lpb.SendRequest(step_id=1, rendezvous_key=_node_key("zero_but_huge"),
+                          tensor=tpb.TensorProto.FromString(_ZERO_BUT_HUGE)).SerializeToString()
+    out = lt.run(_local_call(client, "Send", raw, 5.0))
+    assert isinstance(out, InvalidArgument), (out.code, out.message)
+
+
+async def _node_still_serves(d: Daemon, client: Client) -> None:
+    await until(lambda: not d.local.waits and d.server.table.stats()["waiters"] == 0, 10,
+                "the fuzzed recvs to be gone")
+    k = _node_key("fuzz-check")
+    await client.send(k, np.array([1]), step_id=CHECK_STEP)
+    assert (await client.recv(k, step_id=CHECK_STEP, timeout=10)).tolist() == [1]
+    big = np.arange(1 << 12, dtype=np.float32)  # 16 KiB: both hops through shared memory
+    await client.send(k, big, step_id=CHECK_STEP)
+    assert np.array_equal(await client.recv(k, step_id=CHECK_STEP, timeout=10), big)
+    assert client.stats().get("send_shm", 0) >= 1 and client.stats().get("recv_shm", 0) >= 1
+    assert shm.listed(client._prefix) == []
+    assert client.client_id in d.local.sessions
+
+
+# -- 6. config files ------------------------------------------------------------------------------
+
+def _toml_string(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return _toml_string(v)
+    if isinstance(v, datetime.datetime):
+        return v.isoformat()
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return "{" + ", ".join(f"{_toml_string(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+
+
+def _toml(data: dict) -> str:
+    return "".join(f"{_toml_string(k)} = {_toml_value(v)}\n" for k, v in data.items())
+
+
+# TOML's integers are 64-bit; larger ones (which tomllib reads anyway) have their
+# own test: test_a_config_integer_too_large_for_a_float_is_invalid_argument.
+_toml_scalars = st.one_of(
+    st.integers(-2**63, 2**63 - 1), st.integers(-3, 70000), st.floats(), st.booleans(), st.text(max_size=12),
+    st.sampled_from(["grpc", "grpc+mpi", "json", "text", "debug", "1", "0", "auto", "4096", "-1", "1e400", "nan",
+                     "", "unix:/tmp/x.sock"]),
+    st.datetimes(),
+)
+_toml_values = st.one_of(_toml_scalars, st.lists(_toml_scalars, max_size=3),
+                         st.dictionaries(st.text(max_size=4), _toml_scalars, max_size=2))
+_config_keys = st.one_of(st.sampled_from(sorted(CONFIG_FIELDS)), st.text(max_size=10))
+
+
+def _check_config_file(path: Path, data: dict | None) -> None:
+    """Config.load of the file: a Config whose values came from it, typed as the
+    fields are, or InvalidArgument naming the key (or saying it is not TOML)."""
+    try:
+        cfg = Config.load(env={}, file=path)
+    except InvalidArgument as exc:
+        msg = exc.message
+        if data is None:
+            assert "is not TOML" in msg, msg
+        else:
+            assert any(name in msg or repr(name) in msg for name in data), msg
+        return
+    assert data is not None, "a file that is not TOML was read"
+    for name, value in data.items():
+        assert name in CONFIG_FIELDS, f"unknown key {name!r} accepted"
+        assert cfg.sources[name] == f"file {path}"
+        got, default = getattr(cfg, name), CONFIG_FIELDS[name].default
+        if default is None:
+            assert got is None or type(got) is bool, (name, got)
+        else:
+            assert type(got) is type(default), (name, got)
+        if not isinstance(value, str) and not (isinstance(value, float) and math.isnan(value)):
+            assert got == value, (name, got, value)
+
+
+@settings(deadline=None, max_examples=250)
+@given(st.dictionaries(_config_keys, _toml_values, max_size=5))
+def test_fuzz_config_file_values(data):
+    with tempfile.TemporaryDirectory(prefix="rdv-cfg") as tmp:
+        path = Path(tmp) / "rendezvousd.toml"
+        path.write_text(_toml(data), encoding="utf-8")
+        if "nan" not in repr(data):  # the writer writes what was drawn (NaN never compares equal)
+            assert tomllib.loads(path.read_text(encoding="utf-8")) == data
+        _check_config_file(path, data)
+
+
+@settings(deadline=None, max_examples=150)
+@given(st.one_of(st.text(max_size=80), st.text("abc_=\"'[]{}.,#\n 019+-eEinfa", max_size=60),
+                 st.binary(max_size=60).map(lambda b: b.decode("latin-1")),
+                 st.dictionaries(_config_keys, _toml_values, max_size=4).map(_toml).flatmap(_mutated_text)))
+def test_fuzz_config_file_text(text):
+    # Written as UTF-8; a file that is not has its own test:
+    # test_a_config_file_that_is_not_utf8_is_invalid_argument.
+    with tempfile.TemporaryDirectory(prefix="rdv-cfg") as tmp:
+        path = Path(tmp) / "rendezvousd.toml"
+        path.write_bytes(text.encode("utf-8"))
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError:
+            data = None
+        _check_config_file(path, data)
+
+
+def test_a_config_file_that_is_not_utf8_is_invalid_argument(tmp_path):
+    path = tmp_path / "rendezvousd.toml"
+    path.write_bytes(b"\xff")
+    with pytest.raises(InvalidArgument):
+        Config.load(env={}, file=path)
+
+
+def test_a_config_integer_too_large_for_a_float_is_invalid_argument(tmp_path):
+    path = tmp_path / "rendezvousd.toml"
+    path.write_text("grace = 1" + "0" * 309 + "\n")
+    with pytest.raises(InvalidArgument, match="grace"):
+        Config.load(env={}, file=path)
