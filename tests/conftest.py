@@ -1,6 +1,13 @@
 from __future__ import annotations
 
-import asyncio
+import os
+
+# The test process is a program: it keeps gRPC's core (connection events such
+# as a peer's GOAWAY, logged at INFO) off its output, as the commands do. Read
+# when gRPC initializes, so before anything imports it.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import asyncio  # noqa: E402
 import contextlib
 from collections.abc import AsyncIterator
 
