@@ -69,3 +69,94 @@ def test_a_hung_peer_is_noticed_within_the_keepalive_bound():
             child.wait()
             await consumer.stop(0)
     run(main(), 80)
+
+
+_CONSUMER = r"""
+import asyncio, json, sys
+import numpy as np
+from rendezvous import aio
+async def main():
+    cluster = json.loads(sys.argv[1])
+    s = aio.Server(cluster, "worker", 0)
+    await s.start()
+    print("ready", flush=True)
+    got = await s.recv(sys.argv[2], step_id=1, timeout=60)
+    print("got", int(got[0]), flush=True)
+    await s.stop(0)
+asyncio.run(main())
+"""
+
+
+def test_a_consumer_killed_mid_reply_leaves_the_tensor_in_the_producers_table():
+    """The consumer process dies while its reply is on the way (stopped first, so
+    the reply is stuck half-written in flow control): the producer puts the
+    tensor back, and another consumer then gets it."""
+    async def main():
+        spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+        producer = aio.Server(spec, "worker", 1, chunk_bytes=256 << 10)
+        await producer.start()
+        cluster = json.dumps({"worker": ["127.0.0.1:0", producer.target]})
+        child = subprocess.Popen([sys.executable, "-c", _CONSUMER, cluster, KEY], stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
+            assert line.strip() == "ready", line
+            import numpy as np
+
+            value = np.arange(16 << 20, dtype=np.float32)  # 64 MiB: far more than flow control lets through
+            deadline = time.monotonic() + 30
+            while producer.servicer.open_streams() == 0:  # the consumer's stream is open
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            os.kill(child.pid, signal.SIGSTOP)
+            producer.send(KEY, value, step_id=1)
+            while producer.stats()["grpc"]["served"] == 0:  # its reply has started
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert not producer.pending()  # taken by the reply
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+            while not producer.pending():  # the cut-off reply's tensor goes back
+                assert time.monotonic() < deadline, "the tensor of a dead consumer's reply was lost"
+                await asyncio.sleep(0.01)
+            (entry,) = producer.pending()
+            assert entry.kind == "tensor" and entry.count == 1
+            # a consumer that comes later gets it
+            consumer = aio.Server(spec, "worker", 0)
+            await consumer.start()
+            consumer.update_cluster({"worker": [consumer.target, producer.target]})
+            got = await consumer.recv(KEY, step_id=1, timeout=30)
+            assert got.shape == value.shape and got[-1] == value[-1]
+            await consumer.stop(0)
+        finally:
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGKILL)
+                child.wait()
+            await producer.stop(0)
+    run(main(), 80)
+
+
+def test_a_producer_killed_mid_reply_fails_the_recv_promptly():
+    """The producer process dies while its reply is on the way: the recv fails
+    with UNAVAILABLE (after its re-sends find nobody), it does not hang."""
+    async def main():
+        spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+        consumer = aio.Server(spec, "worker", 0, reconnect_attempts=2, connect_timeout=2.0)
+        await consumer.start()
+        child = await _with_producer_process(consumer)
+        try:
+            waiting = asyncio.ensure_future(consumer.recv(KEY, step_id=1))  # no deadline
+            with pytest.raises(DeadlineExceeded):  # the connection is up, the recv waits there
+                await consumer.recv(KEY, step_id=2, timeout=0.5)
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+            killed = time.monotonic()
+            with pytest.raises(PeerUnavailable):
+                await asyncio.wait_for(waiting, 30)
+            assert time.monotonic() - killed < 15
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            await consumer.stop(0)
+    run(main(), 80)

@@ -261,8 +261,13 @@ def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") ->
 
 
 def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
+    """The error a stream's final status means for the recvs still on it. Our
+    servicer ends a stream with OK or INVALID_ARGUMENT (per-call errors travel
+    as error frames), so INTERNAL there is gRPC's own report of a transport torn
+    down under it (a peer killed mid-reply: "Internal error from Core"): the
+    peer is gone, as with UNAVAILABLE, and the recvs may be re-sent."""
     code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
         return PeerUnavailable(f"lost {client.describe()}: {exc.details()}")
     return from_status(code, exc.details() or "")
 
