@@ -149,3 +149,32 @@ def test_a_second_signal_exits_at_once(procs, sockdir):
     assert daemon.p.wait(10) == 1  # long before the 60 s grace
     assert "second signal (SIGINT)" in "".join(daemon.err)
     assert not (sockdir / "d.sock").exists()
+
+
+def test_a_killed_daemon_fails_waiting_clients_and_a_restart_takes_over(procs, sockdir):
+    """SIGKILL: no drain, no cleanup. A client's recv that waited without a
+    deadline fails with UNAVAILABLE at once (not a hang); the socket file left
+    behind is replaced by the next daemon, which serves."""
+    daemon, target, local, _ = start_daemon(procs, sockdir, 0)
+    waiter = Proc([sys.executable, str(HERE / "daemon_clients.py"), "waiter", local, key("never")])
+    procs.append(waiter)
+    waiter.line("WAITING")
+    with Client(local) as c:
+        deadline = 200
+        while not any(e.kind == "waiter" for e in c.pending()):
+            deadline -= 1
+            assert deadline, "the waiter's recv never reached the daemon"
+            threading.Event().wait(0.05)
+    daemon.p.send_signal(signal.SIGKILL)
+    daemon.p.wait(30)
+    outcome = json.loads(waiter.line("RESULT ")[7:])
+    assert outcome["error"] == "UNAVAILABLE", outcome
+    assert waiter.p.wait(30) == 0
+    assert (sockdir / "d.sock").exists()  # a killed daemon leaves its socket file
+    again, _, local2, _ = start_daemon(procs, sockdir, int(target.rsplit(":", 1)[1]))
+    assert local2 == local
+    with Client(local2) as c:
+        c.send(key("after"), np.arange(1 << 17, dtype=np.int32), step_id=1)  # through shared memory
+        assert c.recv(key("after"), step_id=1, timeout=10).sum() == sum(range(1 << 17))
+    again.p.send_signal(signal.SIGTERM)
+    assert again.p.wait(30) == 0
