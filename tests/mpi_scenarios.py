@@ -295,6 +295,40 @@ def huge() -> None:
     server.stop(5)
 
 
+def deadlines(count: str = "200") -> None:
+    """Rank 1 produces tensors 3 ms apart (a third of them on the MPI
+    path); rank 0 asks for each with a 0.5-6 ms deadline and, when that passes,
+    asks again. Every tensor arrives exactly once, with its own value: a recv
+    that gave up while a descriptor's bytes were on their way keeps them."""
+    import random
+
+    n = int(count)
+    server = start(2)
+    me = server.task.task
+    sizes = (64, 4 << 10, 256 << 10)  # the last above the MPI threshold
+    if me == 1:
+        for i in range(n):
+            server.send(key(worker(1), worker(0), f"d{i}"), np.full(sizes[i % 3] // 8, i, np.int64), step_id=1)
+            time.sleep(0.003)  # the producer's pace (slower than the deadlines), not a synchronization
+        finish(server)
+        result(rank=me, left=len(server.pending()))
+    else:
+        rng = random.Random(5)
+        timed_out = 0
+        for i in range(n):
+            k = key(worker(1), worker(0), f"d{i}")
+            try:
+                got = server.recv(k, step_id=1, timeout=rng.uniform(0.0005, 0.006))
+            except rendezvous.DeadlineExceeded:
+                timed_out += 1
+                got = server.recv(k, step_id=1, timeout=60)
+            assert got.shape == (sizes[i % 3] // 8,) and int(got[0]) == i == int(got[-1]), (i, got[:2])
+        finish(server)
+        result(rank=me, timed_out=timed_out, mpi=server.stats()["mpi"]["transfers"],
+               kept=len(server._aio._undelivered))
+    server.stop(5)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     globals()[name](*args)

@@ -153,6 +153,18 @@ def test_toggles(env, large_path):
         assert "MPI_OPTIMAL_PATH=" in out and "thread level MULTIPLE" in out
 
 
+@pytest.mark.timeout(150)
+def test_deadlines_racing_mpi_transfers_lose_nothing():
+    """Short deadlines on the optimal path: each tensor arrives exactly once (it
+    once could be lost when its descriptor's bytes were already on the way)."""
+    _, results, out = launch(2, "deadlines", "200", env={"MPI_OPTIMAL_PATH": "1"}, timeout=130)
+    consumer = next(r for r in results if r["rank"] == 0)
+    producer = next(r for r in results if r["rank"] == 1)
+    assert consumer["timed_out"] > 0, out[-2000:]  # the race was exercised
+    assert consumer["mpi"] > 0 and consumer["kept"] == 0
+    assert producer["left"] == 0  # nothing left in the producer's table
+
+
 @pytest.mark.timeout(120)
 def test_abort_before_and_during_a_transfer():
     launch(2, "abort", timeout=100)
