@@ -329,6 +329,39 @@ def deadlines(count: str = "200") -> None:
     server.stop(5)
 
 
+def stopped_producer(folder: str) -> None:
+    """Rank 1 is stopped (SIGSTOP, by the test) while rank 0 recvs from it with no
+    deadline: keepalive fails that recv with UNAVAILABLE within its bound; once
+    rank 1 is continued, the job goes on."""
+    rank, _ = launcher_rank() or (0, 1)
+    # the stopped rank's own clock jumps while it is stopped: its connect timeout is long
+    server = start(2, keepalive_time=1.0, keepalive_timeout=1.0, reconnect_attempts=1,
+                   connect_timeout=5.0 if rank == 0 else 60.0)
+    me = server.task.task
+    Path = __import__("pathlib").Path
+    if me == 1:
+        Path(folder, "producer.pid").write_text(str(os.getpid()))
+        got = server.recv(key(worker(0), worker(1), "go-on"), step_id=1, timeout=120)
+        finish(server)
+        result(rank=me, go_on=int(got[0]))
+    else:
+        Path(folder, "consumer.ready").write_text("1")
+        while not Path(folder, "stopped").exists():  # the test stopped rank 1 (a condition, polled)
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        try:
+            server.recv(key(worker(1), worker(0), "never"), step_id=1)  # no deadline
+            error = None
+        except rendezvous.RendezvousError as exc:
+            error = exc.code.name
+        took = time.monotonic() - t0
+        Path(folder, "failed").write_text("1")
+        server.send(key(worker(0), worker(1), "go-on"), np.array([7]), step_id=1)
+        finish(server)
+        result(rank=me, error=error, seconds=took)
+    server.stop(5)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     globals()[name](*args)

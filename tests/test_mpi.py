@@ -6,6 +6,7 @@ RENDEZVOUS_MPIEXEC names another, e.g. RENDEZVOUS_MPIEXEC="mpirun --oversubscrib
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +165,39 @@ def test_deadlines_racing_mpi_transfers_lose_nothing():
     assert consumer["timed_out"] > 0, out[-2000:]  # the race was exercised
     assert consumer["mpi"] > 0 and consumer["kept"] == 0
     assert producer["left"] == 0  # nothing left in the producer's table
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_rank_fails_recvs_within_the_keepalive_bound_and_the_job_goes_on(tmp_path):
+    cmd = [*mpiexec(), "-n", "2", sys.executable, SCRIPT, "stopped_producer", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI_DISABLED", "MPI_OPTIMAL_PATH")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not ((tmp_path / "producer.pid").exists() and (tmp_path / "consumer.ready").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        pid = int((tmp_path / "producer.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        (tmp_path / "stopped").write_text("1")
+        while not (tmp_path / "failed").exists():
+            assert proc.poll() is None and time.monotonic() < deadline + 30, proc.communicate()
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # never leave a rank stopped
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
+    results = {r["rank"]: r for r in parse_results(stdout)}
+    assert results[0]["error"] == "UNAVAILABLE" and results[0]["seconds"] < 15, results
+    assert results[1]["go_on"] == 7  # continued, the stopped rank goes on with the job
 
 
 @pytest.mark.timeout(120)
