@@ -423,6 +423,14 @@ class Server:
         queue.appendleft(item) if front else queue.append(item)
         log.warning("recv of %r (step %d) %s; kept for the next recv", key, step_id, why)
 
+    def keep(self, step_id: int, key: str, item: Received, why: str) -> None:
+        """Hold ``item``, fetched by a recv but never delivered (a daemon's local
+        client went away), for the next recv of ``key`` in ``step_id``, in front:
+        it was the oldest. Dropped if the step is over."""
+        if self._state.ending or self.table.aborted(step_id) is not None:
+            return
+        self._keep(step_id, key, item, front=True, why=why)
+
     def _unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived after its recv gave up (deadline, cancel)."""
         if self._state.ending or self.table.aborted(step_id) is not None:

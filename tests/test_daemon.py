@@ -680,3 +680,26 @@ def test_a_client_truncating_its_segment_after_the_send_cannot_crash_the_daemon(
             await a.send(key(0, 0, "after"), value)  # the daemon goes on serving
             np.testing.assert_array_equal(await b.recv(key(0, 0, "after"), step_id=0, timeout=10), value)
     run(main())
+
+
+def test_a_fetched_tensor_the_daemon_cannot_hand_over_is_kept_for_the_next_recv(sockdir, monkeypatch):
+    """The daemon took the tensor from its table but could not write the reply
+    (shared memory full): the tensor was lost. Now the next recv gets it."""
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            value = np.arange(1 << 17, dtype=np.float64)  # 1 MiB: a shared-memory reply
+            await a.send(key(0, 0, "full"), value, step_id=2)
+            real = shm.write
+            calls = []
+
+            def full(prefix, arr):
+                calls.append(prefix)
+                raise errors.ResourceExhausted("no space left in /dev/shm")
+            monkeypatch.setattr(shm, "write", full)
+            with pytest.raises(errors.ResourceExhausted):
+                await b.recv(key(0, 0, "full"), step_id=2, timeout=10)
+            assert calls
+            monkeypatch.setattr(shm, "write", real)
+            np.testing.assert_array_equal(await b.recv(key(0, 0, "full"), step_id=2, timeout=10), value)
+            assert not d.server.pending() and not d.server._undelivered
+    run(main())

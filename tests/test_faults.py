@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from rendezvous import aio
@@ -101,8 +102,6 @@ def test_a_consumer_killed_mid_reply_leaves_the_tensor_in_the_producers_table():
         try:
             line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
             assert line.strip() == "ready", line
-            import numpy as np
-
             value = np.arange(16 << 20, dtype=np.float32)  # 64 MiB: far more than flow control lets through
             deadline = time.monotonic() + 30
             while producer.servicer.open_streams() == 0:  # the consumer's stream is open
@@ -136,24 +135,59 @@ def test_a_consumer_killed_mid_reply_leaves_the_tensor_in_the_producers_table():
     run(main(), 80)
 
 
+_PRODUCER = r"""
+import asyncio, json, sys
+import numpy as np
+from rendezvous import aio
+async def main():
+    s = aio.Server(json.loads(sys.argv[1]), "worker", 1, chunk_bytes=64 << 10)
+    await s.start()
+    print(s.target, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    s.send(sys.argv[2], np.arange(32 << 20, dtype=np.float32), step_id=1)  # 128 MiB, 2048 frames
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
 def test_a_producer_killed_mid_reply_fails_the_recv_promptly():
-    """The producer process dies while its reply is on the way: the recv fails
-    with UNAVAILABLE (after its re-sends find nobody), it does not hang."""
+    """The producer process dies while its reply's frames are arriving: the recv
+    (no deadline) fails with UNAVAILABLE within seconds instead of hanging, and
+    the consumer's server goes on serving."""
     async def main():
         spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
         consumer = aio.Server(spec, "worker", 0, reconnect_attempts=2, connect_timeout=2.0)
         await consumer.start()
-        child = await _with_producer_process(consumer)
+        cluster = json.dumps({"worker": [consumer.target, "127.0.0.1:0"]})
+        child = subprocess.Popen([sys.executable, "-c", _PRODUCER, cluster, KEY], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
         try:
+            target = (await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)).strip()
+            consumer.update_cluster({"worker": [consumer.target, target]})
             waiting = asyncio.ensure_future(consumer.recv(KEY, step_id=1))  # no deadline
-            with pytest.raises(DeadlineExceeded):  # the connection is up, the recv waits there
-                await consumer.recv(KEY, step_id=2, timeout=0.5)
-            os.kill(child.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+
+            def assembling() -> bool:
+                stream = consumer._peers[next(iter(consumer._peers))]._stream if consumer._peers else None
+                return stream is not None and any(p.assembly is not None for p in stream.pending.values())
+            while not consumer._peers:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            while not assembling():  # the reply's first frames are here
+                assert time.monotonic() < deadline and not waiting.done()
+                await asyncio.sleep(0.001)
+            child.kill()
             child.wait()
             killed = time.monotonic()
             with pytest.raises(PeerUnavailable):
                 await asyncio.wait_for(waiting, 30)
             assert time.monotonic() - killed < 15
+            consumer.send("/job:worker/replica:0/task:0/cpu:0;0000000000000001;/job:worker/replica:0/task:0/cpu:0;"
+                          "local;0:0", np.ones(2))
+            assert (await consumer.recv("/job:worker/replica:0/task:0/cpu:0;0000000000000001;"
+                                        "/job:worker/replica:0/task:0/cpu:0;local;0:0", timeout=5)).sum() == 2
         finally:
             if child.poll() is None:
                 child.kill()

@@ -243,7 +243,15 @@ class LocalServicer:
             item, path, _ = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
             del self.waits[wait_id]
             wait_id = None
-            reply, hop, nbytes = await self._reply(item, path, req.client_id)
+            try:
+                if context.cancelled():
+                    raise Unavailable("the client went away")
+                reply, hop, nbytes = await self._reply(item, path, req.client_id)
+            except BaseException:
+                # fetched but not handed over (the client went, or the reply could
+                # not be made): kept for the next recv of this key and step
+                self.server.keep(req.step_id, canonical, item, why="was not handed to its local client")
+                raise
         except asyncio.CancelledError:
             raise
         except Exception as exc:
