@@ -45,11 +45,22 @@ def test_duplicates_in_flight_share_one_take_and_errors_are_answers_too():
         ra, rb = await asyncio.gather(a, b)
         assert ra is rb and ra.value[0] == 1
         assert table.stats()["tensors"] == 1
+        # Errors are answers too: request 8 fails (its step is aborted while it
+        # waits); the step is then cleaned up, so a fresh take would now wait (or
+        # succeed), yet a retry of request 8 gets the recorded error at once. (The
+        # check once aborted the step before asking, so a fresh take failed the
+        # same way and the cache was never exercised.)
+        first = asyncio.ensure_future(cache.run(3, 8, lambda: table.recv(3, "k")))
+        await asyncio.sleep(0)
         table.abort(3, Aborted("gone"))
-        with pytest.raises(Aborted):
-            await cache.run(3, 8, lambda: table.recv(3, "k"))
         with pytest.raises(Aborted, match="gone"):
-            await cache.run(3, 8, lambda: table.recv(3, "k"))
+            await first
+        table.cleanup(3)
+        table.send(3, "k", np.array([5]))  # a fresh take would get this tensor
+        takes = []
+        with pytest.raises(Aborted, match="gone"):
+            await cache.run(3, 8, lambda: takes.append(1) or table.recv(3, "k"))
+        assert takes == [] and table.stats()["tensors"] == 2  # answered from the cache
     run(main())
 
 
