@@ -36,6 +36,7 @@ from .errors import (
     FailedPrecondition,
     NotPlaced,
     RendezvousError,
+    ResourceExhausted,
     Unavailable,
 )
 from .keys import Key, TaskName, as_key
@@ -449,8 +450,14 @@ class Server:
             return None
         if not isinstance(value, DeviceTensor) and not self.devices.needs_copy(value, target, True):
             return value  # host data staying on the host (strings too): the object as it is
-        placed = await asyncio.get_running_loop().run_in_executor(
-            None, self.devices.place, value, target, True, self._staging)
+        try:
+            placed = await asyncio.get_running_loop().run_in_executor(
+                None, self.devices.place, value, target, True, self._staging)
+        except RendezvousError:
+            raise
+        except Exception as exc:  # out of device memory, a CUDA error: the caller keeps the tensor
+            raise ResourceExhausted(f"cannot put the tensor on {target}: {type(exc).__name__}: {exc}; "
+                                    "it is kept for the next recv of this key") from exc
         if isinstance(value, DeviceTensor) and not target.is_gpu:
             self._stats.gpu("to_host")
         elif not isinstance(value, DeviceTensor) or value.device != target.index:

@@ -251,7 +251,7 @@ def test_a_failed_local_placement_leaves_the_tensor_in_the_table(fake, monkeypat
             def broken(*args):
                 raise MemoryError("device is full")
             monkeypatch.setattr(fake, "from_host", broken)
-            with pytest.raises(MemoryError):
+            with pytest.raises(errors.ResourceExhausted, match="device is full"):
                 await a.recv(gkey(0, 0, "t"), timeout=10)
             monkeypatch.undo()
             got = await a.recv(gkey(0, 0, "t"), timeout=10)
@@ -268,7 +268,7 @@ def test_a_fetched_tensor_that_cannot_be_placed_waits_for_the_next_recv(fake, mo
             def full(*args):
                 raise MemoryError("device is full")
             monkeypatch.setattr(fake, "from_host", full)
-            with pytest.raises(MemoryError):
+            with pytest.raises(errors.ResourceExhausted, match="device is full"):
                 await a.recv(gkey(1, 0, "t"), step_id=3, timeout=10)
             monkeypatch.undo()
             first = await a.recv(gkey(1, 0, "t"), step_id=3, timeout=10)
@@ -278,7 +278,7 @@ def test_a_fetched_tensor_that_cannot_be_placed_waits_for_the_next_recv(fake, mo
             # a kept tensor goes with its step
             b.send(gkey(1, 0, "u"), np.arange(2.0), step_id=4)
             monkeypatch.setattr(fake, "from_host", full)
-            with pytest.raises(MemoryError):
+            with pytest.raises(errors.ResourceExhausted, match="device is full"):
                 await a.recv(gkey(1, 0, "u"), step_id=4, timeout=10)
             monkeypatch.undo()
             a.cleanup(4)
