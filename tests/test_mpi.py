@@ -210,16 +210,23 @@ def test_idle_rank_uses_almost_no_cpu():
     _, results, _ = launch(2, "idle", "3", timeout=100)
     for r in results:
         assert r["stats"]["mpi"]["transfers"] == 20
+        # What the test holds is behaviour: with nothing in flight the progress
+        # thread sleeps on its condition variable and never polls. The CPU an idle
+        # rank uses is a speed figure: `make bench` measures and reports it.
         assert r["polls"] == 0, "the progress thread polled while nothing was in flight"
-        assert r["cpu"] < 0.05, f"idle rank used {r['cpu']:.1%} of a core"
 
 
 @pytest.mark.timeout(120)
 def test_failing_rank_aborts_the_job():
     # rank 0 waits 600 s for a tensor rank 1 never sends: only MPI_Abort ends
     # the job before launch()'s 100 s limit fails the test.
-    code, _, out = launch(2, "fail", timeout=100, check=False)
+    code, results, out = launch(2, "fail", timeout=100, check=False)
     assert code != 0, out
+    # ended by the failing rank's own error, through MPI_Abort, not by any crash
+    # or by the waiting rank giving up
+    assert "RuntimeError: rank 1 fails on purpose" in out, out[-3000:]
+    assert "MPI_Abort" in out or "application called MPI_Abort" in out, out[-3000:]
+    assert results == []  # rank 0 never finished its wait
 
 
 @pytest.mark.timeout(180)
