@@ -15,7 +15,7 @@ import numpy as np
 
 import rendezvous
 
-from mpi_scenarios import finish, pattern, result, start, worker
+from mpi_scenarios import finish, pattern, result, start, wait_for, worker
 
 from rendezvous.devices import Devices
 from rendezvous.fakegpu import FakeBackend
@@ -104,8 +104,7 @@ def transfers(backend: str = "fake") -> None:
     server.send(gkey(me, other, "late"), late, step_id=3)
 
     def release_after_descriptor() -> None:
-        while server.stats()["mpi"]["served"] == before:
-            threading.Event().wait(0.001)
+        wait_for(lambda: server.stats()["mpi"]["served"] != before, "the descriptor to be served")
         gate.set()
 
     releaser = threading.Thread(target=release_after_descriptor, daemon=True)

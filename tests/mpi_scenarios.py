@@ -44,6 +44,15 @@ def pattern(n: int, seed: int) -> np.ndarray:
     return (np.arange(n, dtype=np.uint64) * 2654435761 + seed).astype(np.uint8)
 
 
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    """Poll ``predicate`` until it holds; fail (and so abort the job) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.001)
+
+
 def result(**fields) -> None:
     sys.stdout.write("RESULT " + json.dumps(fields) + "\n")  # one write
     sys.stdout.flush()
@@ -120,8 +129,11 @@ def abort() -> None:
     server = start(2)
     me = server.task.task
     if me == 1:
-        # producer: step 3 tensor only after the consumer has aborted; then a
-        # checked tensor on the same pair to prove no stale bytes are matched
+        # producer: tells the consumer once its recv of "never" waits here; step 4
+        # tensor only after the consumer has aborted; then a checked tensor on the
+        # same pair to prove no stale bytes are matched
+        wait_for(lambda: any(e.kind == "waiter" for e in server.pending()), "the consumer's recv to wait here")
+        server.send(key(worker(1), worker(0), "waiting"), np.ones(1), step_id=2)
         server.send(key(worker(1), worker(0), "held"), pattern(4 << 20, 11), step_id=4)
         server.recv(key(worker(0), worker(1), "go"), step_id=5, timeout=60)
         server.send(key(worker(1), worker(0), "after"), pattern(4 << 20, 12), step_id=6)
@@ -136,8 +148,7 @@ def abort() -> None:
 
     fut = asyncio.run_coroutine_threadsafe(aio.recv(key(worker(1), worker(0), "never"), step_id=3, timeout=60),
                                            server.loop)
-    while not fut.done() and not server.aio._peers:
-        time.sleep(0.001)
+    server.recv(key(worker(1), worker(0), "waiting"), step_id=2, timeout=60)  # the producer saw it wait
     server.abort(3, "stop step 3")
     try:
         fut.result(30)
@@ -157,8 +168,7 @@ def abort() -> None:
     fut = asyncio.run_coroutine_threadsafe(aio.recv(key(worker(1), worker(0), "held"), step_id=4, timeout=60),
                                            server.loop)
     # wait until the descriptor arrived: a receive is queued behind the gate
-    while not engine._inbox:
-        time.sleep(0.001)
+    wait_for(lambda: engine.queued > 0, "the descriptor's receive to queue behind the gate")
     server.abort(4, "stop step 4")
     try:
         fut.result(30)
@@ -245,8 +255,7 @@ def outside_ps() -> None:
     for w in range(2):
         server.send(key(ps, worker(w), "done"), np.ones(1), step_id=2)
     # wait for the workers to take "done" before stopping
-    while server.pending():
-        time.sleep(0.01)
+    wait_for(lambda: not server.pending(), "the workers to take 'done'")
     result(role="ps", stats=server.stats(), mpi_imported="mpi4py" in sys.modules)
     server.stop(5)
 
