@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -359,9 +360,13 @@ def test_metrics_over_http(sockdir):
 
 def test_stall_warning_names_key_and_producer(sockdir, caplog):
     async def main():
-        # task 1 of the cluster never starts: a recv of its key just waits
+        # task 1 of the cluster never answers (a socket on an OS-chosen port that
+        # listens but never speaks): a recv of its key just waits
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
         async with daemons(sockdir, stall_warning=0.2) as (d,), Client(d.local_target) as c:
-            d.server.update_cluster({"node": [d.target, "127.0.0.1:9"]})
+            d.server.update_cluster({"node": [d.target, f"127.0.0.1:{silent.getsockname()[1]}"]})
             waiting = asyncio.create_task(c.recv(key(1, 0, "slow"), step_id=4, timeout=30))
             local = asyncio.create_task(c.recv(key(0, 0, "mine"), step_id=4, timeout=30))
             await until(lambda: sum("has waited" in r.getMessage() for r in caplog.records) >= 2, timeout=20,
@@ -369,6 +374,7 @@ def test_stall_warning_names_key_and_producer(sockdir, caplog):
             waiting.cancel()
             local.cancel()
             await asyncio.gather(waiting, local, return_exceptions=True)
+        silent.close()
         stalls = [r for r in caplog.records if "has waited" in r.getMessage()]
         by_key = {r.key: r for r in stalls}
         assert len(stalls) == 2, [r.getMessage() for r in stalls]  # each once
