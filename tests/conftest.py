@@ -11,6 +11,7 @@ import asyncio  # noqa: E402
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from rendezvous import aio
@@ -21,6 +22,22 @@ from rendezvous.keys import make_key
 # time is not what the properties test); each property sets its own max_examples.
 settings.register_profile("rendezvous", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("rendezvous")
+
+
+# Settings of the test run itself, read by the tests: they stay.
+_TEST_SETTINGS = {"RENDEZVOUS_MPIEXEC", "RENDEZVOUS_SOAK_OPS"}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment(monkeypatch):
+    """The developer's shell must not reach into the servers a test builds: a
+    RENDEZVOUS_TOKEN, TLS files or chunk sizes exported there would change what
+    every in-process server does (and the children it starts inherit the
+    environment). Each test starts from none of them."""
+    for name in list(os.environ):
+        if (name.startswith("RENDEZVOUS_") and name not in _TEST_SETTINGS) or \
+                name in ("MPI_DISABLED", "MPI_OPTIMAL_PATH"):
+            monkeypatch.delenv(name)
 
 
 def dev(job: str, task: int, kind: str = "CPU") -> str:
