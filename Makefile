@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-loopback test soak protos bench clean
+.PHONY: all venv demo demo-loopback test test-quick soak protos bench clean
 
 all: test
 
@@ -37,6 +37,11 @@ bench: $(BENCH_STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The everyday run: everything but the tests marked slow (multi-second
+# mpiexec jobs, process faults) and huge (tensors over 2 GiB).
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not huge" $(PYTEST_ARGS)
 
 SOAK_OPS ?= 100000
 

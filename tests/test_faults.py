@@ -37,6 +37,7 @@ async def _with_producer_process(consumer: aio.Server):
     return child
 
 
+@pytest.mark.slow
 def test_a_hung_peer_is_noticed_within_the_keepalive_bound():
     """A recv with no deadline waited forever on a peer that stopped answering
     (SIGSTOP: its socket stays open). With keepalive it fails with UNAVAILABLE

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.mpi
 SCRIPT = str(HERE / "gpu_scenarios.py")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_staged_gpu_transfers_over_mpi():
     _, results, out = launch(2, "transfers", env={"MPI_OPTIMAL_PATH": "1"}, timeout=140, script=SCRIPT)

@@ -167,6 +167,7 @@ def test_deadlines_racing_mpi_transfers_lose_nothing():
     assert producer["left"] == 0  # nothing left in the producer's table
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_stopped_rank_fails_recvs_within_the_keepalive_bound_and_the_job_goes_on(tmp_path):
     cmd = [*mpiexec(), "-n", "2", sys.executable, SCRIPT, "stopped_producer", str(tmp_path)]
