@@ -151,13 +151,14 @@ def _load_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     _quiet_grpc()
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args, parser)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "get":
-        return _get(args)
+        return _get(args, argv)
     if args.command == "bench":
         from .bench.cli import run as bench
 
@@ -216,7 +217,7 @@ def _get_security(args: argparse.Namespace) -> tuple[Any, tuple[tuple[str, str],
     return credentials, auth.token_metadata(token)
 
 
-def _get(args: argparse.Namespace) -> int:
+def _get(args: argparse.Namespace, argv: list[str]) -> int:
     import grpc
     import numpy as np
     from google.protobuf import text_format
@@ -230,7 +231,7 @@ def _get(args: argparse.Namespace) -> int:
     try:
         parse_key(args.key)
         request = pb.RecvTensorRequest(step_id=args.step, rendezvous_key=args.key)
-        if "--token" in sys.argv[1:] or any(a.startswith("--token=") for a in sys.argv[1:]):
+        if "--token" in argv or any(a.startswith("--token=") for a in argv):
             print("rendezvous get: warning: a token given with --token shows in the process list; "
                   "use --token-file or RENDEZVOUS_TOKEN", file=sys.stderr)
         credentials, metadata = _get_security(args)
