@@ -1,0 +1,101 @@
+"""Units of rendezvous.mpi.world with a scripted MPI (no MPI is initialized
+here: the multi-rank behaviour is tested under mpiexec in test_mpi.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rendezvous.errors import FailedPrecondition, InvalidArgument
+from rendezvous.keys import TaskName
+from rendezvous.mpi.world import MpiWorld, RankAddress
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class ScriptedComm:
+    """COMM_WORLD of a scripted job: what every rank contributes is given."""
+
+    def __init__(self, rank: int, contributions: list, world_id: int = 0x1234) -> None:
+        self.rank = rank
+        self.contributions = contributions
+        self.world_id = world_id
+        self.dups = 0
+
+    def Dup(self) -> "ScriptedComm":
+        self.dups += 1
+        return self
+
+    def bcast(self, value, root: int = 0):
+        assert root == 0
+        return value if self.rank == 0 else self.world_id
+
+    def allgather(self, mine):
+        out = list(self.contributions)
+        out[self.rank] = mine
+        return out
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return len(self.contributions)
+
+
+class ScriptedMPI:
+    THREAD_SINGLE, THREAD_FUNNELED, THREAD_SERIALIZED, THREAD_MULTIPLE = range(4)
+
+    def __init__(self, comm: ScriptedComm, level: int = 3) -> None:
+        self.COMM_WORLD = comm
+        self._level = level
+
+    def Query_thread(self) -> int:
+        return self._level
+
+    def Get_library_version(self) -> str:
+        return "MPICH Version:  5.0.2\nMPICH Release date: ...\n"
+
+
+def _world(rank: int, contributions: list) -> MpiWorld:
+    comm = ScriptedComm(rank, contributions)
+    return MpiWorld(ScriptedMPI(comm), None, rank, len(contributions), "MULTIPLE", 0, "test")
+
+
+def test_exchange_maps_every_task_to_its_rank_and_address_and_agrees_on_a_world_id():
+    others = [("worker", 0, 0, "10.0.0.1:5000"), ("worker", 0, 1, "10.0.0.2:5000"), ("ps", 0, 0, "10.0.0.3:1")]
+    table = _world(1, others).exchange(TaskName("worker", 0, 1), "10.0.0.2:5000")
+    assert table == {TaskName("worker", 0, 0): RankAddress(0, "10.0.0.1:5000"),
+                     TaskName("worker", 0, 1): RankAddress(1, "10.0.0.2:5000"),
+                     TaskName("ps", 0, 0): RankAddress(2, "10.0.0.3:1")}
+    root = _world(0, others)
+    root.exchange(TaskName("worker", 0, 0), "10.0.0.1:5000")
+    assert root.world_id % 2 == 1 and root.comm is not None  # rank 0 draws it (odd: never 0)
+    follower = _world(2, others)
+    follower.exchange(TaskName("ps", 0, 0), "10.0.0.3:1")
+    assert follower.world_id == 0x1234  # what rank 0 broadcast
+
+
+def test_two_ranks_claiming_one_task_is_an_error_naming_both():
+    same = [("worker", 0, 0, "a:1"), ("worker", 0, 0, "b:1")]
+    with pytest.raises(InvalidArgument, match="claimed by MPI ranks 0 and 1"):
+        _world(0, same).exchange(TaskName("worker", 0, 0), "a:1")
+
+
+def test_join_refuses_a_thread_level_below_serialized(monkeypatch):
+    from rendezvous.mpi import world as world_mod
+
+    comm = ScriptedComm(0, [None])
+    monkeypatch.setattr(world_mod, "import_mpi", lambda: ScriptedMPI(comm, level=1))
+    with pytest.raises(FailedPrecondition, match="FUNNELED"):
+        MpiWorld.join()
+    monkeypatch.setattr(world_mod, "import_mpi", lambda: ScriptedMPI(comm, level=2))
+    joined = MpiWorld.join()
+    assert joined.thread_level == "SERIALIZED" and joined.library == "MPICH Version: 5.0.2"
+    assert (joined.rank, joined.size) == (0, 1)
+
+
+def test_probe_cuda_aware_without_an_mpi_library_says_so(monkeypatch):
+    from rendezvous.mpi import world as world_mod
+
+    monkeypatch.setattr(world_mod, "_loaded_mpi_libraries", lambda: [])
+    aware, how = _world(0, [None]).probe_cuda_aware()
+    assert aware is False and "no CUDA query" in how
