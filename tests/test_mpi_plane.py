@@ -449,6 +449,31 @@ def test_receive_posts_a_receive_and_resolves_to_the_delivered_bytes():
     run(main(), 20)
 
 
+def test_an_mpi_error_fails_that_receive_with_internal_and_the_next_one_works():
+    """README: an MPI error fails that one recv with INTERNAL, never the process."""
+    from rendezvous.errors import Internal
+
+    async def main():
+        producer_engine, consumer_engine = FakeEngine(), FakeEngine()
+        producer = make_plane(FakeWorld(rank=0), producer_engine)
+        consumer = make_plane(FakeWorld(rank=2), consumer_engine)
+        arr = np.arange(4096, dtype=np.float32)
+        buf, head = first_frame(producer.plan(request_from(consumer), Received(arr, False)))
+        got = asyncio.ensure_future(consumer.receive(buf, head, None).pending)
+        recv = await consumer_engine.next_recv()
+        await complete(recv.future, error=Internal("MPI error receiving from rank 0: MPI_ERR_TRUNCATE"))
+        with pytest.raises(Internal, match="MPI_ERR_TRUNCATE"):
+            await got
+        # the plane goes on: the next transfer is received
+        buf, head = first_frame(producer.plan(request_from(consumer), Received(arr + 1, False)))
+        got = asyncio.ensure_future(consumer.receive(buf, head, None).pending)
+        consumer_engine.recvs.clear()
+        recv = await consumer_engine.next_recv()
+        await deliver(producer_engine.sends[-1], recv)
+        np.testing.assert_array_equal(await got, arr + 1)
+    run(main(), 20)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(world_id=WORLD + 1), "another MPI job"),
     (dict(nbytes=999), "999 bytes"),
