@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import copy
 import logging
 import sys
 from collections.abc import Callable
@@ -54,7 +55,14 @@ __all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port", "Fetched"]
 
 log = logging.getLogger("rendezvous")
 PROTOCOLS = tuple(p.value for p in Protocol)
-_ABORT = "rendezvous: step aborted"  # cancel message that marks an abort, not a user cancel
+class _StepEnded:
+    """The cancel message of a remote recv whose step was aborted or cleaned up
+    (not a cancel by its caller): the recv raises ``error`` instead."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: RendezvousError) -> None:
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -389,10 +397,9 @@ class Server:
         try:
             fetched = await peer.recv(key, step_id, timeout, target)
         except asyncio.CancelledError as exc:
-            err = self.table.aborted(step_id)
-            if exc.args and exc.args[0] == _ABORT and err is not None:
+            if exc.args and isinstance(exc.args[0], _StepEnded):
                 task.uncancel()  # type: ignore[union-attr]
-                raise err from None
+                raise copy.copy(exc.args[0].error) from None
             raise
         except NotPlaced as exc:  # moved, but the device could not take it
             self._stats.error(Path.GRPC)
@@ -466,24 +473,25 @@ class Server:
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
-        self.table.abort(step_id, Aborted(message))
-        self._cancel_remote(step_id)
+        error = Aborted(message)
+        self.table.abort(step_id, error)
+        self._cancel_remote(step_id, error)
         self._drop_kept(step_id)
 
     def cleanup(self, step_id: int) -> None:
         """Abort the step's waiters and forget the step (its ids may be reused)."""
         self.table.cleanup(step_id)
         self._retry.drop_step(step_id)
-        self._cancel_remote(step_id)
+        self._cancel_remote(step_id, Aborted(f"step {step_id} cleaned up"))
         self._drop_kept(step_id)
 
     def _drop_kept(self, step_id: int) -> None:
         for k in [k for k in self._undelivered if k[0] == step_id]:
             del self._undelivered[k]
 
-    def _cancel_remote(self, step_id: int) -> None:
+    def _cancel_remote(self, step_id: int, error: RendezvousError) -> None:
         for task in list(self._remote.get(step_id, ())):
-            task.cancel(_ABORT)
+            task.cancel(_StepEnded(error))
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served,

@@ -12,22 +12,24 @@ retry gets FAILED_PRECONDITION instead of a second tensor. ``drop_step`` forgets
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from rendezvous.errors import FailedPrecondition, InvalidArgument
+from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
 from rendezvous.table import Received
 
 __all__ = ["RetryCache"]
 
 
 class _Entry:
-    __slots__ = ("step_id", "key", "task", "waiters", "done_at", "nbytes")
+    __slots__ = ("step_id", "key", "task", "waiters", "done_at", "nbytes", "withdrawn")
 
     def __init__(self, step_id: int, key: str, task: asyncio.Task) -> None:
         self.step_id = step_id
         self.key = key
+        self.withdrawn: RendezvousError | None = None  # why a waiting take was withdrawn
         self.task = task
         self.waiters = 0
         self.done_at: float | None = None
@@ -75,6 +77,11 @@ class RetryCache:
         try:
             return await asyncio.shield(entry.task)
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if entry.withdrawn is not None and current is not None and not current.cancelling():
+                # Not this caller's cancel: its step was cleaned up (drop_step withdrew
+                # the take). The caller gets the step's error, not a silent cancel.
+                raise copy.copy(entry.withdrawn) from None
             # The last interested caller went away before the tensor was taken:
             # stop waiting, so nothing is consumed on its behalf.
             if entry.waiters == 1 and not entry.task.done():
@@ -117,8 +124,13 @@ class RetryCache:
         if entry is not None and self._done.pop(request_id, None) is not None:
             self._done_bytes -= entry.nbytes
 
-    def drop_step(self, step_id: int) -> None:
+    def drop_step(self, step_id: int, error: RendezvousError | None = None) -> None:
+        """Forget a step's answers; a take still waiting is withdrawn, and its
+        callers get ``error`` (default ABORTED "step N cleaned up")."""
         for rid in [r for r, e in self._entries.items() if e.step_id == step_id]:
+            entry = self._entries[rid]
+            if not entry.task.done():
+                entry.withdrawn = error if error is not None else Aborted(f"step {step_id} cleaned up")
             self._release(rid)
 
     def _completed(self, request_id: int, task: asyncio.Task) -> None:
