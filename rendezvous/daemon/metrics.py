@@ -91,9 +91,16 @@ class _Snapshot:
         async def take() -> dict[str, Any]:
             return self.snapshot()
 
+        coro = take()
         try:
-            snap = asyncio.run_coroutine_threadsafe(take(), self.loop).result(5)
-        except Exception:  # the loop is gone or busy: report what is live only
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed: report what is live only
+            coro.close()
+            return
+        try:
+            snap = future.result(5)
+        except Exception:  # the loop is busy or stopping: report what is live only
+            future.cancel()
             return
         paths = snap["stats"]
         for name, counter, doc in (
