@@ -32,8 +32,11 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,mpi,daemon,bench]'
 	touch $(BENCH_STAMP)
 
+STEPS_ARGS ?=
+
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m rendezvous bench $(BENCH_ARGS)
+	$(BIN)/python -m rendezvous bench-steps $(STEPS_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

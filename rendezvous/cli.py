@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.cli import add_arguments as bench_arguments  # stdlib only at import
 
     bench_arguments(b)
+    sub.add_parser("bench-steps", add_help=False,
+                   help="one training step's gradient exchange (ResNet-50, BERT-base, many small tensors) "
+                        "against raw MPI, gloo and raw gRPC; 'rendezvous bench-steps --help' for its flags")
     return p
 
 
@@ -150,8 +153,12 @@ def _load_config(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_grpc()
-    parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench-steps"]:  # its own flags: see rendezvous.bench.steps
+        from .bench.steps import main as steps
+
+        return steps(argv[1:])
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args, parser)

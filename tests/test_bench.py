@@ -11,6 +11,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -496,3 +497,33 @@ def test_tiny_run_of_the_gpu_contenders_on_the_fake_gpu(tmp_path):
     assert any("fake GPU" in n for n in doc["notes"])
     cells = {(t["contender"], t["size"]) for t in doc["transfers"]}
     assert {("gpu_staged", 65536), ("gpu_serial", 1024), ("d2h", 65536)} <= cells
+
+
+def test_model_shapes_match_the_published_architectures():
+    from rendezvous.bench import models
+
+    assert len(models.shapes("resnet50")) == 161
+    assert sum(math.prod(s) for s in models.shapes("resnet50")) == 25_557_032  # torchvision's count
+    assert len(models.shapes("bert-base")) == 199
+    assert sum(math.prod(s) for s in models.shapes("bert-base")) == 109_482_240  # with the pooler
+    small = models.shapes("many-small")
+    assert len(small) == 2000 and all(16 <= 4 * s[0] <= 64 << 10 for s in small)
+    with pytest.raises(ValueError, match="unknown model"):
+        models.shapes("vgg")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tiny_step_exchange_run_writes_its_table(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rendezvous", "bench-steps", "--steps", "1", "--models",
+                          "resnet50,many-small", "--contenders", "mpi,optimal,default,blocking,grpc",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    doc = json.loads((tmp_path / "steps.json").read_text())
+    assert set(doc["models"]) == {"resnet50", "many-small"}
+    for model in doc["models"].values():
+        assert set(model["seconds"]) == {"mpi", "optimal", "default", "blocking", "grpc"}
+        assert all(len(t) == 1 and t[0] > 0 for t in model["seconds"].values())
+    table = (tmp_path / "steps.md").read_text()
+    assert "**resnet50**: 161 tensors, 97.5 MiB per step" in table and "| optimal |" in table

@@ -1,0 +1,417 @@
+"""``rendezvous bench --steps``: one training step's gradient exchange, as users run it.
+
+For each model (:mod:`rendezvous.bench.models`) and each contender, rank 1
+produces a fresh array per parameter tensor (outside the timed window, as a
+backward pass would), then rank 0 receives all of them: the time from its
+first request to the last array in hand is one step. Contenders take turns
+step by step, so the machine's noise falls on all of them alike; each gets
+``--steps`` timed steps after one untimed warm-up.
+
+Contenders:
+
+* ``mpi``: raw mpi4py ``Isend``/``Irecv`` of every tensor into new arrays,
+  then ``Waitall`` (the bound: nothing but the bytes);
+* ``optimal``: ``rendezvous.aio.Server`` under ``grpc+mpi``, optimal path, a
+  ``recv`` per key gathered concurrently;
+* ``default``: the same with ``MPI_OPTIMAL_PATH=0`` (every tensor inside its
+  gRPC reply);
+* ``blocking``: the blocking ``rendezvous.Server`` (optimal path), one
+  ``recv`` after another, as a plain script does;
+* ``grpc``: raw grpc.aio, one unary call per tensor gathered concurrently
+  (raw bytes in, raw bytes out);
+* ``gloo``: ``torch.distributed`` gloo ``isend``/``irecv`` when torch imports.
+
+Run outside MPI it launches itself under ``mpiexec -n 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .models import MODELS, nbytes, shapes
+
+__all__ = ["main", "CONTENDERS"]
+
+CONTENDERS = ("mpi", "optimal", "default", "blocking", "grpc", "gloo")
+_RESULT = "@steps-result "
+_RAW_METHOD = "/rendezvous.bench.Steps/Get"
+
+
+def _key(job: str, model: str, i: int) -> str:
+    return (f"/job:{job}/replica:0/task:1/device:CPU:0;0000000000000001;"
+            f"/job:{job}/replica:0/task:0/device:CPU:0;{model}_{i};0:0")
+
+
+def _produce(tensors: list[tuple[int, ...]], step: int) -> list[np.ndarray]:
+    """A fresh float32 array per parameter, its first element the step (checked)."""
+    out = []
+    for shape in tensors:
+        arr = np.empty(shape, np.float32)
+        arr.reshape(-1)[:1] = step
+        arr.reshape(-1)[1:] = 1.0
+        out.append(arr)
+    return out
+
+
+def _check(arrays: list[Any], tensors: list[tuple[int, ...]], step: int) -> None:
+    if len(arrays) != len(tensors):
+        raise AssertionError(f"{len(arrays)} tensors received, {len(tensors)} sent")
+    for arr, shape in zip(arrays, tensors):
+        a = np.asarray(arr)
+        if a.shape != shape or float(a.reshape(-1)[0]) != step:
+            raise AssertionError(f"a received tensor is {a.shape} with first element {a.reshape(-1)[0]}, "
+                                 f"expected {shape} from step {step}")
+
+
+class _Rank:
+    def __init__(self, opts: argparse.Namespace) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.world = MPI.COMM_WORLD
+        self.rank = self.world.Get_rank()
+        self.comm = self.world.Dup()  # raw MPI's own traffic
+        self.opts = opts
+        self.servers: dict[str, Any] = {}
+        self.grpc: Any = None
+        self.gloo = False
+
+    # -- set-up -----------------------------------------------------------------
+
+    async def setup(self, names: list[str]) -> list[str]:
+        from rendezvous import aio
+
+        cluster = {job: ["127.0.0.1:0"] * 2 for job in ("opt", "dflt")}
+        if "optimal" in names:
+            self.servers["optimal"] = aio.Server(cluster, "opt", self.rank, "grpc+mpi", mpi_optimal_path=True,
+                                                 mpi_disabled=False)
+        if "default" in names:
+            self.servers["default"] = aio.Server(cluster, "dflt", self.rank, "grpc+mpi", mpi_optimal_path=False,
+                                                 mpi_disabled=False)
+        for server in self.servers.values():
+            await server.start()  # collective: both ranks, same order
+        if "grpc" in names:
+            await self._start_raw_grpc()
+        if "gloo" in names:
+            self.gloo = self._start_gloo()
+            if not self.gloo:
+                names = [n for n in names if n != "gloo"]
+        return names
+
+    async def _start_raw_grpc(self) -> None:
+        import grpc
+
+        self.raw_store: dict[int, np.ndarray] = {}
+        if self.rank == 1:
+            async def get(request: bytes, context: Any) -> bytes:
+                return memoryview(self.raw_store.pop(int.from_bytes(request, "little"))).cast("B").tobytes()
+
+            server = grpc.aio.server(options=[("grpc.max_send_message_length", -1),
+                                              ("grpc.max_receive_message_length", -1)])
+            server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+                "rendezvous.bench.Steps", {"Get": grpc.unary_unary_rpc_method_handler(get)})])
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.grpc = server
+            self.world.bcast(port, root=1)
+        else:
+            port = self.world.bcast(None, root=1)
+            self.grpc = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+            self.raw_call = self.grpc.unary_unary(_RAW_METHOD)
+
+    def _start_gloo(self) -> bool:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return False
+        port = self.world.bcast(_free_port() if self.rank == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=2)
+        return True
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            await server.stop(1.0)
+        if self.grpc is not None:
+            await (self.grpc.stop(0) if self.rank == 1 else self.grpc.close())
+        if self.gloo:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    # -- one step ------------------------------------------------------------------
+
+    def _offer(self, name: str, model: str, produced: list[np.ndarray], step: int) -> None:
+        if name in self.servers:
+            job = self.servers[name].task.job
+            for i, arr in enumerate(produced):
+                self.servers[name].send(_key(job, model, i), arr, step_id=step)
+        elif name == "grpc":
+            self.raw_store.update(enumerate(produced))
+        else:
+            self._pending_sends = produced  # raw MPI and gloo send inside the step
+
+    async def _mpi(self, model: str, tensors: list, step: int) -> float | None:
+        MPI = self.MPI
+        if self.rank == 1:
+            reqs = [self.comm.Isend([a, MPI.FLOAT], 0, i) for i, a in enumerate(self._pending_sends)]
+            MPI.Request.Waitall(reqs)
+            self._pending_sends = []
+            return None
+        t0 = time.perf_counter()
+        out = [np.empty(s, np.float32) for s in tensors]
+        MPI.Request.Waitall([self.comm.Irecv([a, MPI.FLOAT], 1, i) for i, a in enumerate(out)])
+        took = time.perf_counter() - t0
+        _check(out, tensors, step)
+        return took
+
+    async def _gloo(self, model: str, tensors: list, step: int) -> float | None:
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == 1:
+            works = [dist.isend(torch.from_numpy(a), 0, tag=i) for i, a in enumerate(self._pending_sends)]
+            for w in works:
+                w.wait()
+            self._pending_sends = []
+            return None
+        t0 = time.perf_counter()
+        out = [torch.empty(s, dtype=torch.float32) for s in tensors]
+        for w in [dist.irecv(a, 1, tag=i) for i, a in enumerate(out)]:
+            w.wait()
+        took = time.perf_counter() - t0
+        _check([a.numpy() for a in out], tensors, step)
+        return took
+
+    async def _rendezvous(self, name: str, model: str, tensors: list, step: int) -> float | None:
+        if self.rank == 1:
+            return None
+        server = self.servers[name]
+        keys = [_key(server.task.job, model, i) for i in range(len(tensors))]
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(server.recv(k, step, 300) for k in keys))
+        took = time.perf_counter() - t0
+        _check(out, tensors, step)
+        return took
+
+    async def _optimal(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("optimal", model, tensors, step)
+
+    async def _default(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("default", model, tensors, step)
+
+    async def _grpc(self, model: str, tensors: list, step: int) -> float | None:
+        if self.rank == 1:
+            return None  # the server answers on this loop until the barrier
+        # At most 64 calls in flight: with thousands at once grpc.aio cancels some
+        # of them (seen here: about 10% at 2,000), so a user would bound them too.
+        window = asyncio.Semaphore(64)
+
+        async def get(i: int) -> bytes:
+            async with window:
+                return await self.raw_call(i.to_bytes(8, "little"), timeout=300)
+
+        t0 = time.perf_counter()
+        raw = await asyncio.gather(*(get(i) for i in range(len(tensors))))
+        out = [np.frombuffer(r, np.float32).reshape(s) for r, s in zip(raw, tensors)]
+        took = time.perf_counter() - t0
+        _check(out, tensors, step)
+        return took
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _barrier_async(rank: _Rank) -> None:
+    """A barrier that keeps this rank's event loop turning (its gRPC server answers)."""
+    req = rank.world.Ibarrier()
+    while not req.Test():
+        await asyncio.sleep(0.0005)
+
+
+def _run_blocking(opts: argparse.Namespace) -> dict[str, list[float]]:
+    """The blocking ``rendezvous.Server``: its own loop thread (gRPC's asyncio runs
+    one loop per process at a time, so it has the process to itself), one recv
+    after another from this thread."""
+    from mpi4py import MPI
+
+    from rendezvous import sync
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    server = sync.Server({"blk": ["127.0.0.1:0"] * 2}, "blk", rank, "grpc+mpi", mpi_optimal_path=True,
+                         mpi_disabled=False)
+    server.start()
+    out: dict[str, list[float]] = {}
+    try:
+        for model in opts.models:
+            tensors = shapes(model)
+            keys = [_key("blk", model, i) for i in range(len(tensors))]
+            times = out[model] = []
+            for step in range(1, opts.steps + 2):
+                if rank == 1:
+                    for k, arr in zip(keys, _produce(tensors, step)):
+                        server.send(k, arr, step_id=step)
+                world.Barrier()
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    got = [server.recv(k, step, timeout=300) for k in keys]
+                    took = time.perf_counter() - t0
+                    _check(got, tensors, step)
+                    if step > 1:
+                        times.append(took)
+                    del got
+                world.Barrier()
+                server.cleanup(step)
+    finally:
+        server.stop(1.0)
+    return out
+
+
+async def run_rank(opts: argparse.Namespace) -> dict[str, Any] | None:
+    rank = _Rank(opts)
+    names = await rank.setup([n for n in opts.contenders if n != "blocking"])
+    results: dict[str, dict[str, list[float]]] = {}
+    for model in opts.models:
+        tensors = shapes(model)
+        order = list(names)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for step in range(opts.steps + 1):  # step 0: warm-up, not timed
+            for name in order:
+                took = await _step(rank, name, model, tensors, step + 1)
+                if step and took is not None:
+                    times[name].append(took)
+            order = order[1:] + order[:1]  # nobody always goes first
+        results[model] = times
+    await rank.close()
+    if rank.rank != 0:
+        return None
+    return {"models": {m: {"tensors": len(shapes(m)), "bytes": nbytes(m), "seconds": results[m]}
+                       for m in opts.models}, "contenders": names}
+
+
+def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, list[float]]) -> dict[str, Any] | None:
+    if doc is None:
+        return None
+    for model, times in blocking.items():
+        doc["models"][model]["seconds"]["blocking"] = times
+    doc["contenders"].append("blocking")
+    return doc
+
+
+async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) -> float | None:
+    produced = _produce(tensors, step) if rank.rank == 1 else None
+    if rank.rank == 1:
+        rank._offer(name, model, produced, step)
+    del produced
+    await _barrier_async(rank)  # the tensors are produced; the consumer starts its clock
+    took = await getattr(rank, f"_{name}")(model, tensors, step)
+    await _barrier_async(rank)
+    if name in rank.servers:
+        rank.servers[name].cleanup(step)  # the producer forgets the step's retry answers
+    return took
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results as Markdown: ms per step (median), and ratios in the same run."""
+    lines = []
+    names = doc["contenders"]
+    for model, m in doc["models"].items():
+        med = {n: statistics.median(m["seconds"][n]) * 1e3 for n in names if m["seconds"].get(n)}
+        lines.append(f"\n**{model}**: {m['tensors']} tensors, {m['bytes'] / 2**20:.1f} MiB per step "
+                     f"(median of {len(next(iter(m['seconds'].values())))} steps)\n")
+        lines.append("| contender | ms per step | min | × raw MPI | × gloo |")
+        lines.append("|---|---|---|---|---|")
+        for n in names:
+            if n not in med:
+                continue
+            lo = min(m["seconds"][n]) * 1e3
+            mpi = f"{med[n] / med['mpi']:.2f}" if "mpi" in med else "-"
+            gloo = f"{med[n] / med['gloo']:.2f}" if "gloo" in med else "-"
+            lines.append(f"| {n} | {med[n]:.1f} | {lo:.1f} | {mpi} | {gloo} |")
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rendezvous bench --steps", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=7, help="timed steps per model and contender (default 7)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"any of {', '.join(CONTENDERS)}")
+    p.add_argument("--out", default="bench-results", help="where steps.json and steps.md go")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole run may take")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    bad = [m for m in args.models if m not in MODELS] + [c for c in args.contenders if c not in CONTENDERS]
+    if bad or args.steps < 1:
+        raise SystemExit(f"rendezvous bench --steps: unknown {', '.join(bad)}" if bad else "--steps must be >= 1")
+    from rendezvous.launch import launcher_rank
+
+    if launcher_rank() is None:
+        return _launch(args, argv if argv is not None else sys.argv[1:])
+    from rendezvous.config import Config
+    from rendezvous.lifecycle import new_event_loop
+
+    loop = new_event_loop(Config.load().uvloop)
+    try:
+        doc = loop.run_until_complete(run_rank(args))
+    finally:
+        loop.close()
+    if "blocking" in args.contenders:
+        doc = _merge_blocking(doc, _run_blocking(args))
+    if doc is not None:
+        sys.stdout.write(_RESULT + json.dumps(doc) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from .cli import _mpiexec
+
+    launcher = _mpiexec()
+    if launcher is None:
+        print("rendezvous bench --steps: no mpiexec found", file=sys.stderr)
+        return 2
+    cmd = [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous.bench.steps", *argv]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"rendezvous bench --steps: the job ran past {args.timeout:g}s", file=sys.stderr)
+        return 1
+    docs = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode != 0 or not docs:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        return proc.returncode or 1
+    doc = docs[0]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "steps.json").write_text(json.dumps(doc, indent=1))
+    text = render(doc)
+    (out / "steps.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
