@@ -126,6 +126,7 @@ class Server:
                                            retry=self._retry, max_waiting=cfg.max_waiting_calls)
         self._world = None  # rendezvous.mpi.world.MpiWorld when MPI is in use
         self._plane = None  # rendezvous.mpi.plane.MpiPlane once started
+        self._requests = None  # rendezvous.mpi.control.MpiRequests with mpi_requests on
         self._engine = None
         if self.protocol is Protocol.GRPC_MPI and not cfg.mpi_disabled:
             from .mpi.world import MpiWorld  # imports mpi4py: never with MPI_DISABLED=1
@@ -217,6 +218,11 @@ class Server:
         self._plane = MpiPlane(world, engine, self.config, self._stats, buffers=self.buffers,
                                devices=self.devices)
         self.planes.register(self._plane)
+        if self.config.mpi_requests:
+            from .mpi.control import MpiRequests
+
+            self._requests = MpiRequests(engine, world.control, world.rank, self.servicer)
+            self._requests.start()
 
     def describe(self) -> str:
         """One line: who this rank is and how it moves tensors (printed at start-up)."""
@@ -230,7 +236,8 @@ class Server:
         src = cfg.sources.get("mpi_optimal_path", "default")
         setting = f"MPI_OPTIMAL_PATH={int(cfg.mpi_optimal_path)} ({'unset, default' if src == 'default' else src})"
         line += (f"; MPI rank {world.rank}/{world.size} ({world.library}), thread level {world.thread_level}; "
-                 f"{setting}, threshold {cfg.mpi_threshold} B")
+                 f"{setting}, threshold {cfg.mpi_threshold} B; requests over "
+                 f"{'MPI (RENDEZVOUS_MPI_REQUESTS=1)' if cfg.mpi_requests else 'gRPC'}")
         plane = self._plane
         if plane is not None:
             how = "GPU buffers to MPI directly" if plane.cuda_aware else \
@@ -265,6 +272,8 @@ class Server:
             # for those handlers to send their status before it cancels the rest.
             self.servicer.close_streams()
             await self._grpc.stop(max(0.2, min(1.0, end - loop.time())))
+        if self._requests is not None:
+            await self._requests.close()  # the MPI streams end (their replies were written above)
         unconsumed = self.table.stats().get("tensors", 0)
         self.table.close(drained)
         if unconsumed:
@@ -510,9 +519,12 @@ class Server:
         if peer is None:
             if self._state is not State.SERVING:
                 raise Unavailable(f"server {self.task} is {self._state}")
+            rank = self.mpi_ranks.get(task)
+            requests = self._requests
+            open_call = None if requests is None or rank is None else (lambda r=rank: requests.open_call(r))
             peer = PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
                               credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
-                              on_unclaimed=self._unclaimed)
+                              on_unclaimed=self._unclaimed, open_call=open_call)
             self._peers[task] = peer
         return peer
 

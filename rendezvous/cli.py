@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 _FLAG_FIELDS = {
     "cluster": "cluster", "job_name": "job_name", "task_index": "task_index", "protocol": "protocol",
     "grace": "grace", "local": "local_address", "metrics_port": "metrics_port", "metrics_host": "metrics_host",
-    "stall_warning": "stall_warning", "log_format": "log_format",
+    "stall_warning": "stall_warning", "log_format": "log_format", "mpi_requests": "mpi_requests",
 }
 
 
@@ -88,6 +88,9 @@ def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
     p.add_argument("--task-index", type=int, metavar="N",
                    help="this task's index (env RENDEZVOUS_TASK_INDEX; under mpiexec or srun: the rank; else 0)")
     p.add_argument("--protocol", choices=[p.value for p in Protocol], help="default grpc (env RENDEZVOUS_PROTOCOL)")
+    p.add_argument("--mpi-requests", action="store_const", const=True, default=None,
+                   help="under grpc+mpi, ask the ranks of the MPI job for tensors with MPI messages "
+                        "(env RENDEZVOUS_MPI_REQUESTS=1)")
     p.add_argument("--grace", type=float, metavar="S",
                    help="seconds replies in flight may take to finish at shutdown (default 5)")
     p.add_argument("--config", metavar="FILE", help="TOML file of config fields (env RENDEZVOUS_CONFIG)")

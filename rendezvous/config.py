@@ -144,6 +144,11 @@ class Config:
         True, "MPI_OPTIMAL_PATH",
         "`1`: tensors at or above the threshold send a descriptor over gRPC and their bytes over MPI. "
         "`0`: the encoded tensor travels in the gRPC reply. On when unset.", parse=env_flag)
+    mpi_requests: bool = _knob(
+        False, "RENDEZVOUS_MPI_REQUESTS",
+        "`1`: a rank asks another rank of its MPI job for a tensor with MPI messages, and the answer comes "
+        "back over MPI too (TensorFlow's MPI path); gRPC still serves tasks outside the job, local "
+        "clients and administration. Set it alike on every rank. Off when unset.", parse=env_flag)
     mpi_threshold: int = _knob(
         1024, "RENDEZVOUS_MPI_THRESHOLD",
         "Smallest tensor (bytes) that takes the MPI optimal path; smaller ones go inline over gRPC.")

@@ -124,6 +124,19 @@ def test_all_sizes_on_the_default_path():
         assert r["stats"]["mpi"]["transfers"] == 0 and r["stats"]["grpc"]["transfers"] == 10
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimal", ["1", "0"], ids=["optimal", "default"])
+def test_all_sizes_with_requests_over_mpi(optimal):
+    """RENDEZVOUS_MPI_REQUESTS=1: asked and answered over MPI, on both paths;
+    every size, its content and its path checked by the scenario."""
+    _, results, out = launch(2, "sizes", "full", env={"MPI_OPTIMAL_PATH": optimal, "RENDEZVOUS_MPI_REQUESTS": "1"},
+                             timeout=280)
+    for r in results:
+        assert r["stats"]["mpi"]["transfers"] == 10 and r["stats"]["grpc"]["transfers"] == 0, r["stats"]
+    assert "requests over MPI (RENDEZVOUS_MPI_REQUESTS=1)" in out
+
+
 TOGGLES = [
     ({}, "mpi"),
     ({"MPI_OPTIMAL_PATH": "1"}, "mpi"),
@@ -134,6 +147,10 @@ TOGGLES = [
     ({"MPI_DISABLED": "1", "MPI_OPTIMAL_PATH": "1"}, "grpc"),
     ({"MPI_DISABLED": "1", "MPI_OPTIMAL_PATH": "0"}, "grpc"),
     ({"MPI_DISABLED": "true"}, "mpi"),  # only a leading '1' means on, as in TensorFlow
+    # requests over MPI: every transfer between the ranks is MPI's, even inline ones
+    ({"RENDEZVOUS_MPI_REQUESTS": "1"}, "mpi"),
+    ({"RENDEZVOUS_MPI_REQUESTS": "1", "MPI_OPTIMAL_PATH": "0"}, "mpi"),
+    ({"RENDEZVOUS_MPI_REQUESTS": "1", "MPI_DISABLED": "1"}, "grpc"),  # no MPI: the setting has no effect
 ]
 
 
@@ -156,10 +173,12 @@ def test_toggles(env, large_path):
 
 
 @pytest.mark.timeout(150)
-def test_deadlines_racing_mpi_transfers_lose_nothing():
+@pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
+def test_deadlines_racing_mpi_transfers_lose_nothing(requests):
     """Short deadlines on the optimal path: each tensor arrives exactly once (it
     once could be lost when its descriptor's bytes were already on the way)."""
-    _, results, out = launch(2, "deadlines", "200", env={"MPI_OPTIMAL_PATH": "1"}, timeout=130)
+    _, results, out = launch(2, "deadlines", "200", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": requests},
+                             timeout=130)
     consumer = next(r for r in results if r["rank"] == 0)
     producer = next(r for r in results if r["rank"] == 1)
     assert consumer["timed_out"] > 0, out[-2000:]  # the race was exercised
@@ -202,8 +221,9 @@ def test_a_stopped_rank_fails_recvs_within_the_keepalive_bound_and_the_job_goes_
 
 
 @pytest.mark.timeout(120)
-def test_abort_before_and_during_a_transfer():
-    launch(2, "abort", timeout=100)
+@pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
+def test_abort_before_and_during_a_transfer(requests):
+    launch(2, "abort", timeout=100, env={"RENDEZVOUS_MPI_REQUESTS": requests})
 
 
 @pytest.mark.timeout(120)
@@ -221,13 +241,16 @@ def test_idle_rank_uses_almost_no_cpu():
 def test_failing_rank_aborts_the_job():
     # rank 0 waits 600 s for a tensor rank 1 never sends: only MPI_Abort ends
     # the job before launch()'s 100 s limit fails the test.
+    started = time.monotonic()
     code, results, out = launch(2, "fail", timeout=100, check=False)
-    assert code != 0, out
-    # ended by the failing rank's own error, through MPI_Abort, not by any crash
-    # or by the waiting rank giving up
-    assert "RuntimeError: rank 1 fails on purpose" in out, out[-3000:]
-    assert "MPI_Abort" in out or "application called MPI_Abort" in out, out[-3000:]
-    assert results == []  # rank 0 never finished its wait
+    # Ended by the failing rank's own MPI_Abort(1): the launcher exits with that
+    # code (a crash, a signal or rank 0 giving up would give another), long before
+    # rank 0's 600 s wait, and rank 0 reported nothing. (The ranks' last lines on
+    # stderr, the traceback and MPICH's "Abort(1)" line, are usually there but not
+    # always: the launcher may kill a rank before it forwards them.)
+    assert code == 1, out[-3000:]
+    assert time.monotonic() - started < 60
+    assert results == []
 
 
 @pytest.mark.timeout(180)

@@ -41,6 +41,7 @@ class OpKind(Enum):
     RECV = "recv"          # Irecv into a buffer, in chunk-sized messages
     CALL = "call"          # run a function there (start-up collectives)
     PIPELINE = "pipeline"  # build a transfer pipeline there and advance it until done
+    TAKE = "take"          # a listened-for message being received (matched probe, then Imrecv)
 
     def __str__(self) -> str:
         return self.value
@@ -48,11 +49,12 @@ class OpKind(Enum):
 
 class _Op:
     __slots__ = ("kind", "buf", "pipeline", "peer", "tag", "chunk", "future", "loop", "fn", "remaining",
-                 "error")
+                 "error", "comm")
 
-    def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
+    def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future | None,
                  buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
-                 fn: Callable[[], Any] | None = None) -> None:
+                 fn: Callable[[], Any] | None = None, comm: Any = None) -> None:
+        self.comm = comm  # None: the engine's communicator
         self.kind = kind
         self.loop = loop
         self.future = future
@@ -64,6 +66,20 @@ class _Op:
         self.fn = fn
         self.remaining = 0
         self.error: BaseException | None = None
+
+
+class _Listener:
+    """Messages on (comm, tag) from any rank, for one deliver callback on one loop."""
+
+    __slots__ = ("comm", "tag", "loop", "deliver", "taken")
+
+    def __init__(self, comm: Any, tag: int, loop: asyncio.AbstractEventLoop,
+                 deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
+        self.comm = comm
+        self.tag = tag
+        self.loop = loop
+        self.deliver = deliver
+        self.taken: list[tuple[int, bytes]] = []  # received this turn, handed over at its end
 
 
 def _mpi_error(MPI: Any, exc: BaseException, what: str) -> BaseException:
@@ -108,6 +124,7 @@ class ProgressEngine:
         self._finished: dict[asyncio.AbstractEventLoop, list] = {}  # completions not yet handed over
         self.in_flight = 0  # operations posted and not complete (read by stats)
         self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
+        self._listeners: list[_Listener] = []  # control messages taken as they come (see listen)
 
     # -- loop side ----------------------------------------------------------
 
@@ -133,10 +150,24 @@ class ProgressEngine:
             self._cv.notify()
         return op.future
 
-    def isend(self, buf: Any, dest: int, tag: int, chunk: int) -> asyncio.Future:
-        """Send ``buf`` (bytes-like, C-contiguous) to ``dest`` on ``tag``; in ``chunk``-byte messages."""
+    def isend(self, buf: Any, dest: int, tag: int, chunk: int, comm: Any = None) -> asyncio.Future:
+        """Send ``buf`` (bytes-like, C-contiguous) to ``dest`` on ``tag``; in ``chunk``-byte
+        messages; on ``comm`` (default: the engine's)."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk))
+        return self._submit(_Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
+
+    def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
+        """Take every message that arrives on ``comm`` with ``tag`` (from any rank)
+        and hand them, as (source rank, bytes), to ``deliver`` on the calling
+        loop, all that arrived in one turn together. Matched probes
+        (``Improbe`` + ``Imrecv``): a message is received by exactly this
+        listener, into a buffer of its own size. While a listener exists the
+        engine polls (with its backoff) instead of sleeping."""
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            self._listeners.append(_Listener(comm, tag, loop, deliver))
+            self._cv.notify()
+
 
     def irecv(self, buf: Any, source: int, tag: int, chunk: int) -> asyncio.Future:
         """Receive into ``buf`` from ``source`` on ``tag``, in ``chunk``-byte messages."""
@@ -190,13 +221,14 @@ class ProgressEngine:
         n = len(view)
         starts = range(0, n, op.chunk) if n else [0]
         posted = 0
+        comm = op.comm if op.comm is not None else self.comm
         try:
             for start in starts:
                 part = view[start:start + op.chunk]
                 if op.kind is OpKind.SEND:
-                    req = self.comm.Isend([part, MPI.BYTE], op.peer, op.tag)
+                    req = comm.Isend([part, MPI.BYTE], op.peer, op.tag)
                 else:
-                    req = self.comm.Irecv([part, MPI.BYTE], op.peer, op.tag)
+                    req = comm.Irecv([part, MPI.BYTE], op.peer, op.tag)
                 reqs.append(req)
                 owners.append(op)
                 posted += 1
@@ -213,16 +245,59 @@ class ProgressEngine:
         op.remaining -= 1
         if op.remaining == 0:
             self.in_flight -= 1
+            if op.kind is OpKind.TAKE:
+                listener: _Listener = op.fn  # type: ignore[assignment]
+                if op.error is None:
+                    listener.taken.append((op.peer, bytes(op.buf)))
+                else:
+                    log.warning("MPI control message from rank %d lost: %s", op.peer, op.error)
+                op.buf = None
+                return
             op.buf = None
             self._finished.setdefault(op.loop, []).append((op.future, op.error))
 
+    def _take_arrivals(self, reqs: list, owners: list) -> bool:
+        """Post a receive for every message a listener is waiting for that has
+        arrived (matched probe: nobody else can receive it). True if any did."""
+        MPI = self._MPI
+        status = MPI.Status()
+        found = False
+        for listener in tuple(self._listeners):
+            while True:
+                try:
+                    msg = listener.comm.Improbe(MPI.ANY_SOURCE, listener.tag, status)
+                except MPI.Exception as exc:
+                    log.warning("MPI probe for control messages failed: %s", exc.Get_error_string())
+                    break
+                if msg is None:
+                    break
+                n = status.Get_count(MPI.BYTE)
+                buf = bytearray(n)
+                op = _Op(OpKind.TAKE, listener.loop, None, buf, status.Get_source(), listener.tag,
+                         fn=listener)  # type: ignore[arg-type]
+                try:
+                    reqs.append(msg.Irecv([buf, MPI.BYTE]))
+                except MPI.Exception as exc:
+                    log.warning("MPI receive of a control message failed: %s", exc.Get_error_string())
+                    continue
+                owners.append(op)
+                op.remaining = 1
+                self.in_flight += 1
+                found = True
+        return found
+
     def _hand_over(self) -> None:
         """Resolve what completed since the last call: one wake-up of each loop
-        for all of them, not one per operation."""
+        for all of them, not one per operation (and one per listener for the
+        control messages it took)."""
         if self._finished:
             finished, self._finished = self._finished, {}
             for loop, done in finished.items():
                 loop.call_soon_threadsafe(_resolve_all, done)
+        for listener in self._listeners:
+            if listener.taken:
+                taken, listener.taken = listener.taken, []
+                listener.loop.call_soon_threadsafe(listener.deliver, taken)
 
     def _run(self) -> None:
         MPI = self._MPI
@@ -233,7 +308,7 @@ class ProgressEngine:
             self._hand_over()
             with self._cv:
                 if not self._inbox:
-                    if not reqs and not self._pipes:
+                    if not reqs and not self._pipes and not self._listeners:
                         if self._stopping:
                             return
                         self._cv.wait()  # idle: no CPU until work arrives
@@ -241,11 +316,16 @@ class ProgressEngine:
                         self._cv.wait(pause)  # busy: back off, but wake for new work
                 inbox, self._inbox = self._inbox, []
                 stopping = self._stopping
+                listening = bool(self._listeners) and not stopping
             for op in inbox:
                 self._post(op, reqs, owners)
             moved = self._advance_pipes()
+            if listening:
+                moved = self._take_arrivals(reqs, owners) or moved
+            elif self._listeners and stopping and not reqs and not self._pipes:
+                return
             if not reqs:
-                if self._pipes:
+                if self._pipes or listening:
                     pause = 0.0 if moved else min(self.poll_max, max(self.poll_min, pause * 2))
                     if stopping and time.monotonic() > self._stop_deadline:
                         self._cancel_all(reqs, owners)

@@ -74,6 +74,7 @@ class MpiWorld:
     thread_level: str
     world_id: int
     library: str
+    control: Any = None  # the communicator of the request path's messages (made with ``comm``)
 
     @classmethod
     def join(cls) -> "MpiWorld":
@@ -118,6 +119,7 @@ class MpiWorld:
         """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""
         world = self.MPI.COMM_WORLD
         self.comm = world.Dup()
+        self.control = self.comm.Dup()  # requests and replies: never matched by a data transfer
         self.world_id = self.comm.bcast(secrets.randbits(63) | 1 if self.rank == 0 else None, root=0)
         entries = self.comm.allgather((task.job, task.replica, task.task, address))
         table: dict[TaskName, RankAddress] = {}

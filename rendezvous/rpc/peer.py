@@ -83,7 +83,8 @@ class _Pending:
 class _Stream:
     """One RecvTensorStream call and its reader and writer tasks."""
 
-    def __init__(self, client: "PeerClient", call: grpc.aio.StreamStreamCall) -> None:
+    def __init__(self, client: "PeerClient", call: Any, inline_path: Path = Path.GRPC) -> None:
+        self.inline_path = inline_path  # how frames travel: the path of a tensor inside them
         self.client = client
         self.call = call
         self.pending: dict[int, _Pending] = {}
@@ -175,11 +176,11 @@ class _Stream:
                 if head.tensor is not None:
                     head.decoded = _check_announced(buf, head.tensor, self.client)
                 if head.is_dead:
-                    self._finish(frame.call_id, p, Fetched(Received(None, True), Path.GRPC))
+                    self._finish(frame.call_id, p, Fetched(Received(None, True), self.inline_path))
                     return
                 # an orphan's bytes land on the host: whoever takes it places it
                 arrival = planes.receive(buf, head, None if p.orphan else p.placement)
-                p.path = arrival.path
+                p.path = self.inline_path if arrival.path is Path.GRPC else arrival.path
                 if arrival.pending is not None:
                     self.pending.pop(frame.call_id, None)
                     task = asyncio.ensure_future(arrival.pending)
@@ -187,7 +188,7 @@ class _Stream:
                 elif arrival.assembly is not None:
                     p.assembly = arrival.assembly
                 else:
-                    self._finish(frame.call_id, p, Fetched(Received(arrival.value, False), arrival.path,
+                    self._finish(frame.call_id, p, Fetched(Received(arrival.value, False), p.path,
                                                            arrival.placed))
             elif frame.chunk is not None:
                 if p.assembly is None:
@@ -278,13 +279,17 @@ class PeerClient:
     def __init__(self, task: TaskName, address: str, config: Config, *, planes: Planes,
                  credentials: grpc.ChannelCredentials | None = None,
                  metadata: tuple[tuple[str, str], ...] = (),
-                 on_unclaimed: Callable[[int, str, Fetched], None] | None = None) -> None:
+                 on_unclaimed: Callable[[int, str, Fetched], None] | None = None,
+                 open_call: Callable[[], Any] | None = None) -> None:
         self.task = task
         self.address = address
         self.config = config
         self.planes = planes
         #: where a reply nobody waits for any more goes (the rank server keeps it)
         self._on_unclaimed = on_unclaimed
+        #: opens the stream another way than gRPC (the MPI request path): a call
+        #: with the stream-stream call's write, read and cancel
+        self._open_call = open_call
         self._credentials = credentials
         self._metadata = metadata or None  # sent on every stream (the daemon's token)
         self._channel: grpc.aio.Channel | None = None
@@ -362,6 +367,9 @@ class PeerClient:
                 return self._stream
             if self._closed:
                 raise PeerUnavailable(f"client for {self.describe()} is closed")
+            if self._open_call is not None:
+                self._stream = _Stream(self, self._open_call(), Path.MPI)
+                return self._stream
             if self._channel is None:
                 if self._credentials is not None:
                     self._channel = grpc.aio.secure_channel(self.address, self._credentials,

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -219,7 +220,16 @@ class RecvTensorServicer:
     # -- stream -------------------------------------------------------------
 
     async def _stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-        conn = _StreamConn(self, context)
+        await self.serve_stream(requests, context)
+
+    async def serve_stream(self, requests: AsyncIterator[bytes], context: Any,
+                           inline_path: Path = Path.GRPC) -> None:
+        """Serve one RecvTensorStream: ``requests`` are its StreamRequest messages,
+        ``context`` writes frames (``write``) and ends it with a status (``abort``).
+        A gRPC call gives both; the MPI request path gives its own
+        (:mod:`rendezvous.mpi.control`), with ``inline_path`` MPI: a reply inside
+        the frames then travelled by MPI, and is counted so."""
+        conn = _StreamConn(self, context, inline_path)
         self._streams.add(conn)
         try:
             await conn.run(requests)
@@ -278,7 +288,8 @@ class _StreamConn:
     packed into one gRPC message.
     """
 
-    def __init__(self, servicer: RecvTensorServicer, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, servicer: RecvTensorServicer, context: Any, inline_path: Path = Path.GRPC) -> None:
+        self.inline_path = inline_path  # how frames travel: counts replies carried inside them
         self.s = servicer
         self.context = context
         self.waiting: dict[int, asyncio.Task] = {}
@@ -417,7 +428,7 @@ class _StreamConn:
         except Exception as exc:
             self._reply_error(call_id, req, exc)
             return
-        self.s.stats.served(plan.path, payload_nbytes(item.value))
+        self.s.stats.served(self._path(plan.path), payload_nbytes(item.value))
         self._ready(call_id, outgoing)
 
     async def _prepared_reply(self, call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> None:
@@ -435,8 +446,11 @@ class _StreamConn:
             return
         finally:
             self._done_waiting(call_id)
-        self.s.stats.served(plan.path, payload_nbytes(item.value if item is not None else None))
+        self.s.stats.served(self._path(plan.path), payload_nbytes(item.value if item is not None else None))
         self._ready(call_id, outgoing)
+
+    def _path(self, path: Path) -> Path:
+        return self.inline_path if path is Path.GRPC else path
 
     @staticmethod
     def _outgoing(call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> _Outgoing:
@@ -445,7 +459,7 @@ class _StreamConn:
     def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
         if not isinstance(exc, RendezvousError):
             log.error("RecvTensorStream call %d failed", call_id, exc_info=exc)
-        self.s.stats.error(Path.GRPC)
+        self.s.stats.error(self.inline_path)
         self._ready(call_id, _Outgoing(iter([frames.error_frame(call_id, exc)]), req, "", None))
 
     def _ready(self, call_id: int, reply: _Outgoing) -> None:

@@ -1,0 +1,259 @@
+"""Requests over MPI: the RecvTensor stream between two ranks of one MPI job,
+carried by MPI messages instead of a gRPC call (``RENDEZVOUS_MPI_REQUESTS=1``).
+
+TensorFlow's MPI path asked for tensors with MPI messages, and an MPI thread
+picked the requests up; this is that, with the semantics of the gRPC stream
+unchanged. Each direction carries exactly the bytes the gRPC stream would:
+``StreamRequest`` messages from the consumer, ``StreamResponse`` frames from
+the producer. So the producer serves them with the same stream handler
+(:class:`rendezvous.rpc.servicer.RecvTensorServicer`), and the consumer reads
+them with the same stream reader (:class:`rendezvous.rpc.peer.PeerClient`):
+call ids, cancels and their answers, orphans, batching, retries by
+request_id, draining. The tensor's bytes take whatever plane the reply names:
+inline inside the frames (small tensors: header and bytes in one message), or
+a descriptor and a direct transfer on the optimal path.
+
+Messages travel on a communicator of their own (``MpiWorld.control``), so
+they can never match a data transfer's receive. An envelope of 9 bytes comes
+first: the stream's id (8 bytes, little-endian; the consumer numbers its
+streams) and a kind: ``DATA`` (the stream's bytes) or ``END`` (the consumer
+closed the stream; from the producer, followed by a ``Status``: the stream's
+end, with its code). The engine's listeners take every message as it arrives
+(matched probes), on the MPI thread, and hand them to the loop in one batch
+per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from rendezvous.errors import status_code_from_int
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+from .engine import ProgressEngine
+
+__all__ = ["MpiRequests", "MpiCall", "call_ended", "REQUEST_TAG", "REPLY_TAG"]
+
+log = logging.getLogger("rendezvous.mpi")
+
+REQUEST_TAG = 1  # consumer -> producer, on the control communicator
+REPLY_TAG = 2    # producer -> consumer
+_DATA = 1
+_END = 2
+_HEAD = struct.Struct("<QB")
+_MAX_MESSAGE = 1 << 30  # a control message is one MPI message: frames are chunk-sized, far below
+
+
+def call_ended(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a gRPC call raises when it ends with ``code``: an MPI stream
+    ends its reader the same way, so the peer client handles both alike."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class MpiCall:
+    """The consumer's end of one stream to one rank: what the peer client uses
+    of a gRPC stream-stream call (``write``, ``read``, ``cancel``)."""
+
+    def __init__(self, requests: "MpiRequests", rank: int, stream_id: int) -> None:
+        self._requests = requests
+        self.rank = rank
+        self.stream_id = stream_id
+        self._inbox: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._done = False
+
+    async def write(self, message: bytes) -> None:
+        if self._done:
+            raise call_ended(grpc.StatusCode.CANCELLED, "stream closed")
+        await self._requests.send(self.rank, REQUEST_TAG, self.stream_id, _DATA, message)
+
+    async def read(self) -> Any:
+        """The next message, or ``grpc.aio.EOF`` once the producer ended the stream
+        cleanly; raises the ``AioRpcError`` of its status otherwise."""
+        item = await self._inbox.get()
+        if item is None:
+            return grpc.aio.EOF
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Close the stream: the producer ends its side (replies never started go
+        back to its table) and readers see the end."""
+        if self._done:
+            return
+        self._done = True
+        self._requests.forget(self)
+        self._requests.post(self.rank, REQUEST_TAG, self.stream_id, _END, b"")
+        self._inbox.put_nowait(call_ended(grpc.StatusCode.CANCELLED, "stream closed locally"))
+
+    # from MpiRequests
+    def _deliver(self, kind: int, body: bytes) -> None:
+        if kind == _DATA:
+            self._inbox.put_nowait(body)
+            return
+        self._done = True
+        status = pb.Status.FromString(body) if body else pb.Status()
+        if status.code == 0:
+            self._inbox.put_nowait(None)
+        else:
+            self._inbox.put_nowait(call_ended(status_code_from_int(status.code), status.message))
+
+
+class _ProducerContext:
+    """The producer's end of one stream: what the stream handler uses of a gRPC
+    servicer context (``write``, ``abort``)."""
+
+    def __init__(self, requests: "MpiRequests", rank: int, stream_id: int) -> None:
+        self._requests = requests
+        self.rank = rank
+        self.stream_id = stream_id
+        self.ended = False
+
+    async def write(self, message: bytes) -> None:
+        await self._requests.send(self.rank, REPLY_TAG, self.stream_id, _DATA, message)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.end(code, details)
+        raise _Aborted()
+
+    def end(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> None:
+        if self.ended:
+            return
+        self.ended = True
+        body = pb.Status(code=code.value[0], message=details).SerializeToString() if code.value[0] else b""
+        self._requests.post(self.rank, REPLY_TAG, self.stream_id, _END, body)
+
+
+class _Aborted(Exception):
+    """Ends a stream handler after its abort was sent (as gRPC's abort does)."""
+
+
+class _Requests:
+    """The consumer's messages of one stream, as the async iterator the stream
+    handler reads."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[bytes]:
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            yield item
+
+
+class MpiRequests:
+    """Both ends of the MPI request path of one rank: its calls to other ranks,
+    and the streams other ranks opened to it, served by ``servicer``."""
+
+    def __init__(self, engine: ProgressEngine, comm: Any, rank: int, servicer: Any) -> None:
+        self.engine = engine
+        self.comm = comm  # the control communicator
+        self.rank = rank
+        self.servicer = servicer
+        self._calls: dict[tuple[int, int], MpiCall] = {}
+        self._serving: dict[tuple[int, int], tuple[_Requests, _ProducerContext, asyncio.Task]] = {}
+        self._next_stream = 1
+        self._closed = False
+
+    def start(self) -> None:
+        """Listen for both directions (call inside the server's loop)."""
+        self.engine.listen(self.comm, REQUEST_TAG, self._requests_arrived)
+        self.engine.listen(self.comm, REPLY_TAG, self._replies_arrived)
+
+    # -- sending -----------------------------------------------------------------
+
+    async def send(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> None:
+        """One envelope to ``rank``; returns once MPI has taken the bytes."""
+        await self.engine.isend(_HEAD.pack(stream_id, kind) + body, rank, tag, _MAX_MESSAGE, comm=self.comm)
+
+    def post(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> None:
+        """:meth:`send` without waiting (an end or a close)."""
+        if self._closed:
+            return
+        done = self.engine.isend(_HEAD.pack(stream_id, kind) + body, rank, tag, _MAX_MESSAGE, comm=self.comm)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    # -- the consumer's side --------------------------------------------------------
+
+    def open_call(self, rank: int) -> MpiCall:
+        """A new stream to ``rank``."""
+        call = MpiCall(self, rank, self._next_stream)
+        self._next_stream += 1
+        self._calls[(rank, call.stream_id)] = call
+        return call
+
+    def forget(self, call: MpiCall) -> None:
+        self._calls.pop((call.rank, call.stream_id), None)
+
+    def _replies_arrived(self, taken: list[tuple[int, bytes]]) -> None:
+        for source, message in taken:
+            if len(message) < _HEAD.size:
+                log.warning("a malformed control message from rank %d was dropped", source)
+                continue
+            stream_id, kind = _HEAD.unpack_from(message)
+            call = self._calls.get((source, stream_id))
+            if call is None:
+                continue  # a stream closed here: its late frames go nowhere
+            if kind == _END:
+                self._calls.pop((source, stream_id), None)
+            call._deliver(kind, message[_HEAD.size:])
+
+    # -- the producer's side ----------------------------------------------------------
+
+    def _requests_arrived(self, taken: list[tuple[int, bytes]]) -> None:
+        for source, message in taken:
+            if len(message) < _HEAD.size:
+                log.warning("a malformed control message from rank %d was dropped", source)
+                continue
+            stream_id, kind = _HEAD.unpack_from(message)
+            where = (source, stream_id)
+            serving = self._serving.get(where)
+            if kind == _END:
+                if serving is not None:
+                    serving[0].queue.put_nowait(None)  # the consumer closed: end of its requests
+                continue
+            if serving is None:
+                if self._closed:
+                    continue
+                serving = self._serve(source, stream_id)
+            serving[0].queue.put_nowait(message[_HEAD.size:])
+
+    def _serve(self, source: int, stream_id: int) -> tuple[_Requests, _ProducerContext, asyncio.Task]:
+        requests, context = _Requests(), _ProducerContext(self, source, stream_id)
+        task = asyncio.ensure_future(self._run(requests, context))
+        serving = self._serving[(source, stream_id)] = (requests, context, task)
+        return serving
+
+    async def _run(self, requests: _Requests, context: _ProducerContext) -> None:
+        try:
+            await self.servicer.serve_stream(requests, context)
+        except _Aborted:
+            pass
+        except Exception as exc:  # a bug of ours: the stream ends with INTERNAL, the rank goes on
+            log.exception("MPI request stream from rank %d failed", context.rank)
+            context.end(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            context.end()  # a clean end (EOF) unless it ended otherwise
+            self._serving.pop((context.rank, context.stream_id), None)
+
+    async def close(self) -> None:
+        """Stop taking streams; end the calls of this rank."""
+        for call in list(self._calls.values()):
+            call.cancel()  # tells the producers: their sides end
+        self._closed = True
+        tasks = [t for _, _, t in self._serving.values()]
+        for requests, _, _ in self._serving.values():
+            requests.queue.put_nowait(None)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
