@@ -15,6 +15,8 @@ Contenders:
   ``recv`` per key gathered concurrently;
 * ``default``: the same with ``MPI_OPTIMAL_PATH=0`` (every tensor inside its
   gRPC reply);
+* ``optimal_mr``, ``default_mr``: the same two with requests over MPI
+  (``RENDEZVOUS_MPI_REQUESTS=1``);
 * ``blocking``: the blocking ``rendezvous.Server`` (optimal path), one
   ``recv`` after another, as a plain script does;
 * ``grpc``: raw grpc.aio, one unary call per tensor gathered concurrently
@@ -44,7 +46,10 @@ from .models import MODELS, nbytes, shapes
 
 __all__ = ["main", "CONTENDERS"]
 
-CONTENDERS = ("mpi", "optimal", "default", "blocking", "grpc", "gloo")
+CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "blocking", "grpc", "gloo")
+#: rendezvous contenders: (job, optimal path, requests over MPI)
+_SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
+            "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True)}
 _RESULT = "@steps-result "
 _RAW_METHOD = "/rendezvous.bench.Steps/Get"
 
@@ -93,13 +98,11 @@ class _Rank:
     async def setup(self, names: list[str]) -> list[str]:
         from rendezvous import aio
 
-        cluster = {job: ["127.0.0.1:0"] * 2 for job in ("opt", "dflt")}
-        if "optimal" in names:
-            self.servers["optimal"] = aio.Server(cluster, "opt", self.rank, "grpc+mpi", mpi_optimal_path=True,
-                                                 mpi_disabled=False)
-        if "default" in names:
-            self.servers["default"] = aio.Server(cluster, "dflt", self.rank, "grpc+mpi", mpi_optimal_path=False,
-                                                 mpi_disabled=False)
+        cluster = {job: ["127.0.0.1:0"] * 2 for job, _, _ in _SERVERS.values()}
+        for name, (job, optimal, requests) in _SERVERS.items():
+            if name in names:
+                self.servers[name] = aio.Server(cluster, job, self.rank, "grpc+mpi", mpi_optimal_path=optimal,
+                                                mpi_requests=requests, mpi_disabled=False)
         for server in self.servers.values():
             await server.start()  # collective: both ranks, same order
         if "grpc" in names:
@@ -211,6 +214,12 @@ class _Rank:
 
     async def _default(self, model: str, tensors: list, step: int) -> float | None:
         return await self._rendezvous("default", model, tensors, step)
+
+    async def _optimal_mr(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("optimal_mr", model, tensors, step)
+
+    async def _default_mr(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("default_mr", model, tensors, step)
 
     async def _grpc(self, model: str, tensors: list, step: int) -> float | None:
         if self.rank == 1:

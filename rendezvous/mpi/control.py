@@ -26,6 +26,7 @@ per turn.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import struct
 from collections.abc import AsyncIterator
@@ -48,6 +49,29 @@ _DATA = 1
 _END = 2
 _HEAD = struct.Struct("<QB")
 _MAX_MESSAGE = 1 << 30  # a control message is one MPI message: frames are chunk-sized, far below
+# Bytes one stream may have handed to MPI and not yet sent: a write returns at
+# once below this (MPI keeps the messages of a pair in order), and waits for
+# the oldest to go above it, so a large inline reply is not copied into frames
+# all at once.
+_IN_FLIGHT_BYTES = 32 << 20
+
+
+class _Outflow:
+    """Messages of one stream handed to MPI and not yet sent."""
+
+    __slots__ = ("pending", "nbytes")
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[tuple[asyncio.Future, int]] = collections.deque()
+        self.nbytes = 0
+
+    async def add(self, done: asyncio.Future, n: int) -> None:
+        self.pending.append((done, n))
+        self.nbytes += n
+        while self.pending and (self.pending[0][0].done() or self.nbytes > _IN_FLIGHT_BYTES):
+            first, size = self.pending.popleft()
+            self.nbytes -= size
+            await first  # raises the send's error, if any
 
 
 def call_ended(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -66,11 +90,14 @@ class MpiCall:
         self.stream_id = stream_id
         self._inbox: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         self._done = False
+        self._out = _Outflow()
 
     async def write(self, message: bytes) -> None:
+        """Hand ``message`` to MPI; returns at once unless too much is still unsent."""
         if self._done:
             raise call_ended(grpc.StatusCode.CANCELLED, "stream closed")
-        await self._requests.send(self.rank, REQUEST_TAG, self.stream_id, _DATA, message)
+        await self._out.add(self._requests.submit(self.rank, REQUEST_TAG, self.stream_id, _DATA, message),
+                            len(message))
 
     async def read(self) -> Any:
         """The next message, or ``grpc.aio.EOF`` once the producer ended the stream
@@ -114,9 +141,12 @@ class _ProducerContext:
         self.rank = rank
         self.stream_id = stream_id
         self.ended = False
+        self._out = _Outflow()
 
     async def write(self, message: bytes) -> None:
-        await self._requests.send(self.rank, REPLY_TAG, self.stream_id, _DATA, message)
+        """Hand a frame to MPI; returns at once unless too much is still unsent."""
+        await self._out.add(self._requests.submit(self.rank, REPLY_TAG, self.stream_id, _DATA, message),
+                            len(message))
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.end(code, details)
@@ -173,15 +203,17 @@ class MpiRequests:
 
     # -- sending -----------------------------------------------------------------
 
-    async def send(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> None:
-        """One envelope to ``rank``; returns once MPI has taken the bytes."""
-        await self.engine.isend(_HEAD.pack(stream_id, kind) + body, rank, tag, _MAX_MESSAGE, comm=self.comm)
+    def submit(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> asyncio.Future:
+        """One envelope to ``rank``, handed to MPI; the future is done once sent.
+        Envelopes to one rank leave in the order submitted (MPI does not let
+        messages of one pair, tag and communicator overtake each other)."""
+        return self.engine.isend(_HEAD.pack(stream_id, kind) + body, rank, tag, _MAX_MESSAGE, comm=self.comm)
 
     def post(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> None:
-        """:meth:`send` without waiting (an end or a close)."""
+        """:meth:`submit`, nobody waiting for it (an end or a close)."""
         if self._closed:
             return
-        done = self.engine.isend(_HEAD.pack(stream_id, kind) + body, rank, tag, _MAX_MESSAGE, comm=self.comm)
+        done = self.submit(rank, tag, stream_id, kind, body)
         done.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # -- the consumer's side --------------------------------------------------------

@@ -101,9 +101,13 @@ class MpiPlane(DataPlane):
         else:
             self.cuda_aware, self.cuda_aware_source = config.cuda_aware, "RENDEZVOUS_CUDA_AWARE"
         #: what every request of ours carries (RecvTensorRequest.transport_options)
-        self.endpoint = _pack(pb.MpiEndpoint(world_id=world.world_id, rank=world.rank))
+        # Asked over MPI, a tensor below one reply frame comes back inside it: one
+        # message (header and bytes) instead of a descriptor and a transfer.
+        inline = config.chunk_bytes if config.mpi_requests else 0
+        self.endpoint = _pack(pb.MpiEndpoint(world_id=world.world_id, rank=world.rank, inline_below=inline))
         self._staged_endpoint = _pack(pb.MpiEndpoint(world_id=world.world_id, rank=world.rank,
-                                                     max_chunk_bytes=config.gpu_staging_chunk_bytes))
+                                                     max_chunk_bytes=config.gpu_staging_chunk_bytes,
+                                                     inline_below=inline))
 
     # -- producer -----------------------------------------------------------
 
@@ -135,6 +139,8 @@ class MpiPlane(DataPlane):
             return None
         if not 0 <= endpoint.rank < self.world.size:
             raise InvalidArgument(f"MPI rank {endpoint.rank} is outside this world of {self.world.size}")
+        if not on_device and arr.nbytes < endpoint.inline_below:
+            return None  # the consumer wants it inside the reply (asked over MPI): by design
         chunk = self.config.mpi_chunk_bytes
         if endpoint.max_chunk_bytes > 0:
             chunk = min(chunk, endpoint.max_chunk_bytes)

@@ -26,7 +26,7 @@ from google.protobuf import any_pb2 as google_dot_protobuf_dot_any__pb2
 from rendezvous.v1 import tensor_pb2 as rendezvous_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erendezvous/v1/rendezvous.proto\x12\rrendezvous.v1\x1a\x19google/protobuf/any.proto\x1a\x1arendezvous/v1/tensor.proto\"\x9d\x01\n\x11RecvTensorRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0e\n\x06\x64ma_ok\x18\x03 \x01(\x08\x12/\n\x11transport_options\x18\x06 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x12\n\nrequest_id\x18\x07 \x01(\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\x9d\x01\n\x12RecvTensorResponse\x12*\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.rendezvous.v1.TensorProto\x12\x0f\n\x07is_dead\x18\x02 \x01(\x08\x12\x19\n\x11send_start_micros\x18\x03 \x01(\x03\x12/\n\x11transport_options\x18\x04 \x01(\x0b\x32\x14.google.protobuf.Any\"F\n\x0bMpiEndpoint\x12\x10\n\x08world_id\x18\x01 \x01(\x06\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x03\"f\n\x0bMpiTransfer\x12\x10\n\x08world_id\x18\x01 \x01(\x06\x12\x13\n\x0bsource_rank\x18\x02 \x01(\x05\x12\x0b\n\x03tag\x18\x03 \x01(\x05\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x03\"\x08\n\x06\x43\x61ncel\"\xb0\x01\n\rStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x30\n\x04recv\x18\x02 \x01(\x0b\x32 .rendezvous.v1.RecvTensorRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x15.rendezvous.v1.CancelH\x00\x12+\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x1c.rendezvous.v1.StreamRequestB\x06\n\x04kind\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb9\x01\n\x0eStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x08response\x18\x02 \x01(\x0b\x32!.rendezvous.v1.RecvTensorResponse\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\x12$\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.rendezvous.v1.Status\x12,\n\x05\x62\x61tch\x18\x05 \x03(\x0b\x32\x1d.rendezvous.v1.StreamResponse2\xb4\x01\n\nRendezvous\x12Q\n\nRecvTensor\x12 .rendezvous.v1.RecvTensorRequest\x1a!.rendezvous.v1.RecvTensorResponse\x12S\n\x10RecvTensorStream\x12\x1c.rendezvous.v1.StreamRequest\x1a\x1d.rendezvous.v1.StreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erendezvous/v1/rendezvous.proto\x12\rrendezvous.v1\x1a\x19google/protobuf/any.proto\x1a\x1arendezvous/v1/tensor.proto\"\x9d\x01\n\x11RecvTensorRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0e\n\x06\x64ma_ok\x18\x03 \x01(\x08\x12/\n\x11transport_options\x18\x06 \x01(\x0b\x32\x14.google.protobuf.Any\x12\x12\n\nrequest_id\x18\x07 \x01(\x03J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"\x9d\x01\n\x12RecvTensorResponse\x12*\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.rendezvous.v1.TensorProto\x12\x0f\n\x07is_dead\x18\x02 \x01(\x08\x12\x19\n\x11send_start_micros\x18\x03 \x01(\x03\x12/\n\x11transport_options\x18\x04 \x01(\x0b\x32\x14.google.protobuf.Any\"\\\n\x0bMpiEndpoint\x12\x10\n\x08world_id\x18\x01 \x01(\x06\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x03\x12\x14\n\x0cinline_below\x18\x04 \x01(\x03\"f\n\x0bMpiTransfer\x12\x10\n\x08world_id\x18\x01 \x01(\x06\x12\x13\n\x0bsource_rank\x18\x02 \x01(\x05\x12\x0b\n\x03tag\x18\x03 \x01(\x05\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x03\"\x08\n\x06\x43\x61ncel\"\xb0\x01\n\rStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x30\n\x04recv\x18\x02 \x01(\x0b\x32 .rendezvous.v1.RecvTensorRequestH\x00\x12\'\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x15.rendezvous.v1.CancelH\x00\x12+\n\x05\x62\x61tch\x18\x04 \x03(\x0b\x32\x1c.rendezvous.v1.StreamRequestB\x06\n\x04kind\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb9\x01\n\x0eStreamResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x08response\x18\x02 \x01(\x0b\x32!.rendezvous.v1.RecvTensorResponse\x12\r\n\x05\x63hunk\x18\x03 \x01(\x0c\x12$\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.rendezvous.v1.Status\x12,\n\x05\x62\x61tch\x18\x05 \x03(\x0b\x32\x1d.rendezvous.v1.StreamResponse2\xb4\x01\n\nRendezvous\x12Q\n\nRecvTensor\x12 .rendezvous.v1.RecvTensorRequest\x1a!.rendezvous.v1.RecvTensorResponse\x12S\n\x10RecvTensorStream\x12\x1c.rendezvous.v1.StreamRequest\x1a\x1d.rendezvous.v1.StreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RECVTENSORRESPONSE']._serialized_start=265
   _globals['_RECVTENSORRESPONSE']._serialized_end=422
   _globals['_MPIENDPOINT']._serialized_start=424
-  _globals['_MPIENDPOINT']._serialized_end=494
-  _globals['_MPITRANSFER']._serialized_start=496
-  _globals['_MPITRANSFER']._serialized_end=598
-  _globals['_CANCEL']._serialized_start=600
-  _globals['_CANCEL']._serialized_end=608
-  _globals['_STREAMREQUEST']._serialized_start=611
-  _globals['_STREAMREQUEST']._serialized_end=787
-  _globals['_STATUS']._serialized_start=789
-  _globals['_STATUS']._serialized_end=828
-  _globals['_STREAMRESPONSE']._serialized_start=831
-  _globals['_STREAMRESPONSE']._serialized_end=1016
-  _globals['_RENDEZVOUS']._serialized_start=1019
-  _globals['_RENDEZVOUS']._serialized_end=1199
+  _globals['_MPIENDPOINT']._serialized_end=516
+  _globals['_MPITRANSFER']._serialized_start=518
+  _globals['_MPITRANSFER']._serialized_end=620
+  _globals['_CANCEL']._serialized_start=622
+  _globals['_CANCEL']._serialized_end=630
+  _globals['_STREAMREQUEST']._serialized_start=633
+  _globals['_STREAMREQUEST']._serialized_end=809
+  _globals['_STATUS']._serialized_start=811
+  _globals['_STATUS']._serialized_end=850
+  _globals['_STREAMRESPONSE']._serialized_start=853
+  _globals['_STREAMRESPONSE']._serialized_end=1038
+  _globals['_RENDEZVOUS']._serialized_start=1041
+  _globals['_RENDEZVOUS']._serialized_end=1221
 # @@protoc_insertion_point(module_scope)

@@ -35,14 +35,16 @@ class RecvTensorResponse(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., send_start_micros: _Optional[int] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
 
 class MpiEndpoint(_message.Message):
-    __slots__ = ("world_id", "rank", "max_chunk_bytes")
+    __slots__ = ("world_id", "rank", "max_chunk_bytes", "inline_below")
     WORLD_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BELOW_FIELD_NUMBER: _ClassVar[int]
     world_id: int
     rank: int
     max_chunk_bytes: int
-    def __init__(self, world_id: _Optional[int] = ..., rank: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    inline_below: int
+    def __init__(self, world_id: _Optional[int] = ..., rank: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., inline_below: _Optional[int] = ...) -> None: ...
 
 class MpiTransfer(_message.Message):
     __slots__ = ("world_id", "source_rank", "tag", "nbytes", "chunk_bytes")
