@@ -198,7 +198,10 @@ class Server:
         world = self._world
         engine = ProgressEngine(poll_min_us=self.config.mpi_poll_min_us,
                                 poll_max_us=self.config.mpi_poll_max_us)
-        engine.start()
+        # With requests over MPI the loop polls while traffic is expected (small
+        # transfers at MPI latency); with gRPC requests the MPI thread does,
+        # leaving the loop to gRPC (see the engine's notes).
+        engine.start(loop_polls=self.config.mpi_requests)
         self._engine = engine
         # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
         # this stops the engine before that even if stop() is never called.

@@ -148,7 +148,6 @@ def abort() -> None:
     # 1) abort while the request waits in the producer's table (no descriptor yet)
     aio = server.aio
     import asyncio
-    import concurrent.futures
 
     fut = asyncio.run_coroutine_threadsafe(aio.recv(key(worker(1), worker(0), "never"), step_id=3, timeout=60),
                                            server.loop)
@@ -159,26 +158,31 @@ def abort() -> None:
         raise AssertionError("recv of an aborted step returned")
     except rendezvous.Aborted as exc:
         assert "stop step 3" in exc.message
-    # 2) abort while the MPI receive for a descriptor is held back on our engine
+    # 2) abort while the MPI receive for a descriptor is held back: the descriptor
+    # arrived, and its receive is posted only once the gate opens (after the
+    # abort). Like any receive whose recv gave up, it is still posted and
+    # completes into its own buffer, so its bytes cannot match a later transfer.
     engine = aio._engine
-    gate = threading.Event()
-    blocked = concurrent.futures.Future()
+    real_irecv = engine.irecv
+    held, gate, received = threading.Event(), threading.Event(), threading.Event()
 
-    async def block_engine():
-        return await engine.call(lambda: (blocked.set_result(True), gate.wait(60)))
+    def held_irecv(buf, source, tag, chunk):
+        held.set()
+        loop = asyncio.get_running_loop()
 
-    hold = asyncio.run_coroutine_threadsafe(block_engine(), server.loop)
-    blocked.result(30)
+        async def after_gate():
+            await loop.run_in_executor(None, gate.wait, 60)
+            try:
+                return await real_irecv(buf, source, tag, chunk)
+            finally:
+                received.set()
+
+        return asyncio.shield(asyncio.ensure_future(after_gate()))
+
+    engine.irecv = held_irecv
     fut = asyncio.run_coroutine_threadsafe(aio.recv(key(worker(1), worker(0), "held"), step_id=4, timeout=60),
                                            server.loop)
-    # wait until the descriptor arrived: a receive is queued behind the gate. With
-    # requests over MPI the request itself (or an earlier control message's
-    # completion, which the blocked engine cannot hand over) is what is held back:
-    # then wait until the recv is registered as a remote wait of step 4.
-    if server.config.mpi_requests:
-        wait_for(lambda: bool(aio._remote.get(4)), "the recv of step 4 to be in flight")
-    else:
-        wait_for(lambda: engine.queued > 0, "the descriptor's receive to queue behind the gate")
+    wait_for(held.is_set, "the descriptor's receive to be held back")
     server.abort(4, "stop step 4")
     try:
         fut.result(30)
@@ -186,7 +190,8 @@ def abort() -> None:
     except rendezvous.Aborted as exc:
         assert "stop step 4" in exc.message
     gate.set()
-    hold.result(30)
+    wait_for(received.is_set, "the held receive to complete")
+    engine.irecv = real_irecv
     server.send(key(worker(0), worker(1), "go"), np.ones(1), step_id=5)
     got = server.recv(key(worker(1), worker(0), "after"), step_id=6, timeout=60)
     assert np.array_equal(got, pattern(4 << 20, 12)), "bytes of the aborted transfer leaked into the next"
@@ -326,15 +331,22 @@ def deadlines(count: str = "200") -> None:
     server = start(2)
     me = server.task.task
     sizes = (64, 4 << 10, 256 << 10)  # the last above the MPI threshold
+    go = key(worker(0), worker(1), "go")
     if me == 1:
+        # start producing once the consumer asks (a late-starting consumer would
+        # otherwise find everything produced and never race a deadline)
+        server.recv(go, step_id=1, timeout=60)
         for i in range(n):
             server.send(key(worker(1), worker(0), f"d{i}"), np.full(sizes[i % 3] // 8, i, np.int64), step_id=1)
             time.sleep(0.003)  # the producer's pace (slower than the deadlines), not a synchronization
         finish(server)
-        result(rank=me, left=len(server.pending()))
+        # the step's tensors (the finish handshake's own may still be on its way)
+        left = [entry for entry in server.pending() if entry.step_id == 1]
+        result(rank=me, left=len(left), left_items=repr(left)[:2000])
     else:
         rng = random.Random(5)
         timed_out = 0
+        server.send(go, np.zeros(1), step_id=1)
         for i in range(n):
             k = key(worker(1), worker(0), f"d{i}")
             try:

@@ -394,7 +394,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     done = _bench(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     doc = report.load(tmp_path / JSON_NAME)
-    names = {"mpi", "mpi_alloc", "grpc", "default", "optimal", "memcpy"}
+    names = {"mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "memcpy"}
     assert names <= set(doc["contenders"])
     assert ("gloo" in doc["contenders"]) != any("gloo not measured" in n for n in doc["notes"])
     cells = {(t["contender"], t["size"]): t for t in doc["transfers"]}
@@ -404,13 +404,14 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
             assert cell["samples"] == 4  # 2 rounds of ceil(3 / 2)
             assert cell["gbps"] > 0 and cell["p99_us"] >= cell["median_us"] >= cell["min_us"] > 0
             assert cell["cpu_us"]["consumer"] > 0 and cell["cpu_us"]["producer"] > 0  # measured, not left out
-    assert {r["contender"] for r in doc["rate"]["results"]} == {"mpi", "grpc", "default", "optimal"}
+    assert {r["contender"] for r in doc["rate"]["results"]} == {"mpi", "grpc", "default", "optimal", "default_mr",
+                                                                "optimal_mr"}
     assert all(r["errors"] == 0 for r in doc["rate"]["results"])
     if rss.supported():
         assert doc["rss"]["size"] == 65536 and len(doc["rss"]["results"][0]["ranks"]) == 2
     assert [r["rank"] for r in doc["idle"]] == [0, 1]
     ids = {t["id"] for t in doc["targets"]}
-    assert {"latency_1k_default", "rate_default", "idle_cpu"} <= ids
+    assert {"latency_1k_default", "rate_default", "idle_cpu", "latency_1k_optimal_mr", "rate_optimal_mr"} <= ids
     # the table, with ratios and targets, went to the terminal
     assert "raw grpc.aio unary" in done.stdout and "x mpi" in done.stdout and "Targets" in done.stdout
     assert "bench: 100%" in done.stderr  # progress, as plain lines when not on a terminal

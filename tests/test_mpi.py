@@ -183,7 +183,7 @@ def test_deadlines_racing_mpi_transfers_lose_nothing(requests):
     producer = next(r for r in results if r["rank"] == 1)
     assert consumer["timed_out"] > 0, out[-2000:]  # the race was exercised
     assert consumer["mpi"] > 0 and consumer["kept"] == 0
-    assert producer["left"] == 0  # nothing left in the producer's table
+    assert producer["left"] == 0, producer  # nothing left in the producer's table
 
 
 @pytest.mark.slow

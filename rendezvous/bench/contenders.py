@@ -250,22 +250,26 @@ class Rendezvous(Contender):
 
     rate = True
 
-    def __init__(self, ctx: Any, optimal: bool) -> None:
+    def __init__(self, ctx: Any, optimal: bool, mpi_requests: bool = False) -> None:
         super().__init__(ctx)
         self.optimal = optimal
-        self.name = "optimal" if optimal else "default"
-        self.label = "(d) rendezvous optimal path" if optimal else "(c) rendezvous default path"
-        self.job = "opt" if optimal else "dflt"
+        self.mpi_requests = mpi_requests
+        base = "optimal" if optimal else "default"
+        self.name = f"{base}_mr" if mpi_requests else base
+        self.label = ("(d) rendezvous optimal path" if optimal else "(c) rendezvous default path") + \
+            (", requests over MPI" if mpi_requests else "")
+        self.job = ("opt" if optimal else "dflt") + ("mr" if mpi_requests else "")
         self.server: Any = None
         self._keys: dict[tuple[int, int], str] = {}
 
     async def setup(self) -> None:
         from rendezvous import aio
 
-        cluster = {"dflt": ["127.0.0.1:0"] * 2, "opt": ["127.0.0.1:0"] * 2}
+        cluster = {self.job: ["127.0.0.1:0"] * 2}
         # Collective (an MPI allgather): both ranks start the same servers in the same order.
         self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",
-                                 mpi_optimal_path=self.optimal, mpi_disabled=False)
+                                 mpi_optimal_path=self.optimal, mpi_disabled=False,
+                                 mpi_requests=self.mpi_requests)
         await self.server.start()
 
     def key(self, n: int, i: int = 0) -> str:
@@ -277,9 +281,12 @@ class Rendezvous(Contender):
         return k
 
     async def prepare(self, n: int, count: int, batch: int) -> None:
+        # A distinct array per transfer, as a job's tensors are, made here
+        # (outside the timed window): sending one array again and again would
+        # measure warm caches and pages a job never has.
         src, key = self.ctx.source(n), self.key(n)
         for _ in range(count):
-            self.server.send(key, src, step_id=batch)
+            self.server.send(key, src.copy(), step_id=batch)
 
     async def consume(self, n: int, count: int, batch: int) -> list[int]:
         recv, key = self.server.recv, self.key(n)
@@ -301,7 +308,7 @@ class Rendezvous(Contender):
     async def rate_prepare(self, n: int, count: int, batch: int) -> None:
         src = self.ctx.source(n)
         for i in range(count):
-            self.server.send(self.key(n, i), src, step_id=batch)
+            self.server.send(self.key(n, i), src.copy(), step_id=batch)
 
     async def rate_consume(self, n: int, count: int, batch: int) -> tuple[int, int]:
         recv = self.server.recv

@@ -166,6 +166,7 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append(_target(f"rate_{name}",
                                f"{name} path recvs/s with {doc['rate']['outstanding']} outstanding vs raw gRPC unary",
                                ratio(r and r["per_s"], g and g["per_s"]), ">=", 2.0))
+    out.extend(_mpi_request_targets(doc))
     if doc.get("rss"):
         size = doc["rss"]["size"]
         by_name = {r["contender"]: r for r in doc["rss"]["results"]}
@@ -188,6 +189,34 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     if doc.get("idle"):
         worst = max(r["cpu_fraction"] for r in doc["idle"])
         out.append(_target("idle_cpu", "idle rank CPU, worst rank, fraction of one core", worst, "<", 0.02))
+    return out
+
+
+def _mpi_request_targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Requests over MPI (``optimal_mr``): 1 KiB latency against raw unary and
+    gloo, bandwidth against raw MPI, the rate with many recvs outstanding."""
+    out = []
+    sizes = doc["sizes"]
+    if not any(t["contender"] == "optimal_mr" for t in doc["transfers"]):
+        return out
+    if 1024 in sizes:
+        c, g, gloo = _cell(doc, "optimal_mr", 1024), _cell(doc, "grpc", 1024), _cell(doc, "gloo", 1024)
+        out.append(_target("latency_1k_optimal_mr", "1 KiB round trip (median), requests over MPI, vs raw gRPC unary",
+                           ratio(c and c["median_us"], g and g["median_us"]), "<=", 1 / 3))
+        out.append(_target("latency_1k_optimal_mr_gloo", "1 KiB round trip (median), requests over MPI, vs gloo",
+                           ratio(c and c["median_us"], gloo and gloo["median_us"]), "<=", 1.0,
+                           "" if gloo else "gloo not measured"))
+    for size in [s for s in sizes if s >= MiB]:
+        c, mpi = _cell(doc, "optimal_mr", size), _cell(doc, "mpi", size)
+        out.append(_target(f"optimal_mr_vs_mpi_{size}",
+                           f"optimal path, requests over MPI, bandwidth at {format_size(size)} vs raw MPI",
+                           ratio(c and c["gbps"], mpi and mpi["gbps"]), ">=", 0.9 if size >= 16 * MiB else 0.5))
+    if doc.get("rate"):
+        by_name = {r["contender"]: r for r in doc["rate"]["results"]}
+        r, g = by_name.get("optimal_mr"), by_name.get("grpc")
+        out.append(_target("rate_optimal_mr", f"recvs/s with {doc['rate']['outstanding']} outstanding, requests "
+                                              "over MPI, vs raw gRPC unary",
+                           ratio(r and r["per_s"], g and g["per_s"]), ">=", 10.0))
     return out
 
 
@@ -401,7 +430,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
 
 _STYLE = {"memcpy": dict(linestyle="--", color="grey"), "mpi": dict(color="black"),
           "mpi_alloc": dict(color="black", linestyle=":"), "grpc": dict(color="tab:red"),
-          "default": dict(color="tab:orange"), "optimal": dict(color="tab:blue"), "gloo": dict(color="tab:green")}
+          "default": dict(color="tab:orange"), "optimal": dict(color="tab:blue"), "gloo": dict(color="tab:green"),
+          "default_mr": dict(color="tab:orange", linestyle="-."),
+          "optimal_mr": dict(color="tab:blue", linestyle="-.")}
 
 
 def write_plot(doc: Mapping[str, Any], path: Path) -> bool:

@@ -40,7 +40,8 @@ from .stats import samples_for
 __all__ = ["Options", "run_rank", "CONTENDERS"]
 
 #: every contender, in the order tables and plots list them
-CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "gloo", "memcpy", *GPU_CONTENDERS)
+CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "gloo", "memcpy",
+              *GPU_CONTENDERS)
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
 
 
@@ -148,6 +149,8 @@ def _build(ctx: Context, names: tuple[str, ...], gpu: Any = None) -> list[Conten
     made: dict[str, Contender] = {
         "mpi": RawMpi(ctx), "mpi_alloc": RawMpi(ctx, fresh=True), "grpc": RawGrpc(ctx),
         "default": Rendezvous(ctx, optimal=False), "optimal": Rendezvous(ctx, optimal=True),
+        "default_mr": Rendezvous(ctx, optimal=False, mpi_requests=True),
+        "optimal_mr": Rendezvous(ctx, optimal=True, mpi_requests=True),
         "gloo": Gloo(ctx), "memcpy": Memcpy(ctx),
     }
     if gpu is not None:

@@ -29,7 +29,7 @@ import asyncio
 import collections
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sized
 from typing import Any
 
 import grpc
@@ -91,6 +91,12 @@ class MpiCall:
         self._inbox: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
         self._done = False
         self._out = _Outflow()
+        self.awaited: Sized = ()  # the recvs awaiting replies on this stream (see watch)
+
+    def watch(self, awaited: Sized) -> None:
+        """``awaited``: the reader's recvs awaiting replies; while it is not empty
+        the engine polls for them without pausing."""
+        self.awaited = awaited
 
     async def write(self, message: bytes) -> None:
         """Hand ``message`` to MPI; returns at once unless too much is still unsent."""
@@ -200,6 +206,11 @@ class MpiRequests:
         """Listen for both directions (call inside the server's loop)."""
         self.engine.listen(self.comm, REQUEST_TAG, self._requests_arrived)
         self.engine.listen(self.comm, REPLY_TAG, self._replies_arrived)
+        self.engine.expect_while(self._awaiting)
+
+    def _awaiting(self) -> bool:
+        """Whether a recv of this rank awaits a reply over MPI (MPI thread)."""
+        return any(call.awaited for call in tuple(self._calls.values()))
 
     # -- sending -----------------------------------------------------------------
 

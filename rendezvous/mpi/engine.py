@@ -1,15 +1,22 @@
-"""The MPI progress engine: one thread owns every MPI call.
+"""The MPI progress engine: one thread completes every MPI operation.
 
 The event loop submits operations (non-blocking send, non-blocking receive,
-or a function to run on the MPI thread) through a thread-safe inbox and gets
-an asyncio future back. The engine thread posts them, polls every request in
-flight with ``Request.Testsome`` (no request blocks another: no head-of-line
-blocking), and resolves futures on their loop with ``call_soon_threadsafe``.
+or a function to run on the MPI thread) and gets an asyncio future back.
+With the library at thread level MULTIPLE a send or receive is posted right
+there, on the caller's thread, so its message leaves at once; only its
+completion is the engine thread's job (at SERIALIZED the engine thread posts
+it too). The engine thread polls every request in flight with
+``Request.Testsome`` (no request blocks another: no head-of-line blocking),
+and resolves futures on their loop with ``call_soon_threadsafe``, one wake-up
+per loop for everything that completed in one pass.
 
-Backoff: after a completion the thread polls again at once; each empty poll
+Polling: while a transfer is in flight, while a reply is expected
+(:meth:`ProgressEngine.expect_while`) and for ``hot_ms`` after the last message
+came or went, the thread polls without pausing. Otherwise each empty poll
 doubles the pause, from ``poll_min_us`` up to ``poll_max_us``, and a new
-submission wakes it immediately. With nothing in flight it sleeps on a
-condition variable and uses no CPU.
+submission wakes it immediately. With nothing in flight and nobody listening
+it sleeps on a condition variable and uses no CPU; with a listener (requests
+over MPI) it polls every ``poll_max_us``.
 
 Buffers are referenced by their operation until MPI is done with them, so a
 producer's tensor stays alive until its send completes without parking any
@@ -49,7 +56,7 @@ class OpKind(Enum):
 
 class _Op:
     __slots__ = ("kind", "buf", "pipeline", "peer", "tag", "chunk", "future", "loop", "fn", "remaining",
-                 "error", "comm")
+                 "error", "comm", "posted")
 
     def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future | None,
                  buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
@@ -66,6 +73,7 @@ class _Op:
         self.fn = fn
         self.remaining = 0
         self.error: BaseException | None = None
+        self.posted: list | None = None  # requests already posted by the submitting thread
 
 
 class _Listener:
@@ -109,13 +117,26 @@ class ProgressEngine:
     may be None at first, while start-up collectives (:meth:`call`) make the
     communicator; :meth:`attach` then gives it before any transfer."""
 
-    def __init__(self, comm: Any = None, *, poll_min_us: int = 10, poll_max_us: int = 1000) -> None:
+    def __init__(self, comm: Any = None, *, poll_min_us: int = 10, poll_max_us: int = 1000,
+                 hot_ms: float = 2.0) -> None:
         from mpi4py import MPI  # only reached with MPI enabled
 
         self._MPI = MPI
         self.comm = comm
         self.poll_min = poll_min_us / 1e6
         self.poll_max = poll_max_us / 1e6
+        self.hot = hot_ms / 1e3
+        # Posting from the caller's thread needs MPI_THREAD_MULTIPLE.
+        self.direct = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._waiting: list[Callable[[], bool]] = []  # see expect_while
+        self.home: asyncio.AbstractEventLoop | None = None  # the loop that polls while hot (start)
+        self._loop_polling = False  # a _loop_poll is scheduled on the home loop
+        # Requests in flight and their operations, and everything else one poll
+        # touches: one poller at a time (the MPI thread or the home loop).
+        self._plock = threading.Lock()
+        self._reqs: list = []
+        self._owners: list[_Op] = []
+        self._last_activity = 0.0  # monotonic time of the last message in or out
         self._cv = threading.Condition()
         self._inbox: list[_Op] = []
         self._stopping = False
@@ -138,7 +159,11 @@ class ProgressEngine:
         """The communicator every later transfer uses (made by a start-up collective)."""
         self.comm = comm
 
-    def start(self) -> None:
+    def start(self, loop_polls: bool = False) -> None:
+        """Start the MPI thread. With ``loop_polls``, the running loop is the
+        engine's home: while traffic is expected it polls there (see
+        :meth:`_loop_poll`); else the MPI thread polls, with its backoff."""
+        self.home = asyncio.get_running_loop() if loop_polls else None
         self._thread = threading.Thread(target=self._run, name="rendezvous-mpi", daemon=True)
         self._thread.start()
 
@@ -150,11 +175,72 @@ class ProgressEngine:
             self._cv.notify()
         return op.future
 
+    def expect_while(self, waiting: Callable[[], bool]) -> None:
+        """While ``waiting()`` is true (called on the MPI thread, under the GIL:
+        keep it to a few attribute reads) a reply is expected, and the MPI
+        thread polls without pausing."""
+        self._waiting.append(waiting)
+
+    def _transfer(self, op: _Op) -> asyncio.Future:
+        """Post a send or receive here when MPI allows it (MULTIPLE), so its
+        message leaves now. On the home loop its requests join those in flight
+        at once and the loop polls them; elsewhere the MPI thread takes them."""
+        if self.direct and not self._stopping:
+            reqs: list = []
+            self._post_transfer(op, reqs)
+            if not reqs:  # posting failed: nothing to complete
+                _resolve(op.future, op.error, None)
+                return op.future
+            if op.loop is self.home:
+                with self._plock:
+                    self._reqs.extend(reqs)
+                    self._owners.extend([op] * len(reqs))
+                    op.remaining = len(reqs)
+                    self.in_flight += 1
+                self._poll_on_loop()
+                return op.future
+            op.posted = reqs
+        return self._submit(op)
+
+    def _poll_on_loop(self) -> None:
+        """Traffic is expected: poll on the home loop (its thread), every turn,
+        until none is (home loop thread only)."""
+        if not self._loop_polling and not self._stopping:
+            self._loop_polling = True
+            self.home.call_soon(self._loop_poll)  # type: ignore[union-attr]
+
+    def _loop_poll(self) -> None:
+        """One poll on the home loop; again next turn while traffic is expected,
+        else the MPI thread takes over (backing off, or sleeping).
+
+        Polling here, not on the MPI thread, is what makes small transfers
+        fast: a completion resolves its future and a control message reaches
+        its listener in the same call, without waking another thread and
+        without handing the GIL back and forth; and a process busy with
+        transfers keeps one thread running, not two, on a machine that may
+        have as few cores as ranks."""
+        if self._stopping:
+            self._loop_polling = False
+            return
+        with self._plock:
+            moved = self._poll(True)
+            collected = self._collect()
+        self._hand_over(collected, True)
+        now = time.monotonic()
+        if moved:
+            self._last_activity = now
+        if self._hot(now):
+            self.home.call_soon(self._loop_poll)  # type: ignore[union-attr]
+        else:
+            self._loop_polling = False
+            with self._cv:
+                self._cv.notify()  # the MPI thread polls (backing off) or sleeps
+
     def isend(self, buf: Any, dest: int, tag: int, chunk: int, comm: Any = None) -> asyncio.Future:
         """Send ``buf`` (bytes-like, C-contiguous) to ``dest`` on ``tag``; in ``chunk``-byte
         messages; on ``comm`` (default: the engine's)."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
+        return self._transfer(_Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
 
     def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
         """Take every message that arrives on ``comm`` with ``tag`` (from any rank)
@@ -172,7 +258,7 @@ class ProgressEngine:
     def irecv(self, buf: Any, source: int, tag: int, chunk: int) -> asyncio.Future:
         """Receive into ``buf`` from ``source`` on ``tag``, in ``chunk``-byte messages."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op(OpKind.RECV, loop, loop.create_future(), buf, source, tag, chunk))
+        return self._transfer(_Op(OpKind.RECV, loop, loop.create_future(), buf, source, tag, chunk))
 
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Run ``fn()`` on the MPI thread (collectives at start-up)."""
@@ -217,31 +303,40 @@ class ProgressEngine:
                 value, error = None, exc
             op.loop.call_soon_threadsafe(_resolve, op.future, error, value)
             return
-        view = memoryview(op.buf).cast("B")
-        n = len(view)
-        starts = range(0, n, op.chunk) if n else [0]
-        posted = 0
-        comm = op.comm if op.comm is not None else self.comm
-        try:
-            for start in starts:
-                part = view[start:start + op.chunk]
-                if op.kind is OpKind.SEND:
-                    req = comm.Isend([part, MPI.BYTE], op.peer, op.tag)
-                else:
-                    req = comm.Irecv([part, MPI.BYTE], op.peer, op.tag)
-                reqs.append(req)
-                owners.append(op)
-                posted += 1
-        except MPI.Exception as exc:
-            op.error = Internal(f"MPI {op.kind} of {n} bytes with rank {op.peer} tag {op.tag} failed: "
-                                f"{exc.Get_error_string()}")
-        op.remaining = posted
+        posted = op.posted
+        if posted is None:  # not posted by the submitting thread: post it here
+            posted = []
+            self._post_transfer(op, posted)
+        op.posted = None
+        reqs.extend(posted)
+        owners.extend([op] * len(posted))
+        op.remaining = len(posted)
         if posted:
             self.in_flight += 1
         else:
             op.loop.call_soon_threadsafe(_resolve, op.future, op.error, None)
 
-    def _complete(self, op: _Op) -> None:
+    def _post_transfer(self, op: _Op, reqs: list) -> None:
+        """Post the chunk messages of a send or receive into ``reqs`` (any thread
+        at MULTIPLE); an error is left in ``op.error`` and stops posting."""
+        MPI = self._MPI
+        view = memoryview(op.buf).cast("B")
+        n = len(view)
+        starts = range(0, n, op.chunk) if n else [0]
+        comm = op.comm if op.comm is not None else self.comm
+        try:
+            for start in starts:
+                part = view[start:start + op.chunk]
+                if op.kind is OpKind.SEND:
+                    reqs.append(comm.Isend([part, MPI.BYTE], op.peer, op.tag))
+                else:
+                    reqs.append(comm.Irecv([part, MPI.BYTE], op.peer, op.tag))
+        except MPI.Exception as exc:
+            op.error = Internal(f"MPI {op.kind} of {n} bytes with rank {op.peer} tag {op.tag} failed: "
+                                f"{exc.Get_error_string()}")
+        self._last_activity = time.monotonic()
+
+    def _complete(self, op: _Op, on_loop: bool = False) -> None:
         op.remaining -= 1
         if op.remaining == 0:
             self.in_flight -= 1
@@ -254,7 +349,10 @@ class ProgressEngine:
                 op.buf = None
                 return
             op.buf = None
-            self._finished.setdefault(op.loop, []).append((op.future, op.error))
+            if on_loop and op.loop is self.home:
+                _resolve(op.future, op.error, None)
+            else:
+                self._finished.setdefault(op.loop, []).append((op.future, op.error))
 
     def _take_arrivals(self, reqs: list, owners: list) -> bool:
         """Post a receive for every message a listener is waiting for that has
@@ -286,70 +384,105 @@ class ProgressEngine:
                 found = True
         return found
 
-    def _hand_over(self) -> None:
-        """Resolve what completed since the last call: one wake-up of each loop
-        for all of them, not one per operation (and one per listener for the
-        control messages it took)."""
-        if self._finished:
-            finished, self._finished = self._finished, {}
-            for loop, done in finished.items():
-                loop.call_soon_threadsafe(_resolve_all, done)
+    def _collect(self) -> tuple[dict, list]:
+        """What completed since the last call and the control messages taken
+        (under ``_plock``), for :meth:`_hand_over` outside it."""
+        finished, self._finished = self._finished, {}
+        taken = []
         for listener in self._listeners:
             if listener.taken:
-                taken, listener.taken = listener.taken, []
-                listener.loop.call_soon_threadsafe(listener.deliver, taken)
+                taken.append((listener, listener.taken))
+                listener.taken = []
+        return finished, taken
 
-    def _run(self) -> None:
+    def _hand_over(self, collected: tuple[dict, list], on_loop: bool = False) -> None:
+        """Resolve what completed: one wake-up of each loop for all of them, not
+        one per operation (and one per listener for the control messages it
+        took). On the home loop its own are handed over directly."""
+        finished, taken = collected
+        for loop, done in finished.items():
+            loop.call_soon_threadsafe(_resolve_all, done)
+        for listener, messages in taken:
+            if on_loop and listener.loop is self.home:
+                listener.deliver(messages)
+            else:
+                listener.loop.call_soon_threadsafe(listener.deliver, messages)
+        if taken and not on_loop and self.home is not None:
+            # requests came in: their replies (and likely more requests) follow
+            self.home.call_soon_threadsafe(self._poll_on_loop)
+
+    def _hot(self, now: float) -> bool:
+        """Whether traffic is expected: something in flight, a reply awaited, or
+        a message in or out within the last ``hot`` seconds."""
+        return bool(self._reqs or self._pipes or now - self._last_activity < self.hot
+                    or any(w() for w in self._waiting))
+
+    def _poll(self, on_loop: bool) -> bool:
+        """Take arrived control messages and test every request in flight; True
+        if anything moved. Under ``_plock``; then :meth:`_collect`."""
         MPI = self._MPI
-        reqs: list = []
-        owners: list[_Op] = []
-        pause = 0.0
-        while True:
-            self._hand_over()
-            with self._cv:
-                if not self._inbox:
-                    if not reqs and not self._pipes and not self._listeners:
-                        if self._stopping:
-                            return
-                        self._cv.wait()  # idle: no CPU until work arrives
-                    elif pause:
-                        self._cv.wait(pause)  # busy: back off, but wake for new work
-                inbox, self._inbox = self._inbox, []
-                stopping = self._stopping
-                listening = bool(self._listeners) and not stopping
-            for op in inbox:
-                self._post(op, reqs, owners)
-            moved = self._advance_pipes()
-            if listening:
-                moved = self._take_arrivals(reqs, owners) or moved
-            elif self._listeners and stopping and not reqs and not self._pipes:
-                return
-            if not reqs:
-                if self._pipes or listening:
-                    pause = 0.0 if moved else min(self.poll_max, max(self.poll_min, pause * 2))
-                    if stopping and time.monotonic() > self._stop_deadline:
-                        self._cancel_all(reqs, owners)
-                continue
+        reqs, owners = self._reqs, self._owners
+        moved = False
+        if self._listeners and not self._stopping:
+            moved = self._take_arrivals(reqs, owners)
+        if reqs:
             try:
                 self.polls += 1
                 done = MPI.Request.Testsome(reqs)
             except MPI.Exception as exc:
                 done = self._fail_one(reqs, owners, exc)
-            if done or moved:
-                if done:
-                    for i in done:
-                        self._complete(owners[i])
-                    if len(done) == 1:
-                        del owners[done[0]], reqs[done[0]]
-                    else:  # one pass, not one list shift per completion
-                        gone = set(done)
-                        owners[:] = [o for i, o in enumerate(owners) if i not in gone]
-                        reqs[:] = [r for i, r in enumerate(reqs) if i not in gone]
-                pause = 0.0
-            elif not inbox:
+            if done:
+                moved = True
+                for i in done:
+                    self._complete(owners[i], on_loop)
+                if len(done) == 1:
+                    del owners[done[0]], reqs[done[0]]
+                else:  # one pass, not one list shift per completion
+                    gone = set(done)
+                    owners[:] = [o for i, o in enumerate(owners) if i not in gone]
+                    reqs[:] = [r for i, r in enumerate(reqs) if i not in gone]
+        return moved
+
+    def _run(self) -> None:
+        pause = 0.0
+        while True:
+            with self._cv:
+                if not self._inbox:
+                    loop_polls = self._loop_polling and not self._stopping
+                    if (loop_polls or not (self._reqs or self._listeners)) and not self._pipes:
+                        if self._stopping and not self._reqs:
+                            return
+                        # idle, or the home loop polls: no CPU until work arrives
+                        self._cv.wait(None if not self._stopping else 0.01)
+                    elif pause:
+                        self._cv.wait(pause)  # backing off, but woken by new work
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+                loop_polls = self._loop_polling and not stopping
+            with self._plock:
+                for op in inbox:
+                    self._post(op, self._reqs, self._owners)
+            moved = self._advance_pipes()
+            with self._plock:
+                if not loop_polls:
+                    moved = self._poll(False) or moved
+                collected = self._collect()
+            self._hand_over(collected)
+            now = time.monotonic()
+            if moved or inbox:
+                self._last_activity = now
+            if moved:
+                pause = 0.0  # poll again at once: more is likely to follow
+            else:
                 pause = min(self.poll_max, max(self.poll_min, pause * 2))
-            if stopping and (reqs or self._pipes) and time.monotonic() > self._stop_deadline:
-                self._cancel_all(reqs, owners)
+            if stopping:
+                if self._listeners and not self._reqs and not self._pipes:
+                    return
+                if (self._reqs or self._pipes) and now > self._stop_deadline:
+                    with self._plock:
+                        self._cancel_all(self._reqs, self._owners)
+                        collected = self._collect()
+                    self._hand_over(collected)
 
     def _fail_one(self, reqs: list, owners: list[_Op], exc: Any) -> list[int]:
         """Testsome reported an error: find the failing requests, fail only their ops."""

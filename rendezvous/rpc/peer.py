@@ -368,7 +368,11 @@ class PeerClient:
             if self._closed:
                 raise PeerUnavailable(f"client for {self.describe()} is closed")
             if self._open_call is not None:
-                self._stream = _Stream(self, self._open_call(), Path.MPI)
+                call = self._open_call()
+                self._stream = _Stream(self, call, Path.MPI)
+                watch = getattr(call, "watch", None)
+                if watch is not None:  # the call polls while recvs await replies
+                    watch(self._stream.pending)
                 return self._stream
             if self._channel is None:
                 if self._credentials is not None:
