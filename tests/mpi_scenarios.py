@@ -216,9 +216,16 @@ def idle(seconds: str = "2") -> None:
     engine = server.aio._engine
     polls0 = engine.polls
     wall0, cpu0 = time.monotonic(), time.process_time()
-    time.sleep(float(seconds))  # measuring idleness itself, not synchronizing
-    cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
-    result(rank=me, cpu=cpu, polls=engine.polls - polls0, stats=server.stats())
+    # measuring idleness itself, not synchronizing: the first half includes the
+    # engine settling; the second half is a rank idle for over a second
+    time.sleep(float(seconds) / 2)
+    probes0, late0 = engine.probes, time.monotonic()
+    time.sleep(float(seconds) / 2)
+    late_wall = time.monotonic() - late0
+    wall = time.monotonic() - wall0
+    cpu = (time.process_time() - cpu0) / wall
+    result(rank=me, cpu=cpu, polls=engine.polls - polls0, probes=engine.probes - probes0, late_wall=late_wall,
+           stats=server.stats())
     finish(server)
     server.stop(5)
 

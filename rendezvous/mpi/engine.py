@@ -12,11 +12,16 @@ per loop for everything that completed in one pass.
 
 Polling: while a transfer is in flight, while a reply is expected
 (:meth:`ProgressEngine.expect_while`) and for ``hot_ms`` after the last message
-came or went, the thread polls without pausing. Otherwise each empty poll
-doubles the pause, from ``poll_min_us`` up to ``poll_max_us``, and a new
-submission wakes it immediately. With nothing in flight and nobody listening
-it sleeps on a condition variable and uses no CPU; with a listener (requests
-over MPI) it polls every ``poll_max_us``.
+came or went, requests over MPI are polled without pausing, on the server's
+event loop itself (:meth:`ProgressEngine._loop_poll`). Otherwise the MPI
+thread polls, each empty poll doubling its pause from ``poll_min_us`` up to
+``poll_max_us``, and a new submission wakes it immediately. With nothing in
+flight and nobody listening it sleeps on a condition variable and uses no
+CPU; with a listener (requests over MPI) it probes every ``poll_max_us``,
+and every ``idle_poll_ms`` once nothing has moved for ``idle_after_s``: a
+rank idle that long (say, computing) notices a new request up to
+``idle_poll_ms`` later. Its own recvs never wait for that: while they await
+replies it polls without pause.
 
 Buffers are referenced by their operation until MPI is done with them, so a
 producer's tensor stays alive until its send completes without parking any
@@ -118,7 +123,7 @@ class ProgressEngine:
     communicator; :meth:`attach` then gives it before any transfer."""
 
     def __init__(self, comm: Any = None, *, poll_min_us: int = 10, poll_max_us: int = 1000,
-                 hot_ms: float = 2.0) -> None:
+                 hot_ms: float = 2.0, idle_poll_ms: float = 5.0, idle_after_s: float = 1.0) -> None:
         from mpi4py import MPI  # only reached with MPI enabled
 
         self._MPI = MPI
@@ -126,6 +131,9 @@ class ProgressEngine:
         self.poll_min = poll_min_us / 1e6
         self.poll_max = poll_max_us / 1e6
         self.hot = hot_ms / 1e3
+        self.idle_poll = max(idle_poll_ms / 1e3, self.poll_max)
+        self.idle_after = idle_after_s
+        self.probes = 0  # matched probes made for listeners (the idle test reads this)
         # Posting from the caller's thread needs MPI_THREAD_MULTIPLE.
         self.direct = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._waiting: list[Callable[[], bool]] = []  # see expect_while
@@ -363,6 +371,7 @@ class ProgressEngine:
         for listener in tuple(self._listeners):
             while True:
                 try:
+                    self.probes += 1
                     msg = listener.comm.Improbe(MPI.ANY_SOURCE, listener.tag, status)
                 except MPI.Exception as exc:
                     log.warning("MPI probe for control messages failed: %s", exc.Get_error_string())
@@ -474,7 +483,9 @@ class ProgressEngine:
             if moved:
                 pause = 0.0  # poll again at once: more is likely to follow
             else:
-                pause = min(self.poll_max, max(self.poll_min, pause * 2))
+                # Listening with nothing in flight for a while: probe less often.
+                idle = not self._reqs and not self._pipes and now - self._last_activity > self.idle_after
+                pause = min(self.idle_poll if idle else self.poll_max, max(self.poll_min, pause * 2))
             if stopping:
                 if self._listeners and not self._reqs and not self._pipes:
                     return
