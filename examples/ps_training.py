@@ -3,9 +3,11 @@
 One ps task and two worker tasks train a softmax (multinomial logistic)
 regression, 1024 features x 512 classes: 2 MiB of parameters, so the
 parameters and gradients take the MPI optimal path while the per-step losses
-(4 bytes) go inline over gRPC. Each step every worker sends its gradients to
-the ps, keyed by step; the ps averages them in a fixed order, applies SGD and
-sends the new parameters back.
+(4 bytes) go inline. Each step every worker sends its gradients to the ps,
+keyed by step; the ps averages them in a fixed order, applies SGD and sends
+the new parameters back. The ps reports each step's time split into compute
+(the workers' gradients and its own update, measured) and communication (the
+rest: moving tensors and waiting for them).
 
     python examples/ps_training.py            # launches both runs below
     mpiexec -n 3 python examples/ps_training.py --cluster cluster.json
@@ -13,8 +15,12 @@ sends the new parameters back.
 
 Launched without --cluster, it picks three free loopback ports, writes a
 cluster file, and runs the job twice under `mpiexec -n 3`: protocol grpc+mpi
-with MPI on, then with MPI_DISABLED=1. The two runs must reach the same loss
-(the transport never changes a byte), and it says so.
+with MPI on, in the fastest setting measured for this job (the optimal path,
+requests over gRPC: see BENCHMARKS.md), then with MPI_DISABLED=1 (gRPC only).
+The two runs must reach the same loss (the transport never changes a byte),
+and it says so, with each run's communication time per step. Each rank's
+numpy computes on one thread unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS
+is set: three ranks on a small machine would otherwise fight over its cores.
 """
 
 from __future__ import annotations
@@ -82,13 +88,14 @@ def run_ps(server, steps: int) -> None:
     w = np.zeros((FEATURES, CLASSES), np.float32)
     b = np.zeros(CLASSES, np.float32)
     toggles = ", ".join(f"{v}={os.environ[v]!r}" if v in os.environ else f"{v} unset"
-                        for v in ("MPI_DISABLED", "MPI_OPTIMAL_PATH"))
+                        for v in ("MPI_DISABLED", "MPI_OPTIMAL_PATH", "RENDEZVOUS_MPI_REQUESTS"))
     print(f"parameter-server training: 1 ps + {WORKERS} workers, softmax regression "
           f"{FEATURES}x{CLASSES} ({(w.nbytes + b.nbytes) / 2**20:.1f} MiB of parameters), "
           f"{steps} steps; protocol {server.aio.protocol} ({toggles})", flush=True)
     print(f"{'step':>6} {'loss':>10}", flush=True)
     start = time.perf_counter()
     loss = float("nan")
+    update = 0.0  # seconds the ps spent computing its updates
     for step in range(steps):
         grads_w, grads_b, losses = [], [], []
         for i in range(WORKERS):  # fixed order: the sum is the same in every run
@@ -96,9 +103,11 @@ def run_ps(server, steps: int) -> None:
             grads_w.append(server.recv(key(src, PS, "grad_w"), step_id=step, timeout=120))
             grads_b.append(server.recv(key(src, PS, "grad_b"), step_id=step, timeout=120))
             losses.append(float(server.recv(key(src, PS, "loss"), step_id=step, timeout=120)))
+        t0 = time.perf_counter()
         w = w - LEARNING_RATE * (grads_w[0] + grads_w[1]) / WORKERS
         b = b - LEARNING_RATE * (grads_b[0] + grads_b[1]) / WORKERS
         loss = sum(losses) / WORKERS
+        update += time.perf_counter() - t0
         if step % 10 == 0 or step == steps - 1:
             print(f"{step:>6} {loss:>10.6f}", flush=True)
         for i in range(WORKERS):
@@ -110,7 +119,7 @@ def run_ps(server, steps: int) -> None:
         totals += server.recv(key(worker_task(i), PS, "stats"), step_id=steps + 1, timeout=120)
     for i in range(WORKERS):
         server.send(key(PS, worker_task(i), "bye"), np.ones(1, np.int8), step_id=steps + 2)
-    _report(totals, elapsed)
+    _report(totals, elapsed, update, steps)
     print(f"final loss: {loss:.6f}", flush=True)
 
 
@@ -119,27 +128,32 @@ def run_worker(server, index: int, steps: int) -> None:
     x, y = make_shard(index)
     w = np.zeros((FEATURES, CLASSES), np.float32)
     b = np.zeros(CLASSES, np.float32)
+    compute = 0.0
     for step in range(steps):
         lo = (step * BATCH) % SAMPLES_PER_WORKER
+        t0 = time.perf_counter()
         loss, gw, gb = loss_and_grads(w, b, x[lo:lo + BATCH], y[lo:lo + BATCH])
+        compute += time.perf_counter() - t0
         server.send(key(me, PS, "grad_w"), gw, step_id=step)
         server.send(key(me, PS, "grad_b"), gb, step_id=step)
         server.send(key(me, PS, "loss"), np.array(loss, np.float32), step_id=step)
         w = server.recv(key(PS, me, "w"), step_id=step + 1, timeout=120)
         b = server.recv(key(PS, me, "b"), step_id=step + 1, timeout=120)
-    server.send(key(me, PS, "stats"), _counters(server.stats()), step_id=steps + 1)
+    counters = _counters(server.stats())
+    counters[COUNTERS.index(("worker", "compute_us"))] = int(compute * 1e6)
+    server.send(key(me, PS, "stats"), counters, step_id=steps + 1)
     server.recv(key(PS, me, "bye"), step_id=steps + 2, timeout=120)
 
 
 COUNTERS = [("grpc", "transfers"), ("grpc", "bytes"), ("mpi", "transfers"), ("mpi", "bytes"),
-            ("grpc", "fallbacks"), ("local", "transfers")]
+            ("grpc", "fallbacks"), ("local", "transfers"), ("worker", "compute_us")]
 
 
 def _counters(stats: dict) -> np.ndarray:
-    return np.array([stats[path][name] for path, name in COUNTERS], np.int64)
+    return np.array([stats[path][name] if path in stats else 0 for path, name in COUNTERS], np.int64)
 
 
-def _report(totals: np.ndarray, elapsed: float) -> None:
+def _report(totals: np.ndarray, elapsed: float, update: float, steps: int) -> None:
     t = dict(zip(COUNTERS, (int(v) for v in totals)))
     moved = t[("grpc", "bytes")] + t[("mpi", "bytes")]
     print("\nwhat moved (all ranks, received side):")
@@ -149,6 +163,14 @@ def _report(totals: np.ndarray, elapsed: float) -> None:
     print(f"  fallbacks to gRPC: {t[('grpc', 'fallbacks')]}")
     print(f"training took {elapsed:.2f} s; {moved / 2**20:,.1f} MiB moved, "
           f"{moved / elapsed / 1e9:.2f} GB/s of tensor traffic while training")
+    # The workers compute their gradients at the same time, the ps its update
+    # after them: compute on the step's path is one worker's share plus the update.
+    step = elapsed / steps
+    compute = (t[("worker", "compute_us")] / 1e6 / WORKERS + update) / steps
+    comm = max(0.0, step - compute)
+    print(f"per step: {step * 1e3:.1f} ms = compute {compute * 1e3:.1f} ms + communication "
+          f"{comm * 1e3:.1f} ms")
+    print(f"communication per step: {comm * 1e3:.2f} ms", flush=True)
 
 
 def rank_main(args: argparse.Namespace) -> int:
@@ -200,7 +222,9 @@ def _mpiexec() -> list[str]:
     return [found]
 
 
-def _run(title: str, cluster: str, steps: int, env: dict[str, str], timeout: float) -> float | None:
+def _run(title: str, cluster: str, steps: int, env: dict[str, str],
+         timeout: float) -> tuple[float, float | None] | None:
+    """Run the job once; its final loss and communication time per step (ms)."""
     print(f"\n=== {title} ===", flush=True)
     cmd = [*_mpiexec(), "-n", str(1 + WORKERS), sys.executable, "-m", "mpi4py", __file__,
            "--cluster", cluster, "--steps", str(steps)]
@@ -210,8 +234,10 @@ def _run(title: str, cluster: str, steps: int, env: dict[str, str], timeout: flo
                "--cluster", cluster, "--steps", str(steps)]
     # the run's own toggles only: a MPI_DISABLED from the caller's shell must not leak into run 1
     full_env = {**{k: v for k, v in os.environ.items() if k != "MPI_DISABLED"}, **env}
+    if "OMP_NUM_THREADS" not in full_env and "OPENBLAS_NUM_THREADS" not in full_env:
+        full_env["OPENBLAS_NUM_THREADS"] = full_env["OMP_NUM_THREADS"] = "1"  # one core per rank's numpy
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=full_env, start_new_session=True)
-    final = None
+    final = comm = None
     deadline = time.monotonic() + timeout
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -219,6 +245,9 @@ def _run(title: str, cluster: str, steps: int, env: dict[str, str], timeout: flo
             m = re.match(r"final loss: ([0-9.eE+-]+)", line)
             if m:
                 final = float(m.group(1))
+            m = re.match(r"communication per step: ([0-9.]+) ms", line)
+            if m:
+                comm = float(m.group(1))
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(cmd, timeout)
         code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -226,10 +255,10 @@ def _run(title: str, cluster: str, steps: int, env: dict[str, str], timeout: flo
         os.killpg(proc.pid, signal.SIGKILL)
         print(f"{title}: timed out after {timeout:g}s", file=sys.stderr)
         return None
-    if code != 0:
+    if code != 0 or final is None:
         print(f"{title}: exited with {code}", file=sys.stderr)
         return None
-    return final
+    return final, comm
 
 
 def launcher_main(args: argparse.Namespace) -> int:
@@ -239,16 +268,28 @@ def launcher_main(args: argparse.Namespace) -> int:
         path = os.path.join(tmp, "cluster.json")
         with open(path, "w") as f:
             json.dump(cluster, f)
-        with_mpi = _run("run 1: protocol grpc+mpi, MPI on", path, args.steps, {}, args.timeout)
+        # The fastest correct setting measured for this job (BENCHMARKS.md, "The
+        # main job"): the optimal path with requests over gRPC. Requests over MPI
+        # measured slower here: the ranks use the blocking Server, whose MPI
+        # thread, not its loop, polls for them.
+        fastest = {"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": "0"}
+        with_mpi = _run("run 1: protocol grpc+mpi, MPI on, in its fastest setting for this job: "
+                        "optimal path (MPI_OPTIMAL_PATH=1), requests over gRPC (RENDEZVOUS_MPI_REQUESTS=0)",
+                        path, args.steps, fastest, args.timeout)
         without = _run("run 2: protocol grpc+mpi with MPI_DISABLED=1 (gRPC only)", path, args.steps,
                        {"MPI_DISABLED": "1"}, args.timeout)
     print()
     if with_mpi is None or without is None:
         print("a run failed", file=sys.stderr)
         return 1
-    same = abs(with_mpi - without) <= 1e-6 * max(1.0, abs(with_mpi))
-    print(f"final loss with MPI: {with_mpi:.6f}; with MPI_DISABLED=1: {without:.6f} -> "
+    (loss_mpi, comm_mpi), (loss_grpc, comm_grpc) = with_mpi, without
+    same = abs(loss_mpi - loss_grpc) <= 1e-6 * max(1.0, abs(loss_mpi))
+    print(f"final loss with MPI: {loss_mpi:.6f}; with MPI_DISABLED=1: {loss_grpc:.6f} -> "
           f"{'the same' if same else 'DIFFERENT'}")
+    if comm_mpi is not None and comm_grpc is not None:
+        faster = f" ({comm_grpc / comm_mpi:.1f}x less)" if comm_mpi > 0 else ""
+        print(f"communication per step: {comm_mpi:.2f} ms with MPI (optimal path), "
+              f"{comm_grpc:.2f} ms with gRPC only{faster}")
     return 0 if same else 1
 
 

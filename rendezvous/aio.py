@@ -110,6 +110,11 @@ class Server:
         self.task = TaskName(job_name, 0, int(task_index))
         self.bind_address = self.cluster.address(self.task)  # UnknownTask if absent
         cfg = self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
+        #: With requests over MPI, whether this loop polls MPI itself while traffic
+        #: is expected (the fastest for a program that is all asyncio). The
+        #: blocking Server turns it off: its loop thread, spinning, would keep the
+        #: GIL from the caller's threads; its MPI thread polls instead.
+        self.poll_on_loop = True
         self.table = WaitingTable()
         self._stats = stats if stats is not None else Stats()
         #: GPU backends and their pinned pools (cupy by default, imported only when used)
@@ -200,8 +205,8 @@ class Server:
                                 poll_max_us=self.config.mpi_poll_max_us)
         # With requests over MPI the loop polls while traffic is expected (small
         # transfers at MPI latency); with gRPC requests the MPI thread does,
-        # leaving the loop to gRPC (see the engine's notes).
-        engine.start(loop_polls=self.config.mpi_requests)
+        # leaving the loop to gRPC (see the engine's notes and poll_on_loop).
+        engine.start(loop_polls=self.config.mpi_requests and self.poll_on_loop)
         self._engine = engine
         # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
         # this stops the engine before that even if stop() is never called.

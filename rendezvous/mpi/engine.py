@@ -10,18 +10,17 @@ it too). The engine thread polls every request in flight with
 and resolves futures on their loop with ``call_soon_threadsafe``, one wake-up
 per loop for everything that completed in one pass.
 
-Polling: while a transfer is in flight, while a reply is expected
-(:meth:`ProgressEngine.expect_while`) and for ``hot_ms`` after the last message
-came or went, requests over MPI are polled without pausing, on the server's
-event loop itself (:meth:`ProgressEngine._loop_poll`). Otherwise the MPI
-thread polls, each empty poll doubling its pause from ``poll_min_us`` up to
-``poll_max_us``, and a new submission wakes it immediately. With nothing in
-flight and nobody listening it sleeps on a condition variable and uses no
-CPU; with a listener (requests over MPI) it probes every ``poll_max_us``,
-and every ``idle_poll_ms`` once nothing has moved for ``idle_after_s``: a
-rank idle that long (say, computing) notices a new request up to
-``idle_poll_ms`` later. Its own recvs never wait for that: while they await
-replies it polls without pause.
+Polling: with requests over MPI, while a transfer is in flight and for
+``hot_ms`` after the last message came or went, the server's event loop
+itself polls, every turn, without pausing (:meth:`ProgressEngine._loop_poll`).
+Otherwise the MPI thread polls, each empty poll doubling its pause from
+``poll_min_us`` up to ``poll_max_us``, and a new submission or an arrival
+wakes it (an arrival hands polling back to the loop). With nothing in flight
+and nobody listening it sleeps on a condition variable and uses no CPU; with
+a listener (requests over MPI) it probes every ``poll_max_us``, and every
+``idle_poll_ms`` once nothing has moved for ``idle_after_s`` and no reply is
+awaited (:meth:`ProgressEngine.expect_while`): a rank idle that long (say,
+computing) notices a new request up to ``idle_poll_ms`` later.
 
 Buffers are referenced by their operation until MPI is done with them, so a
 producer's tensor stays alive until its send completes without parking any
@@ -185,8 +184,8 @@ class ProgressEngine:
 
     def expect_while(self, waiting: Callable[[], bool]) -> None:
         """While ``waiting()`` is true (called on the MPI thread, under the GIL:
-        keep it to a few attribute reads) a reply is expected, and the MPI
-        thread polls without pausing."""
+        keep it to a few attribute reads) a reply is awaited, and the MPI
+        thread's pause stays at most ``poll_max_us``, however long the wait."""
         self._waiting.append(waiting)
 
     def _transfer(self, op: _Op) -> asyncio.Future:
@@ -421,10 +420,12 @@ class ProgressEngine:
             self.home.call_soon_threadsafe(self._poll_on_loop)
 
     def _hot(self, now: float) -> bool:
-        """Whether traffic is expected: something in flight, a reply awaited, or
-        a message in or out within the last ``hot`` seconds."""
-        return bool(self._reqs or self._pipes or now - self._last_activity < self.hot
-                    or any(w() for w in self._waiting))
+        """Whether traffic is expected now: something in flight, or a message in
+        or out within the last ``hot`` seconds. A reply awaited longer than that
+        (its tensor not produced yet) is polled for by the MPI thread, backing
+        off: spinning through another rank's compute would take its core on a
+        machine with as many cores as ranks."""
+        return bool(self._reqs or self._pipes or now - self._last_activity < self.hot)
 
     def _poll(self, on_loop: bool) -> bool:
         """Take arrived control messages and test every request in flight; True
@@ -484,7 +485,8 @@ class ProgressEngine:
                 pause = 0.0  # poll again at once: more is likely to follow
             else:
                 # Listening with nothing in flight for a while: probe less often.
-                idle = not self._reqs and not self._pipes and now - self._last_activity > self.idle_after
+                idle = (not self._reqs and not self._pipes and now - self._last_activity > self.idle_after
+                        and not any(w() for w in self._waiting))
                 pause = min(self.idle_poll if idle else self.poll_max, max(self.poll_min, pause * 2))
             if stopping:
                 if self._listeners and not self._reqs and not self._pipes:
