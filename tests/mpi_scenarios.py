@@ -217,7 +217,7 @@ def idle(seconds: str = "2") -> None:
     polls0 = engine.polls
     wall0, cpu0 = time.monotonic(), time.process_time()
     # measuring idleness itself, not synchronizing: the first half includes the
-    # engine settling; the second half is a rank idle for over a second
+    # engine settling; the second half is a rank idle for over a quarter second
     time.sleep(float(seconds) / 2)
     probes0, late0 = engine.probes, time.monotonic()
     time.sleep(float(seconds) / 2)

@@ -10,35 +10,50 @@ pytestmark = pytest.mark.mpi
 SCRIPT = str(HERE / "gpu_scenarios.py")
 
 
+# With requests over MPI, the smallest host tensor received onto the GPU (c2g,
+# below one frame) comes inside its reply, then goes to the device in one copy:
+# one staged receive fewer, one copy to the device more, and that inline reply
+# counted as an MPI transfer too.
+REQUESTS = ["0", "1"]
+IDS = ["grpc-requests", "mpi-requests"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_staged_gpu_transfers_over_mpi():
-    _, results, out = launch(2, "transfers", env={"MPI_OPTIMAL_PATH": "1"}, timeout=140, script=SCRIPT)
+@pytest.mark.parametrize("requests", REQUESTS, ids=IDS)
+def test_staged_gpu_transfers_over_mpi(requests):
+    _, results, out = launch(2, "transfers", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": requests},
+                             timeout=140, script=SCRIPT)
     assert "CUDA-aware MPI: no (MPIX_" in out  # probed from the MPI library at start-up
+    inline = requests == "1"
     for r in results:
         gpu = r["stats"]["gpu"]
         assert gpu["cuda_aware"] == 0
         # produced on the fake GPU: g2g, g2c (3 sizes each), 6 re-sends, the late one, the OOM one
         assert gpu["staged_sends"] == 3 + 3 + 6 + 1 + 1, gpu
         # received onto the fake GPU: g2g, c2g, re-sends, the late one
-        assert gpu["staged_recvs"] == 3 + 3 + 6 + 1, gpu
+        assert gpu["staged_recvs"] == 3 + 3 + 6 + 1 - inline, gpu
+        assert gpu["to_device"] == 1 + inline, gpu
         assert gpu["direct_sends"] == gpu["direct_recvs"] == 0
-        assert r["stats"]["mpi"]["transfers"] == 9 + 6 + 1
+        assert r["stats"]["mpi"]["transfers"] == 9 + 6 + 1 + inline
         # pinned buffers come back to the pool: far fewer allocations than chunks moved
         assert r["pinned_allocs"] <= 16, r["pinned_allocs"]
 
 
 @pytest.mark.timeout(150)
-def test_cuda_aware_mpi_takes_device_buffers_directly():
-    _, results, out = launch(2, "transfers", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_CUDA_AWARE": "1"},
-                             timeout=140, script=SCRIPT)
+@pytest.mark.parametrize("requests", REQUESTS, ids=IDS)
+def test_cuda_aware_mpi_takes_device_buffers_directly(requests):
+    _, results, out = launch(2, "transfers", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_CUDA_AWARE": "1",
+                                                  "RENDEZVOUS_MPI_REQUESTS": requests}, timeout=140, script=SCRIPT)
     assert "CUDA-aware MPI: yes (RENDEZVOUS_CUDA_AWARE)" in out
+    inline = requests == "1"
     for r in results:
         gpu = r["stats"]["gpu"]
         assert gpu["cuda_aware"] == 1
         assert gpu["staged_sends"] == gpu["staged_recvs"] == 0, gpu
-        assert gpu["direct_sends"] == 14 and gpu["direct_recvs"] == 13, gpu
+        assert gpu["direct_sends"] == 14 and gpu["direct_recvs"] == 13 - inline, gpu
         # no staging copies; only the tensor kept on the host after the full-device
-        # recv goes to the device afterwards (3 MiB in 1 MiB chunks)
-        assert r["copies"] == {"d2h": 0, "h2d": 3}
-        assert gpu["to_device"] == 1
+        # recv goes to the device afterwards (3 MiB in 1 MiB chunks), and with
+        # requests over MPI the small inline one (one copy)
+        assert r["copies"] == {"d2h": 0, "h2d": 3 + inline}
+        assert gpu["to_device"] == 1 + inline

@@ -295,7 +295,14 @@ class Rank:
         rss.release_free_memory()
         await self.sync()
         base = rss.reset_peak()
-        await self.batch(c, n, 1)
+        distinct = getattr(c, "distinct", None)
+        if distinct is not None:
+            c.distinct = False  # the source is the produced tensor: no copy of the bench's own
+        try:
+            await self.batch(c, n, 1)
+        finally:
+            if distinct is not None:
+                c.distinct = distinct
         mine = {"rank": self.ctx.rank, "baseline_bytes": base, "peak_bytes": rss.peak()}
         c.release()
         self.ctx.drop_source()
