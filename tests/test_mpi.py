@@ -235,14 +235,16 @@ def test_idle_rank_uses_almost_no_cpu(requests):
         # What the test holds is behaviour: with nothing in flight nothing is
         # tested for completion. The CPU an idle rank uses is a speed figure:
         # `make bench` measures and reports it.
-        assert r["polls"] == 0, "the progress thread polled while nothing was in flight"
+        # (with requests over MPI a late control message, such as the other
+        # rank's stream end, may still be received and completed: a poll or two)
+        assert r["polls"] <= (0 if requests == "0" else 4), "polled while nothing was in flight"
         if requests == "0":
             # nobody listens: the thread sleeps on its condition variable
             assert r["probes"] == 0
         else:
             # idle for over a quarter second: the two listeners (requests, replies) are
-            # probed every 5 ms, not every 1 ms (that would be 2 per ms)
-            bound = 2 * r["late_wall"] * 200 * 1.25
+            # probed every 10 ms, not every 1 ms (that would be 2 per ms)
+            bound = 2 * r["late_wall"] * 100 * 1.25
             assert 0 < r["probes"] <= bound, (r, bound)
 
 
