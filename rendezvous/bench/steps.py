@@ -1,4 +1,4 @@
-"""``rendezvous bench --steps``: one training step's gradient exchange, as users run it.
+"""``rendezvous bench-steps``: one training step's gradient exchange, as users run it.
 
 For each model (:mod:`rendezvous.bench.models`) and each contender, rank 1
 produces a fresh array per parameter tensor (outside the timed window, as a
@@ -360,7 +360,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rendezvous bench --steps", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rendezvous bench-steps", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=7, help="timed steps per model and contender (default 7)")
     p.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"any of {', '.join(CONTENDERS)}")
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     bad = [m for m in args.models if m not in MODELS] + [c for c in args.contenders if c not in CONTENDERS]
     if bad or args.steps < 1:
-        raise SystemExit(f"rendezvous bench --steps: unknown {', '.join(bad)}" if bad else "--steps must be >= 1")
+        raise SystemExit(f"rendezvous bench-steps: unknown {', '.join(bad)}" if bad else "--steps must be >= 1")
     from rendezvous.launch import launcher_rank
 
     if launcher_rank() is None:
@@ -401,13 +401,13 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
 
     launcher = _mpiexec()
     if launcher is None:
-        print("rendezvous bench --steps: no mpiexec found", file=sys.stderr)
+        print("rendezvous bench-steps: no mpiexec found", file=sys.stderr)
         return 2
     cmd = [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous.bench.steps", *argv]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        print(f"rendezvous bench --steps: the job ran past {args.timeout:g}s", file=sys.stderr)
+        print(f"rendezvous bench-steps: the job ran past {args.timeout:g}s", file=sys.stderr)
         return 1
     docs = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
     if proc.returncode != 0 or not docs:
