@@ -385,8 +385,7 @@ def stopped_producer(folder: str) -> None:
         result(rank=me, go_on=int(got[0]))
     else:
         Path(folder, "consumer.ready").write_text("1")
-        while not Path(folder, "stopped").exists():  # the test stopped rank 1 (a condition, polled)
-            time.sleep(0.01)
+        wait_for(lambda: Path(folder, "stopped").exists(), "the test to stop rank 1", timeout=90)
         t0 = time.monotonic()
         try:
             server.recv(key(worker(1), worker(0), "never"), step_id=1)  # no deadline

@@ -186,6 +186,16 @@ def test_deadlines_racing_mpi_transfers_lose_nothing(requests):
     assert producer["left"] == 0, producer  # nothing left in the producer's table
 
 
+def _wait_for_files(proc: subprocess.Popen, paths: list, timeout: float) -> None:
+    """Until every path exists (a rank's signal to the test), failing at once if
+    the job ends first and after ``timeout`` seconds otherwise."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {[str(p) for p in paths]} after {timeout:g}s"
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_stopped_rank_fails_recvs_within_the_keepalive_bound_and_the_job_goes_on(tmp_path):
@@ -195,16 +205,11 @@ def test_a_stopped_rank_fails_recvs_within_the_keepalive_bound_and_the_job_goes_
                             start_new_session=True)
     pid = None
     try:
-        deadline = time.monotonic() + 60
-        while not ((tmp_path / "producer.pid").exists() and (tmp_path / "consumer.ready").exists()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.01)
+        _wait_for_files(proc, [tmp_path / "producer.pid", tmp_path / "consumer.ready"], 60)
         pid = int((tmp_path / "producer.pid").read_text())
         os.kill(pid, signal.SIGSTOP)
         (tmp_path / "stopped").write_text("1")
-        while not (tmp_path / "failed").exists():
-            assert proc.poll() is None and time.monotonic() < deadline + 30, proc.communicate()
-            time.sleep(0.01)
+        _wait_for_files(proc, [tmp_path / "failed"], 30)
         os.kill(pid, signal.SIGCONT)
         stdout, stderr = proc.communicate(timeout=90)
     finally:

@@ -156,12 +156,6 @@ class ProgressEngine:
 
     # -- loop side ----------------------------------------------------------
 
-    @property
-    def queued(self) -> int:
-        """Operations submitted and not yet taken up by the MPI thread."""
-        with self._cv:
-            return len(self._inbox)
-
     def attach(self, comm: Any) -> None:
         """The communicator every later transfer uses (made by a start-up collective)."""
         self.comm = comm
