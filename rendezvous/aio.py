@@ -104,7 +104,7 @@ class Server:
     def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
                  protocol: str = "grpc", *, config: Config | None = None,
                  grpc_setup: GrpcSetup | None = None, stats: Stats | None = None,
-                 devices: Devices | None = None, **overrides: Any) -> None:
+                 devices: Devices | None = None, buffers: RecvBuffers | None = None, **overrides: Any) -> None:
         self.protocol = Protocol.parse(protocol)
         self.cluster = ClusterSpec.from_any(cluster)
         self.task = TaskName(job_name, 0, int(task_index))
@@ -120,7 +120,7 @@ class Server:
         #: GPU backends and their pinned pools (cupy by default, imported only when used)
         self.devices = devices if devices is not None else Devices()
         #: large receive buffers, reused once dropped (see rendezvous.buffers)
-        self.buffers = RecvBuffers(cfg.recv_cache_bytes)
+        self.buffers = buffers if buffers is not None else RecvBuffers(cfg.recv_cache_bytes)
         self._staging = (cfg.gpu_staging_chunk_bytes, cfg.gpu_staging_depth)
         self._setup = grpc_setup or GrpcSetup()
         self._retry = RetryCache(cfg.retry_window, cfg.retry_cache_bytes)

@@ -112,6 +112,11 @@ class Config:
         64 << 10, "RENDEZVOUS_SHM_THRESHOLD",
         "Smallest tensor (bytes) that moves between a local client and its daemon through shared memory; "
         "-1: never.")
+    shm_pool_bytes: int = _knob(
+        0, "RENDEZVOUS_SHM_POOL_BYTES",
+        "Most bytes of shared-memory segments a daemon keeps for its local clients' tensors (sent, received, "
+        "and received from peers for them); beyond it tensors cross the local hop inside frames. 0: half the "
+        "machine's memory.")
     metrics_port: int = _knob(
         -1, "RENDEZVOUS_METRICS_PORT", "Port of the Prometheus `/metrics` endpoint; 0: the OS picks; -1: off.")
     metrics_host: str = _knob(

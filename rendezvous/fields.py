@@ -55,23 +55,22 @@ STREAM_RESPONSE_ERROR = _rdv.StreamResponse.ERROR_FIELD_NUMBER
 STREAM_RESPONSE_BATCH = _rdv.StreamResponse.BATCH_FIELD_NUMBER
 
 # The local service (local.proto)
-SEGMENT_NAME = _local.ShmSegment.NAME_FIELD_NUMBER
-SEGMENT_NBYTES = _local.ShmSegment.NBYTES_FIELD_NUMBER
+SLOT_SEGMENT = _local.PoolSlot.SEGMENT_FIELD_NUMBER
+SLOT_NBYTES = _local.PoolSlot.NBYTES_FIELD_NUMBER
 SEND_STEP_ID = _local.SendRequest.STEP_ID_FIELD_NUMBER
 SEND_KEY = _local.SendRequest.RENDEZVOUS_KEY_FIELD_NUMBER
 SEND_TENSOR = _local.SendRequest.TENSOR_FIELD_NUMBER
 SEND_IS_DEAD = _local.SendRequest.IS_DEAD_FIELD_NUMBER
-SEND_SHM = _local.SendRequest.SHM_FIELD_NUMBER
-SEND_CLIENT_ID = _local.SendRequest.CLIENT_ID_FIELD_NUMBER
+SEND_POOLED = _local.SendRequest.POOLED_FIELD_NUMBER
+SEND_NAMED_SHM = 5  # reserved: a named POSIX segment, no longer accepted
 LOCAL_RECV_STEP_ID = _local.LocalRecvRequest.STEP_ID_FIELD_NUMBER
 LOCAL_RECV_KEY = _local.LocalRecvRequest.RENDEZVOUS_KEY_FIELD_NUMBER
 LOCAL_RECV_TIMEOUT = _local.LocalRecvRequest.TIMEOUT_FIELD_NUMBER
-LOCAL_RECV_CLIENT_ID = _local.LocalRecvRequest.CLIENT_ID_FIELD_NUMBER
 # LocalRecvResponse begins with RecvTensorResponse's fields 1 and 2 (tensor,
 # is_dead), so a RecvTensorResponse's bytes are a valid start of one.
 LOCAL_REPLY_TENSOR = _local.LocalRecvResponse.TENSOR_FIELD_NUMBER
 LOCAL_REPLY_IS_DEAD = _local.LocalRecvResponse.IS_DEAD_FIELD_NUMBER
-LOCAL_REPLY_SHM = _local.LocalRecvResponse.SHM_FIELD_NUMBER
+LOCAL_REPLY_POOLED = _local.LocalRecvResponse.POOLED_FIELD_NUMBER
 LOCAL_REPLY_PATH = _local.LocalRecvResponse.PATH_FIELD_NUMBER
 
 assert (LOCAL_REPLY_TENSOR, LOCAL_REPLY_IS_DEAD) == (RESPONSE_TENSOR, RESPONSE_IS_DEAD)

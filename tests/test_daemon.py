@@ -56,16 +56,27 @@ def sockdir():
         yield Path(d)
 
 
+def _segment_files() -> int:
+    """Descriptors and mappings of pool segments this process has open."""
+    n = sum(1 for fd in os.listdir("/proc/self/fd") if "memfd:rendezvous-segment" in _link(f"/proc/self/fd/{fd}"))
+    with open("/proc/self/maps") as f:
+        return n + sum(1 for line in f if "memfd:rendezvous-segment" in line)
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_segments():
-    # Only this process's segments (its clients' sessions): another test run or a
-    # benchmark on the machine has segments of its own.
-    mine = f"rdv-{os.getpid()}-"
-    before = set(shm.listed(mine))
+    """Every test's daemons stop and its clients close: then no segment may be left
+    open or mapped in this process (the daemons' and the clients' side both)."""
     yield
     gc.collect()
-    leaked = set(shm.listed(mine)) - before
-    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+    assert _segment_files() == 0, "pool segments left open or mapped"
 
 
 def config(sockdir: Path, index: int = 0, n: int = 1, **over) -> Config:

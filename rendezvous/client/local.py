@@ -8,10 +8,17 @@
 
 ``send`` puts a tensor into the daemon's waiting table (the key's producer
 must be the daemon's task); ``recv`` asks the daemon for a tensor produced on
-this node or anywhere in the cluster. Tensors of at least the daemon's
-shared-memory threshold cross the local hop through a segment
-(:mod:`rendezvous.shm`): written once by the sender, mapped by the receiver,
-no socket copy. Smaller ones travel in the gRPC message.
+this node or anywhere in the cluster.
+
+On the daemon's machine the client keeps one connection to the daemon's
+session socket (:mod:`rendezvous.daemon.sessions`) for its life. Tensors of
+at least the daemon's shared-memory threshold cross the local hop through
+the daemon's pool of shared-memory segments (:mod:`rendezvous.shm`): a send
+copies the array into a segment once; a recv returns an array that *is* a
+view on a segment (read in place, writable), which goes back to the pool
+when the array and every view of it are gone. Smaller tensors travel in the
+frames. Over TCP (or with ``shm_ok=False``) the client uses the daemon's
+gRPC service instead, every tensor inside its messages.
 
 Every error is a :class:`rendezvous.RendezvousError` with the daemon's status
 (``Aborted``, ``DeadlineExceeded``, ``Unavailable`` while it drains, ...).
@@ -25,26 +32,43 @@ else ``unix:$XDG_RUNTIME_DIR/rendezvous/rendezvousd.sock``, else
 from __future__ import annotations
 
 import collections
+import itertools
+import mmap
 import os
 import secrets
+import select
+import socket
+import struct
 import threading
+import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 
-from rendezvous import auth, shm, wire
+from rendezvous import auth, localwire, shm, wire
 from rendezvous import fields as F
-from rendezvous.rpc.options import local_channel_options
-from rendezvous.errors import InvalidArgument, RendezvousError, Unavailable, from_status
+from rendezvous.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    RendezvousError,
+    ResourceExhausted,
+    Unavailable,
+    from_status,
+)
 from rendezvous.keys import Key, as_key
+from rendezvous.localwire import Kind
+from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, as_array, decode_meta, decode_tensor, encode_header, encode_meta, \
     is_memcpyable
 from rendezvous.v1 import local_pb2 as lpb
 
-__all__ = ["Client", "LocalPending", "default_address", "channel_target"]
+__all__ = ["Client", "LocalPending", "default_address", "channel_target", "session_socket"]
 
 SERVICE = "/rendezvous.v1.LocalRendezvous/"
 SOCKET_NAME = "rendezvousd.sock"
@@ -82,6 +106,17 @@ def channel_target(address: str) -> tuple[str, bool]:
     return address, host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
 
 
+def session_socket(address: str) -> str | None:
+    """The daemon's session socket beside a ``unix:`` local address, if it exists."""
+    if not address.startswith("unix:") or not shm.available():
+        return None
+    path = address[5:]
+    if path.startswith("//"):
+        path = path[2:]
+    path += ".session"
+    return path if os.path.exists(path) else None
+
+
 def token_metadata(address: str, token: str | None) -> tuple[tuple[str, str], ...] | None:
     """The token goes over TCP only (a Unix socket is guarded by its file mode)."""
     token = os.environ.get("RENDEZVOUS_TOKEN", "") if token is None else token
@@ -93,48 +128,40 @@ def token_metadata(address: str, token: str | None) -> tuple[tuple[str, str], ..
 # -- the messages (shared with the async client) --------------------------------------
 
 
-class Prepared(NamedTuple):
-    body: bytes
-    segment: str | None  # a segment to discard if the send fails
-    path: str
-    nbytes: int
-
-
-def prepare_send(key: Key | str, tensor: Any, step_id: int, is_dead: bool, prefix: str | None,
-                 threshold: int, client_id: str) -> Prepared:
-    """The SendRequest bytes; a tensor of at least ``threshold`` bytes is written
-    to shared memory first (``prefix`` and ``client_id``: the session's)."""
+def send_head(key: Key | str, step_id: int) -> bytes:
     k = as_key(key).format().encode()
-    head = wire.varint_field(F.SEND_STEP_ID, step_id) + wire.len_field_header(F.SEND_KEY, len(k)) + k
+    return wire.varint_field(F.SEND_STEP_ID, step_id) + wire.len_field_header(F.SEND_KEY, len(k)) + k
+
+
+def inline_send(head: bytes, tensor: Any, is_dead: bool) -> tuple[bytes, int]:
+    """The SendRequest bytes with the tensor inside; (body, payload bytes)."""
     if is_dead:
-        return Prepared(head + wire.varint_field(F.SEND_IS_DEAD, 1), None, "inline", 0)
+        return head + wire.varint_field(F.SEND_IS_DEAD, 1), 0
     arr = as_array(tensor)
-    if (prefix is not None and threshold >= 0 and is_memcpyable(arr) and arr.nbytes
-            and arr.nbytes >= threshold):
-        name, nbytes = shm.write(prefix, arr)
-        meta = encode_meta(TensorMeta(arr.dtype, arr.shape))
-        seg = wire.len_field_header(F.SEGMENT_NAME, len(name)) + name.encode() + \
-            wire.varint_field(F.SEGMENT_NBYTES, nbytes)
-        who = client_id.encode()
-        return Prepared(b"".join([head, wire.len_field_header(F.SEND_TENSOR, len(meta)), meta,
-                                  wire.len_field_header(F.SEND_SHM, len(seg)), seg,
-                                  wire.len_field_header(F.SEND_CLIENT_ID, len(who)), who]), name, "shm", nbytes)
     header, payload = encode_header(arr)
     size = len(header) + (len(payload) if payload is not None else 0)
     parts = [head, wire.len_field_header(F.SEND_TENSOR, size), header]
     if payload is not None:
         parts.append(payload)
-    return Prepared(b"".join(parts), None, "inline", arr.nbytes if is_memcpyable(arr) else 0)
+    return b"".join(parts), arr.nbytes if is_memcpyable(arr) else 0
 
 
-def recv_request(key: Key | str, step_id: int, timeout: float | None, client_id: str) -> bytes:
+def pooled_send(head: bytes, arr: np.ndarray, seg_id: int) -> bytes:
+    """The SendRequest bytes naming pool segment ``seg_id``, which holds ``arr``'s bytes."""
+    meta = encode_meta(TensorMeta(arr.dtype, arr.shape))
+    slot = wire.varint_field(F.SLOT_SEGMENT, seg_id) + wire.varint_field(F.SLOT_NBYTES, arr.nbytes)
+    return b"".join([head, wire.len_field_header(F.SEND_TENSOR, len(meta)), meta,
+                     wire.len_field_header(F.SEND_POOLED, len(slot)), slot])
+
+
+def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
     return lpb.LocalRecvRequest(step_id=step_id, rendezvous_key=as_key(key).format(),
-                                timeout=timeout or 0.0, client_id=client_id).SerializeToString()
+                                timeout=timeout or 0.0).SerializeToString()
 
 
-def parse_reply(raw: bytes) -> tuple[Received, str, str]:
+def parse_reply(raw: bytes | memoryview, segments: "Segments | None" = None) -> tuple[Received, str, str]:
     """(item, daemon path, local hop "inline"|"shm") of a LocalRecvResponse."""
-    tensor = segment = None
+    tensor = slot = None
     is_dead = False
     path = "local"
     for num, wt, a, b in wire.iter_fields(raw):
@@ -142,18 +169,20 @@ def parse_reply(raw: bytes) -> tuple[Received, str, str]:
             tensor = (a, b)
         elif num == F.LOCAL_REPLY_IS_DEAD and wt == wire.VARINT:
             is_dead = bool(a)
-        elif num == F.LOCAL_REPLY_SHM and wt == wire.LEN:
-            segment = (a, b)
+        elif num == F.LOCAL_REPLY_POOLED and wt == wire.LEN:
+            slot = (a, b)
         elif num == F.LOCAL_REPLY_PATH and wt == wire.LEN:
             path = bytes(raw[a:b]).decode()
     if is_dead:
         return Received(None, True), path, "inline"
     if tensor is None:
         raise InvalidArgument("daemon reply carries no tensor")
-    if segment is not None:
-        seg = lpb.ShmSegment.FromString(bytes(raw[segment[0]:segment[1]]))
+    if slot is not None:
+        if segments is None:
+            raise InvalidArgument("a pooled reply outside a session")
+        seg = lpb.PoolSlot.FromString(bytes(raw[slot[0]:slot[1]]))
         meta, _, _ = decode_meta(raw, *tensor)
-        return Received(shm.take(seg.name, seg.nbytes, meta.dtype, meta.shape), False), path, "shm"
+        return Received(segments.view(seg.segment, seg.nbytes, meta), False), path, "shm"
     return Received(decode_tensor(raw, *tensor), False), path, "inline"
 
 
@@ -162,9 +191,337 @@ def error_from(exc: grpc.RpcError) -> RendezvousError:
     return from_status(code, exc.details() if hasattr(exc, "details") else str(exc))
 
 
-def to_pending(raw: bytes) -> list[LocalPending]:
+def frame_error(body: bytes | memoryview) -> RendezvousError:
+    code, message = localwire.unpack_error(body)
+    return from_status(code, message)
+
+
+def to_pending(raw: bytes | memoryview) -> list[LocalPending]:
     return [LocalPending(e.step_id, e.rendezvous_key, e.kind, e.count, e.oldest_age_seconds, e.producer)
-            for e in lpb.PendingResponse.FromString(raw).entries]
+            for e in lpb.PendingResponse.FromString(bytes(raw)).entries]
+
+
+# -- a session's shared memory (shared with the async client) ------------------------------
+
+
+class Segments:
+    """A session client's side of the pool: the segments it has mapped (kept
+    mapped for reuse, until the daemon retires them) and the ones lent to it for
+    its next sends (its stock). Thread-safe."""
+
+    def __init__(self, on_release: Callable[[], None]) -> None:
+        self._maps: dict[int, mmap.mmap] = {}
+        self._stock: dict[int, list[int]] = {}  # size -> lent segment ids
+        self._sizes: dict[int, int] = {}
+        self._fds: collections.deque[int] = collections.deque()
+        self._released: list[int] = []
+        # re-entrant: a finalizer (a received array going) may run inside any of these methods
+        self._lock = threading.RLock()
+        self._on_release = on_release  # a release is waiting to be told
+        self.closed = False
+
+    def got_fds(self, fds: list[int]) -> None:
+        self._fds.extend(fds)
+
+    def introduce(self, body: bytes | memoryview) -> None:
+        """A SEGMENTS frame: map each granted segment with the next descriptor."""
+        grants = localwire.unpack_grants(body)
+        for seg_id, size in grants:
+            if not self._fds:
+                raise localwire.FrameError("a SEGMENTS frame came without its descriptors")
+            fd = self._fds.popleft()
+            try:
+                mm = shm.map_segment(fd, size)
+            finally:
+                os.close(fd)
+            with self._lock:
+                old = self._maps.pop(seg_id, None)
+                self._maps[seg_id] = mm
+                self._sizes[seg_id] = size
+            if old is not None:
+                _unmap(old)
+
+    def retire(self, body: bytes | memoryview) -> None:
+        for seg_id in localwire.unpack_ids(body):
+            with self._lock:
+                mm = self._maps.pop(seg_id, None)
+                size = self._sizes.pop(seg_id, 0)
+                stock = self._stock.get(size)
+                if stock and seg_id in stock:
+                    stock.remove(seg_id)
+            if mm is not None:
+                _unmap(mm)
+
+    def lent(self, body: bytes | memoryview) -> None:
+        """An OK frame's grants: segments lent for sends."""
+        for seg_id, size in localwire.unpack_grants(body):
+            with self._lock:
+                if seg_id in self._maps:
+                    self._stock.setdefault(size, []).append(seg_id)
+
+    def take(self, nbytes: int) -> int | None:
+        """A lent segment for ``nbytes`` (of its size class), or None."""
+        with self._lock:
+            stock = self._stock.get(shm.size_class(nbytes))
+            return stock.pop() if stock else None
+
+    def write(self, seg_id: int, arr: np.ndarray) -> None:
+        """Copy ``arr``'s bytes into segment ``seg_id`` (the send's one copy)."""
+        with self._lock:
+            mm = self._maps[seg_id]
+        dest = np.frombuffer(mm, np.uint8, arr.nbytes)
+        np.copyto(dest, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+    def view(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
+        """The received tensor on segment ``seg_id``; released when it (and every
+        view of it) is gone."""
+        with self._lock:
+            mm = self._maps.get(seg_id)
+            size = self._sizes.get(seg_id, 0)
+        if mm is None:
+            raise InvalidArgument(f"the daemon named segment {seg_id}, which this client does not map")
+        if meta.nbytes != nbytes or not 0 < nbytes <= size:
+            raise InvalidArgument(f"segment {seg_id} of {size} bytes cannot hold {meta.dtype} {meta.shape} "
+                                  f"({nbytes} bytes announced)")
+        owner = np.frombuffer(mm, np.uint8, nbytes)
+        weakref.finalize(owner, self._released_one, seg_id)
+        return owner.view(meta.dtype).reshape(meta.shape)
+
+    def _released_one(self, seg_id: int) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self._released.append(seg_id)
+        self._on_release()
+
+    def drain_released(self) -> bytes:
+        """A RELEASE frame for every segment let go since the last call (or b"")."""
+        with self._lock:
+            ids, self._released = self._released, []
+        return localwire.frame(Kind.RELEASE, 0, localwire.pack_ids(ids)) if ids else b""
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            maps, self._maps = self._maps, {}
+            self._stock.clear()
+            fds = list(self._fds)
+            self._fds.clear()
+        for fd in fds:
+            os.close(fd)
+        for mm in maps.values():
+            _unmap(mm)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # arrays still view it: the mapping goes with the last of them
+
+
+class _Op:
+    __slots__ = ("kind", "body", "done", "key", "step_id")
+
+    def __init__(self, key: str = "", step_id: int = 0) -> None:
+        self.kind = 0
+        self.body: Any = b""
+        self.done = False
+        self.key = key
+        self.step_id = step_id
+
+
+def returned(op: _Op, body: bytes | memoryview) -> bytes:
+    """A RETURN frame's body for a RECV_REPLY whose recv gave up: the same
+    tensor, as a SendRequest the daemon keeps for the next recv of its key."""
+    head = send_head(op.key, op.step_id)
+    tensor = slot = None
+    is_dead = False
+    for num, wt, a, b in wire.iter_fields(body):
+        if num == F.LOCAL_REPLY_TENSOR and wt == wire.LEN:
+            tensor = (a, b)
+        elif num == F.LOCAL_REPLY_IS_DEAD and wt == wire.VARINT:
+            is_dead = bool(a)
+        elif num == F.LOCAL_REPLY_POOLED and wt == wire.LEN:
+            slot = (a, b)
+    parts = [head]
+    if is_dead:
+        parts.append(wire.varint_field(F.SEND_IS_DEAD, 1))
+    if tensor is not None:
+        parts += [wire.len_field_header(F.SEND_TENSOR, tensor[1] - tensor[0]), bytes(body[tensor[0]:tensor[1]])]
+    if slot is not None:  # field 7 in both messages: the slot passes as it is
+        parts += [wire.len_field_header(F.SEND_POOLED, slot[1] - slot[0]), bytes(body[slot[0]:slot[1]])]
+    return b"".join(parts)
+
+
+# -- the blocking session ------------------------------------------------------------------------
+
+
+class _Session:
+    """A blocking client's connection to the session socket. Any thread may call;
+    whichever caller is waiting reads for everyone (no reader thread, so a
+    lone caller reads its own reply with no hand-off)."""
+
+    def __init__(self, path: str, client_id: str, timeout: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(f"cannot connect to the daemon's session socket {path}: {exc}") from None
+        self.sock = sock
+        self.path = path
+        self.reader = localwire.FrameReader(1 << 62)  # the daemon is trusted with the frame sizes it sends
+        self.segments = Segments(self._release_soon)
+        self._ops: dict[int, _Op] = {}
+        self._cancelled: dict[int, _Op] = {}
+        self._ids = itertools.count(1)
+        self._wlock = threading.Lock()
+        self._rlock = threading.Lock()
+        self._cond = threading.Condition()
+        self._error: RendezvousError | None = None
+        welcome = self.call(Kind.HELLO, lpb.AttachRequest(client_id=client_id, pid=os.getpid()).SerializeToString(),
+                            timeout=timeout)
+        self.info = lpb.AttachResponse.FromString(bytes(welcome))
+
+    # -- writing ----------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        with self._wlock:
+            released = self.segments.drain_released()
+            try:
+                self.sock.sendall(released + data if released else data)
+            except OSError as exc:
+                raise Unavailable(f"the daemon's session socket broke: {exc}") from None
+
+    def _release_soon(self) -> None:
+        """A received array went: tell the daemon now if no write is in progress
+        (else the next write carries it)."""
+        if self._error is None and self._wlock.acquire(blocking=False):
+            try:
+                released = self.segments.drain_released()
+                if released:
+                    self.sock.sendall(released)
+            except OSError:
+                pass
+            finally:
+                self._wlock.release()
+
+    # -- calls ------------------------------------------------------------------
+
+    def call(self, kind: int, body: bytes, timeout: float | None = None, key: str = "",
+             step_id: int = 0) -> memoryview:
+        """Send one operation and wait for its answer (its body; the error it carries
+        is raised). ``timeout``: give up (DeadlineExceeded) after this many seconds."""
+        if self._error is not None:
+            raise self._error
+        op = _Op(key, step_id)
+        op_id = next(self._ids)
+        self._ops[op_id] = op
+        try:
+            self._write(localwire.frame(kind, op_id, body))
+            self._wait(op, None if timeout is None else _now() + timeout)
+        except BaseException as exc:
+            if self._ops.pop(op_id, None) is not None and kind == Kind.RECV:
+                # interrupted (Ctrl-C) or out of time: a tensor that still comes is given back
+                self._cancelled[op_id] = op
+                try:
+                    self._write(localwire.frame(Kind.CANCEL, op_id))
+                except RendezvousError:
+                    pass
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"the daemon did not answer within {timeout:g}s") from None
+            raise
+        if op.kind == Kind.ERROR:
+            raise frame_error(op.body)
+        return op.body
+
+    def _wait(self, op: _Op, deadline: float | None) -> None:
+        while not op.done:
+            if self._error is not None:
+                raise self._error
+            if self._rlock.acquire(blocking=False):
+                try:
+                    while not op.done:
+                        self._read(deadline)
+                finally:
+                    self._rlock.release()
+                    with self._cond:
+                        self._cond.notify_all()
+            else:
+                with self._cond:
+                    if not op.done and self._rlock.locked() and self._error is None:
+                        left = None if deadline is None else deadline - _now()
+                        if left is not None and left <= 0:
+                            raise TimeoutError
+                        self._cond.wait(left)
+
+    def _read(self, deadline: float | None) -> None:
+        if self._error is not None:
+            raise self._error
+        if deadline is not None:
+            left = deadline - _now()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError
+        anc = socket.CMSG_SPACE(localwire.MAX_FDS * 4)
+        try:
+            into = self.reader.into()
+            if into is not None:
+                n, ancdata, _, _ = self.sock.recvmsg_into([into], anc)
+                fds = localwire.take_fds(ancdata)
+                frames = self.reader.filled(n) if n else None
+            else:
+                data, ancdata, _, _ = self.sock.recvmsg(256 << 10, anc)
+                fds = localwire.take_fds(ancdata)
+                frames = self.reader.feed(data) if data else None
+        except OSError as exc:
+            self._fail(Unavailable(f"the daemon's session socket broke: {exc}"))
+            raise self._error from None
+        self.segments.got_fds(fds)
+        if frames is None:
+            self._fail(Unavailable("the daemon closed the session (it stopped or restarted)"))
+            raise self._error
+        for kind, op_id, body in frames:
+            self._frame(kind, op_id, body)
+
+    def _frame(self, kind: int, op_id: int, body: memoryview) -> None:
+        if kind == Kind.SEGMENTS:
+            self.segments.introduce(body)
+        elif kind == Kind.RETIRE:
+            self.segments.retire(body)
+        else:
+            op = self._ops.pop(op_id, None)
+            if op is None:
+                late = self._cancelled.pop(op_id, None)
+                if late is not None and kind == Kind.RECV_REPLY:
+                    self._write(localwire.frame(Kind.RETURN, 0, returned(late, body)))
+                return
+            if kind == Kind.OK:
+                self.segments.lent(body)
+            with self._cond:
+                op.kind, op.body, op.done = kind, body, True
+                self._cond.notify_all()
+
+    def _fail(self, error: RendezvousError) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._fail(Unavailable("client is closed"))
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.segments.close()
+
+
+def _now() -> float:
+    return time.monotonic()
 
 
 # -- the blocking client --------------------------------------------------------------------
@@ -173,39 +530,54 @@ def to_pending(raw: bytes) -> list[LocalPending]:
 class Client:
     """A blocking client of the node's rendezvousd; usable from any thread.
 
-    Connects and attaches a session at construction (Unavailable if no daemon
-    answers within ``connect_timeout`` seconds). ``shm``: use shared memory
-    for large tensors (default: when the daemon is on this machine).
-    ``token``: sent over TCP (default ``$RENDEZVOUS_TOKEN``)."""
+    Connects at construction (Unavailable if no daemon answers within
+    ``connect_timeout`` seconds). ``shm_ok``: use the session socket and
+    shared memory (default: when the daemon offers a session socket beside a
+    ``unix:`` address). ``token``: sent over TCP (default ``$RENDEZVOUS_TOKEN``)."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, shm_ok: bool | None = None,
                  connect_timeout: float = 30.0) -> None:
         self.address = address or default_address()
-        target, same_host = channel_target(self.address)
+        target, _ = channel_target(self.address)
         self._metadata = token_metadata(self.address, token)
-        self._channel = grpc.insecure_channel(target, options=local_channel_options())
-        self._calls = {name: self._channel.unary_unary(SERVICE + name)
-                       for name in ("Send", "Recv", "Abort", "Pending")}
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self.client_id = secrets.token_hex(6)
+        self._closed = False
+        self._link: _Session | None = None
+        self._channel: grpc.Channel | None = None
+        path = session_socket(self.address) if shm_ok is not False else None
+        if path is not None:
+            self._link = _Session(path, self.client_id, connect_timeout)
+            info = self._link.info
+            self.shm_threshold = info.shm_threshold
+        else:
+            self._connect_grpc(target, connect_timeout)
+            info = self._info
+            self.shm_threshold = -1
+        self.task = info.task  #: the daemon's task
+
+    def _connect_grpc(self, target: str, connect_timeout: float) -> None:
+        self._channel = grpc.insecure_channel(target, options=local_channel_options())
+        self._calls = {name: self._channel.unary_unary(SERVICE + name)
+                       for name in ("Send", "Recv", "Abort", "Pending")}
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
             self._session = self._channel.unary_stream(SERVICE + "Attach")(
                 lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString(),
                 metadata=self._metadata)
-            info = lpb.AttachResponse.FromString(next(self._session))
+            self._info = lpb.AttachResponse.FromString(next(self._session))
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise Unavailable(f"no rendezvousd answers at {self.address} within {connect_timeout:g}s") from None
         except grpc.RpcError as exc:
             self._channel.close()
             raise error_from(exc) from None
-        self.task = info.task  #: the daemon's task
-        use_shm = (same_host if shm_ok is None else shm_ok) and shm.available() and info.shm_threshold >= 0
-        self.shm_threshold = info.shm_threshold if use_shm else -1
-        self._prefix = info.shm_prefix if use_shm else None
-        self._closed = False
+
+    @property
+    def session(self) -> bool:
+        """Whether this client talks over the session socket (shared memory)."""
+        return self._link is not None
 
     # -- calls -----------------------------------------------------------------------
 
@@ -224,23 +596,47 @@ class Client:
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key`` (whose producer is the daemon's task).
         Returns once the daemon holds it; the caller may then reuse its array."""
-        prepared = prepare_send(key, tensor, step_id, is_dead, self._prefix, self.shm_threshold,
-                                self.client_id)
-        try:
-            self._call("Send", prepared.body)
-        except BaseException:
-            if prepared.segment is not None:
-                shm.discard(prepared.segment)
-            raise
-        with self._lock:
-            self._counts[f"send_{prepared.path}"] += 1
+        if self._closed:
+            raise Unavailable("client is closed")
+        head = send_head(key, step_id)
+        link = self._link
+        if link is None:
+            body, _ = inline_send(head, tensor, is_dead)
+            self._call("Send", body)
+            self._count("send_inline")
+            return
+        if not is_dead:
+            arr = as_array(tensor)
+            if 0 <= self.shm_threshold <= arr.nbytes and arr.nbytes and is_memcpyable(arr):
+                seg_id = link.segments.take(arr.nbytes)
+                if seg_id is None:
+                    try:
+                        link.call(Kind.LEND, struct.pack("<Q", arr.nbytes))
+                    except ResourceExhausted:
+                        pass  # the pool is full: inline
+                    seg_id = link.segments.take(arr.nbytes)
+                if seg_id is not None:
+                    link.segments.write(seg_id, arr)
+                    link.call(Kind.SEND, pooled_send(head, arr, seg_id))
+                    self._count("send_shm")
+                    return
+            tensor = arr
+        body, _ = inline_send(head, tensor, is_dead)
+        link.call(Kind.SEND, body)
+        self._count("send_inline")
 
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
-        body = recv_request(key, step_id, timeout, self.client_id if self._prefix else "")
+        if self._closed:
+            raise Unavailable("client is closed")
+        body = recv_request(key, step_id, timeout)
         # The daemon enforces ``timeout`` (DEADLINE_EXCEEDED naming the key); the
-        # gRPC deadline behind it only guards against a daemon that never answers.
-        raw = self._call("Recv", body, None if timeout is None else timeout + 10.0)
-        item, path, hop = parse_reply(raw)
+        # deadline behind it only guards against a daemon that never answers.
+        guard = None if timeout is None else timeout + 10.0
+        if self._link is None:
+            item, path, hop = parse_reply(self._call("Recv", body, guard))
+        else:
+            raw = self._link.call(Kind.RECV, body, guard, as_key(key).format(), step_id)
+            item, path, hop = parse_reply(raw, self._link.segments)
         with self._lock:
             self._counts[f"recv_{hop}"] += 1
             self._counts[path] += 1
@@ -248,17 +644,28 @@ class Client:
 
     def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
         """The tensor sent under ``key`` in ``step_id`` (None if dead), produced on
-        this node or fetched by the daemon from its producer."""
+        this node or fetched by the daemon from its producer. Over the session
+        socket a large one is a view on shared memory, yours until you drop it."""
         return self.recv_item(key, step_id, timeout).value
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""
-        self._call("Abort", lpb.AbortRequest(step_id=step_id, message=message).SerializeToString())
+        body = lpb.AbortRequest(step_id=step_id, message=message).SerializeToString()
+        if self._link is None:
+            self._call("Abort", body)
+        else:
+            self._link.call(Kind.ABORT, body)
 
     def pending(self) -> list[LocalPending]:
         """What waits in the daemon: produced tensors, waiting consumers, local recvs
         waiting on other tasks; with the age of the oldest of each."""
-        return to_pending(self._call("Pending", b""))
+        if self._link is None:
+            return to_pending(self._call("Pending", b""))
+        return to_pending(self._link.call(Kind.PENDING, b""))
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
 
     def stats(self) -> dict[str, int]:
         """This client's counts: send_/recv_ inline|shm (the local hop), and
@@ -269,14 +676,16 @@ class Client:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """End the session and close the channel. Idempotent."""
+        """End the session (the daemon takes back the shared memory it lent) and
+        close the connection. Arrays received stay valid. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._session.cancel()
-        self._channel.close()
-        if self._prefix:
-            shm.sweep(self._prefix)  # a segment of a send that never reached the daemon
+        if self._link is not None:
+            self._link.close()
+        if self._channel is not None:
+            self._session.cancel()
+            self._channel.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -51,6 +51,7 @@ from rendezvous.rpc.options import server_options
 
 from .service import SERVICE as LOCAL_SERVICE
 from .service import LocalServicer
+from .sessions import PoolBuffers, SessionServer, session_path
 
 __all__ = ["Daemon", "Identity", "run", "resolve_identity", "default_local_address", "parse_local_address",
            "JsonFormatter", "setup_logging", "render_config"]
@@ -188,6 +189,16 @@ def render_config(config: Config, identity: Identity | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pool_limit(config: Config) -> int:
+    """``shm_pool_bytes``, or half the machine's memory when it is 0."""
+    if config.shm_pool_bytes > 0:
+        return config.shm_pool_bytes
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
 # -- the daemon ---------------------------------------------------------------------
 
 
@@ -211,11 +222,20 @@ class Daemon:
                               channel_credentials=auth.channel_credentials(config),
                               metadata=auth.token_metadata(token), interceptors=interceptors,
                               services=(self._add_ops_services,))
-        self.server = aio.Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup)
-        self.local = LocalServicer(self.server, self.metrics)
         raw = config.local_address or default_local_address()
         self.local_address = raw.replace("{job_name}", job).replace("{task_index}", str(index))
         self._kind, self._where = parse_local_address(self.local_address)
+        #: the shared-memory pool of the session socket (Unix local sockets only)
+        self.pool: shm.Pool | None = None
+        self.shm_threshold = config.shm_threshold if self._kind == "unix" and shm.available() else -1
+        buffers = None
+        if self.shm_threshold >= 0:
+            self.pool = shm.Pool(pool_limit(config))
+            buffers = PoolBuffers(self.pool, self.shm_threshold, config.recv_cache_bytes)
+        self.server = aio.Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup,
+                                 buffers=buffers)
+        self.local = LocalServicer(self.server, self.metrics)
+        self.sessions: SessionServer | None = None
         self._local_grpc: grpc.aio.Server | None = None
         self._socket_ino: int | None = None
         self.local_target = ""
@@ -253,9 +273,6 @@ class Daemon:
             raise FailedPrecondition(f"daemon is {self._state}; start() is allowed once")
         self._state = State.STARTING
         self._stopped = asyncio.Event()
-        swept = shm.sweep_dead()
-        if swept:
-            log.info("unlinked %d shared-memory segment(s) of processes that no longer exist", swept)
         await self.server.start()
         try:
             await self._start_local()
@@ -289,6 +306,10 @@ class Daemon:
             os.chmod(path, 0o600)
             self._socket_ino = os.stat(path).st_ino
             self.local_target = f"unix:{path}"
+            if self.pool is not None:
+                self.sessions = SessionServer(self.local, self.pool, session_path(path), self.shm_threshold)
+                self.sessions.start()
+                self.local.session_socket = self.sessions.path
         else:
             host, _ = parse_address(self._where)
             port = aio.add_port(server, self._where)
@@ -339,6 +360,8 @@ class Daemon:
                  f"{', token' if self._token else ''})", f"local {self.local_target}"]
         if self.metrics_url:
             parts.append(f"metrics {self.metrics_url}")
+        if self.sessions is not None:
+            parts.append(f"sessions unix:{self.sessions.path}")
         parts.append(f"pid {os.getpid()}")
         return "; ".join(parts)
 
@@ -358,8 +381,8 @@ class Daemon:
             "oldest": max((e.oldest_age_s for e in entries), default=0.0),
             "local_waits": len(waits),
             "local_oldest": max((now - w.started for w in waits), default=0.0),
-            "sessions": len(self.local.sessions),
-            "shm_live": shm.live_mappings(),
+            "sessions": len(self.local.sessions) + (len(self.sessions.sessions) if self.sessions else 0),
+            "pool": self.pool.stats() if self.pool is not None else {},
             "draining": self._state.ending,
         }
 
@@ -438,13 +461,19 @@ class Daemon:
 
     async def _close_local(self) -> None:
         self.local.close()
+        if self.sessions is not None:
+            self.sessions.close()
+        if self.pool is not None:
+            self.pool.close()
         if self._local_grpc is not None:
             server, self._local_grpc = self._local_grpc, None
             await server.stop(1.0)
         self.remove_socket()
 
     def remove_socket(self) -> None:
-        """Remove our socket file (only if it is still the one we bound)."""
+        """Remove our socket files (only if they are still the ones we bound)."""
+        if self.sessions is not None:
+            self.sessions.remove_file()
         if self._kind != "unix" or self._socket_ino is None:
             return
         try:

@@ -125,7 +125,10 @@ class _Snapshot:
             ("local_recvs_oldest_seconds", "Age of the oldest recv of a local client in progress",
              snap["local_oldest"]),
             ("local_clients", "Local clients attached", snap["sessions"]),
-            ("shm_mapped_segments", "Shared-memory segments the daemon maps (tensors held)", snap["shm_live"]),
+            ("shm_pool_segments", "Segments in the daemon's shared-memory pool", snap["pool"].get("segments", 0)),
+            ("shm_pool_bytes", "Bytes of the shared-memory pool's segments", snap["pool"].get("bytes", 0)),
+            ("shm_pool_free_bytes", "Bytes of pool segments free for reuse", snap["pool"].get("free_bytes", 0)),
+            ("shm_pool_held", "Pool segments held by clients that received them", snap["pool"].get("held", 0)),
             ("draining", "1 while the daemon drains", int(snap["draining"])),
         )
         for name, doc, value in gauges:

@@ -7,16 +7,13 @@ daemon's task); ``Recv`` is the daemon's own recv, local or from a remote
 task, answered to the client. Handlers take and give raw bytes so a tensor's
 bytes are never re-serialized by protobuf.
 
-Shared memory: a client writes a tensor of at least ``shm_threshold`` bytes
-into a segment and sends its name (:mod:`rendezvous.shm`); the daemon maps it
-and unlinks the name, and the table holds a numpy array on that mapping
-(served to remote peers straight from it; freed when consumed or dropped).
-Replies of that size go the other way: the daemon writes the tensor into a
-segment named under the client's session prefix and the client takes it.
-Sessions (``Attach``) let the daemon unlink what a dead client left behind.
+Two ways in share this servicer's logic (:meth:`LocalServicer.send`,
+:meth:`LocalServicer.fetch`): the gRPC service registered here, whose
+messages carry every tensor inline (clients over TCP, tools), and the session
+socket (:mod:`rendezvous.daemon.sessions`), where a tensor of at least
+``shm_threshold`` bytes travels through the daemon's shared-memory pool.
 
-Payload copies of the local hop: shared memory, 1 (the writer's); inline,
-protobuf's and gRPC's own (small tensors only).
+Payload copies of the gRPC service: protobuf's and gRPC's own.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import copy
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,7 +32,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from rendezvous import fields as F
-from rendezvous import frames, shm, wire
+from rendezvous import frames, wire
 from rendezvous.errors import (
     InvalidArgument,
     RendezvousError,
@@ -45,7 +42,8 @@ from rendezvous.errors import (
 )
 from rendezvous.keys import parse_key
 from rendezvous.stats import payload_nbytes
-from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor, encode_meta, is_memcpyable
+from rendezvous.table import Received
+from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
 from rendezvous.v1 import local_pb2 as lpb
 
 __all__ = ["LocalServicer", "SERVICE"]
@@ -53,8 +51,9 @@ __all__ = ["LocalServicer", "SERVICE"]
 SERVICE = "rendezvous.v1.LocalRendezvous"
 log = logging.getLogger("rendezvous.daemon")
 _CLIENT_ID = re.compile(r"[0-9a-f]{12}\Z")
-# Copies this big run on a worker thread (numpy releases the GIL) instead of the loop.
-_OFF_LOOP_BYTES = 4 << 20
+
+#: Resolves a send's PoolSlot: (segment id, nbytes, meta) -> the daemon's array on it.
+Resolve = Callable[[int, int, TensorMeta], np.ndarray]
 
 class Stall(NamedTuple):
     """A local client's recv that has waited too long."""
@@ -78,8 +77,6 @@ class _Wait:
 class _Session:
     client_id: str
     pid: int
-    prefix: str
-    alive: bool = True
 
 
 class LocalServicer:
@@ -96,8 +93,8 @@ class LocalServicer:
         self.waits: dict[int, _Wait] = {}
         self._next_wait = 0
         self._closed = asyncio.Event()
-        threshold = self.config.shm_threshold
-        self.shm_threshold = threshold if threshold >= 0 and shm.available() else -1
+        #: the session socket's path, told to gRPC clients in Attach (set by the daemon)
+        self.session_socket = ""
 
     # -- registration -----------------------------------------------------
 
@@ -138,17 +135,23 @@ class LocalServicer:
 
     async def _send(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            path, nbytes = await self._do_send(request)
-        except asyncio.CancelledError:
-            raise
+            path, nbytes = self.send(request)
         except Exception as exc:
             await context.abort(*self._error(exc))
         if self.metrics is not None:
             self.metrics.local_op("send", path, nbytes)
         return b""
 
-    async def _do_send(self, raw: bytes) -> tuple[str, int]:
-        step_id, key, tensor, is_dead, segment, client_id = 0, "", None, False, None, ""
+    def send(self, raw: bytes | memoryview, resolve: Resolve | None = None,
+             keep: bool = False) -> tuple[str, int]:
+        """Put a SendRequest's tensor into the table; ("inline" or "shm", payload bytes).
+
+        ``resolve``: how the session socket turns a PoolSlot into an array (the
+        gRPC service has none: a slot is refused). ``keep``: the tensor was
+        fetched for a recv its client gave up on (the session socket's
+        RETURN): it goes back in front of the next recv of its key and step,
+        whoever produces the key."""
+        step_id, key, tensor, is_dead, slot = 0, "", None, False, None
         for num, wt, a, b in wire.iter_fields(raw):
             if num == F.SEND_STEP_ID and wt == wire.VARINT:
                 step_id = wire.to_signed64(a)
@@ -158,133 +161,99 @@ class LocalServicer:
                 tensor = (a, b)
             elif num == F.SEND_IS_DEAD and wt == wire.VARINT:
                 is_dead = bool(a)
-            elif num == F.SEND_SHM and wt == wire.LEN:
-                segment = _segment(raw, a, b)
-            elif num == F.SEND_CLIENT_ID and wt == wire.LEN:
-                client_id = _text(raw, a, b, "client_id")
-        if segment is not None:
-            session = self.sessions.get(client_id) if client_id else None
-            if session is None or not segment[0].startswith(session.prefix):
-                # never touched: it is not this sender's to hand over (or to remove)
-                raise InvalidArgument(f"segment {segment[0]!r} is not one of this client's session "
-                                      "(a shared-memory send names a segment its own session wrote)")
-        if segment is not None and (is_dead or tensor is None):
-            shm.discard(segment[0])
+            elif num == F.SEND_POOLED and wt == wire.LEN:
+                slot = _slot(raw, a, b)
+            elif num == F.SEND_NAMED_SHM:
+                raise InvalidArgument("named shared-memory segments are no longer accepted: a client on the "
+                                      "daemon's machine sends through the session socket's pool")
+        if slot is not None and resolve is None:
+            raise InvalidArgument("a pooled send is only valid on the session socket")
+        if slot is not None and (is_dead or tensor is None):
             raise InvalidArgument("a shared-memory send needs the tensor's dtype and shape, and is never dead")
+        self._refuse_if_draining()
         table = self.server.table
-        try:
-            self._refuse_if_draining()
+        if keep:
+            canonical = parse_key(key).format()
+        else:
             # validates the key and that this daemon produces it
             canonical, _ = self.server.prepare_send(key, None, True)
-            ended = table.aborted(step_id)
-            if ended is not None:
-                # A copy: the table's stored error would keep this frame (and the
-                # tensor) alive through its traceback.
-                raise copy.copy(ended)
-        except BaseException:
-            if segment is not None:
-                shm.discard(segment[0])
-            raise
+        ended = table.aborted(step_id)
+        if ended is not None:
+            # A copy: the table's stored error would keep this frame (and the
+            # tensor) alive through its traceback.
+            raise copy.copy(ended)
         if is_dead:
-            table.send(step_id, canonical, None, True)
-            return "inline", 0
-        if tensor is None:
+            value, path, nbytes = None, "inline", 0
+        elif tensor is None:
             raise InvalidArgument("SendRequest carries no tensor (and is not dead)")
-        if segment is not None:
-            name, nbytes = segment
-            try:
-                meta, _, _ = decode_meta(raw, *tensor)
-                self._check_size(meta)
-                if meta.nbytes != nbytes:
-                    raise InvalidArgument(f"segment {name}: {nbytes} bytes announced, dtype {meta.dtype} and "
-                                          f"shape {meta.shape} need {meta.nbytes}")
-                # Read, not mapped: the client could truncate its segment later, and a
-                # mapping of it would then fault and kill the daemon (one copy).
-                dest = self.server.buffers.empty(meta.shape, meta.dtype)
-                if nbytes >= _OFF_LOOP_BYTES:
-                    value = await asyncio.get_running_loop().run_in_executor(None, shm.read, name, nbytes, dest)
-                else:
-                    value = shm.read(name, nbytes, dest)
-            except BaseException:
-                shm.discard(name)
-                raise
-            table.send(step_id, canonical, value, False)  # an aborted step drops (and frees) it
-            return "shm", nbytes
-        # a view on the request bytes (no copy); its announced size is checked
-        # before typed fields are expanded (one value may announce any shape)
-        value = decode_tensor(raw, *tensor, max_bytes=self.config.max_tensor_bytes)
-        table.send(step_id, canonical, value, False)
-        return "inline", payload_nbytes(value)
-
-    def _check_size(self, meta: TensorMeta) -> None:
-        check_announced(meta, self.config.max_tensor_bytes)
+        elif slot is not None:
+            meta, _, _ = decode_meta(raw, *tensor)
+            check_announced(meta, self.config.max_tensor_bytes)
+            if meta.nbytes != slot[1]:
+                raise InvalidArgument(f"segment {slot[0]}: {slot[1]} bytes announced, dtype {meta.dtype} and "
+                                      f"shape {meta.shape} need {meta.nbytes}")
+            assert resolve is not None
+            value, path, nbytes = resolve(slot[0], slot[1], meta), "shm", slot[1]
+        else:
+            # a view on the request bytes (no copy); its announced size is checked
+            # before typed fields are expanded (one value may announce any shape)
+            value = decode_tensor(raw, *tensor, max_bytes=self.config.max_tensor_bytes)
+            path, nbytes = "inline", payload_nbytes(value)
+        if keep:
+            self.server.keep(step_id, canonical, Received(value, is_dead), why="was given back by its local client")
+        else:
+            table.send(step_id, canonical, value, is_dead)  # an aborted step drops (and frees) it
+        return path, nbytes
 
     # -- Recv -----------------------------------------------------------------
 
     async def _recv(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        wait_id = None
         t0 = time.perf_counter()
         try:
-            try:
-                req = lpb.LocalRecvRequest.FromString(request)
-            except DecodeError as exc:
-                raise InvalidArgument(f"malformed LocalRecvRequest: {exc}") from None
-            self._refuse_if_draining()
-            key = parse_key(req.rendezvous_key)
-            canonical = key.format()
-            producer = key.src_task or self.server.task
-            if len(self.waits) >= self.config.max_waiting_calls:
-                raise ResourceExhausted(f"the daemon already holds {len(self.waits)} waiting local recvs "
-                                        "(max_waiting_calls); try again later")
-            wait_id = self._next_wait = self._next_wait + 1
-            self.waits[wait_id] = _Wait(canonical, req.step_id, str(producer), time.monotonic())
-            timeout = req.timeout if req.timeout > 0 else None
-            # host arrays always: they go to the client inline or through shared memory
-            item, path, _ = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
-            del self.waits[wait_id]
-            wait_id = None
+            req = parse_recv(request)
+            item, path = await self.fetch(req)
             try:
                 if context.cancelled():
                     raise Unavailable("the client went away")
-                reply, hop, nbytes = await self._reply(item, path, req.client_id)
+                reply = frames.unary_response(item) + path_field(path)
             except BaseException:
-                # fetched but not handed over (the client went, or the reply could
-                # not be made): kept for the next recv of this key and step
-                self.server.keep(req.step_id, canonical, item, why="was not handed to its local client")
+                self.give_back(req, item)
                 raise
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             await context.abort(*self._error(exc))
-        finally:
-            if wait_id is not None:
-                self.waits.pop(wait_id, None)
         if self.metrics is not None:
             self.metrics.recv_done(path, time.perf_counter() - t0)
-            self.metrics.local_op("recv", hop, nbytes)
+            self.metrics.local_op("recv", "inline", payload_nbytes(item.value))
         return reply
 
-    async def _reply(self, item: Any, path: str, client_id: str) -> tuple[bytes, str, int]:
-        """(LocalRecvResponse bytes, "inline" or "shm", payload bytes)."""
-        tail = wire.len_field_header(F.LOCAL_REPLY_PATH, len(path)) + path.encode()
-        value = item.value
-        session = self.sessions.get(client_id) if client_id else None
-        if (item.is_dead or session is None or self.shm_threshold < 0 or not isinstance(value, np.ndarray)
-                or not is_memcpyable(value) or value.nbytes == 0 or value.nbytes < self.shm_threshold):
-            return frames.unary_response(item) + tail, "inline", payload_nbytes(value)
-        if value.nbytes >= _OFF_LOOP_BYTES:
-            name, nbytes = await asyncio.get_running_loop().run_in_executor(None, shm.write, session.prefix, value)
-        else:
-            name, nbytes = shm.write(session.prefix, value)
-        if not session.alive:  # the client went while we wrote: nobody will take it
-            shm.discard(name)
-            raise Unavailable(f"client {client_id} is gone")
-        meta = encode_meta(TensorMeta(value.dtype, value.shape))
-        seg = wire.len_field_header(F.SEGMENT_NAME, len(name)) + name.encode() + \
-            wire.varint_field(F.SEGMENT_NBYTES, nbytes)
-        reply = b"".join([wire.len_field_header(F.LOCAL_REPLY_TENSOR, len(meta)), meta,
-                          wire.len_field_header(F.LOCAL_REPLY_SHM, len(seg)), seg, tail])
-        return reply, "shm", nbytes
+    async def fetch(self, req: lpb.LocalRecvRequest) -> tuple[Received, str]:
+        """A local client's recv: (the item, how the daemon got it), as a host array.
+        Counted in :attr:`waits` (the stall watcher's) while it waits."""
+        self._refuse_if_draining()
+        key = parse_key(req.rendezvous_key)
+        canonical = key.format()
+        producer = key.src_task or self.server.task
+        if len(self.waits) >= self.config.max_waiting_calls:
+            raise ResourceExhausted(f"the daemon already holds {len(self.waits)} waiting local recvs "
+                                    "(max_waiting_calls); try again later")
+        self._next_wait += 1
+        wait_id = self._next_wait
+        self.waits[wait_id] = _Wait(canonical, req.step_id, str(producer), time.monotonic())
+        try:
+            timeout = req.timeout if req.timeout > 0 else None
+            # host arrays always: they go to the client inline or through shared memory
+            item, path, _ = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
+        finally:
+            self.waits.pop(wait_id, None)
+        return item, path
+
+    def give_back(self, req: lpb.LocalRecvRequest, item: Received) -> None:
+        """A fetched item that was not handed to its client (it went, or the reply
+        could not be made): kept for the next recv of this key and step."""
+        self.server.keep(req.step_id, parse_key(req.rendezvous_key).format(), item,
+                         why="was not handed to its local client")
 
     # -- Abort, Pending ----------------------------------------------------------
 
@@ -333,24 +302,18 @@ class LocalServicer:
             await context.abort(*self._error(InvalidArgument("client_id must be 12 lowercase hex digits, pid > 0")))
         if req.client_id in self.sessions:
             await context.abort(*self._error(InvalidArgument(f"client_id {req.client_id} is already attached")))
-        prefix = f"rdv-{req.pid}-{req.client_id}-"
-        session = _Session(req.client_id, req.pid, prefix)
-        self.sessions[req.client_id] = session
-        log.debug("client %s (pid %d) attached", req.client_id, req.pid)
-        gone = True
+        self.sessions[req.client_id] = _Session(req.client_id, req.pid)
+        log.debug("client %s (pid %d) attached over gRPC", req.client_id, req.pid)
         try:
-            yield lpb.AttachResponse(task=str(self.server.task), shm_threshold=self.shm_threshold,
-                                     max_tensor_bytes=self.config.max_tensor_bytes,
-                                     shm_prefix=prefix).SerializeToString()
+            yield self.welcome().SerializeToString()
             await self._closed.wait()
-            gone = False
         finally:
-            session.alive = False
             self.sessions.pop(req.client_id, None)
-            if gone and not self.closing:
-                swept = shm.sweep(prefix)
-                log.info("client %s (pid %d) detached; %d shared-memory segment(s) it left unlinked",
-                         req.client_id, req.pid, swept)
+
+    def welcome(self, shm_threshold: int = -1, max_frame_bytes: int = 0) -> lpb.AttachResponse:
+        return lpb.AttachResponse(task=str(self.server.task), shm_threshold=shm_threshold,
+                                  max_tensor_bytes=self.config.max_tensor_bytes,
+                                  session_socket=self.session_socket, max_frame_bytes=max_frame_bytes)
 
     # -- stalls -----------------------------------------------------------------
 
@@ -374,13 +337,25 @@ def _text(buf: bytes, a: int, b: int, what: str) -> str:
         raise InvalidArgument(f"{what} is not UTF-8") from None
 
 
-def _segment(buf: bytes, a: int, b: int) -> tuple[str, int]:
-    name, nbytes = "", 0
+def _slot(buf: bytes | memoryview, a: int, b: int) -> tuple[int, int]:
+    segment, nbytes = 0, 0
     for num, wt, x, y in wire.iter_fields(buf, a, b):
-        if num == F.SEGMENT_NAME and wt == wire.LEN:
-            name = _text(buf, x, y, "shm.name")
-        elif num == F.SEGMENT_NBYTES and wt == wire.VARINT:
+        if num == F.SLOT_SEGMENT and wt == wire.VARINT:
+            segment = x
+        elif num == F.SLOT_NBYTES and wt == wire.VARINT:
             nbytes = wire.to_signed64(x)
-    if not shm.NAME_RE.match(name):
-        raise InvalidArgument(f"{name!r} is not a rendezvous shared-memory segment name")
-    return name, nbytes
+    if segment <= 0 or nbytes <= 0:
+        raise InvalidArgument(f"a pooled send names segment {segment} with {nbytes} bytes")
+    return segment, nbytes
+
+
+def parse_recv(raw: bytes | memoryview) -> lpb.LocalRecvRequest:
+    try:
+        return lpb.LocalRecvRequest.FromString(bytes(raw))
+    except DecodeError as exc:
+        raise InvalidArgument(f"malformed LocalRecvRequest: {exc}") from None
+
+
+def path_field(path: str) -> bytes:
+    """LocalRecvResponse's path field."""
+    return wire.len_field_header(F.LOCAL_REPLY_PATH, len(path)) + path.encode()

@@ -7,57 +7,53 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class ShmSegment(_message.Message):
-    __slots__ = ("name", "nbytes")
-    NAME_FIELD_NUMBER: _ClassVar[int]
+class PoolSlot(_message.Message):
+    __slots__ = ("segment", "nbytes")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
-    name: str
+    segment: int
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, segment: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("step_id", "rendezvous_key", "tensor", "is_dead", "shm", "client_id")
+    __slots__ = ("step_id", "rendezvous_key", "tensor", "is_dead", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_DEAD_FIELD_NUMBER: _ClassVar[int]
-    SHM_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rendezvous_key: str
     tensor: _tensor_pb2.TensorProto
     is_dead: bool
-    shm: ShmSegment
-    client_id: str
-    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., client_id: _Optional[str] = ...) -> None: ...
+    pooled: PoolSlot
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ...) -> None: ...
 
 class SendResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class LocalRecvRequest(_message.Message):
-    __slots__ = ("step_id", "rendezvous_key", "timeout", "client_id")
+    __slots__ = ("step_id", "rendezvous_key", "timeout")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
-    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rendezvous_key: str
     timeout: float
-    client_id: str
-    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., timeout: _Optional[float] = ..., client_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class LocalRecvResponse(_message.Message):
-    __slots__ = ("tensor", "is_dead", "shm", "path")
+    __slots__ = ("tensor", "is_dead", "path", "pooled")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_DEAD_FIELD_NUMBER: _ClassVar[int]
-    SHM_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorProto
     is_dead: bool
-    shm: ShmSegment
     path: str
-    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., path: _Optional[str] = ...) -> None: ...
+    pooled: PoolSlot
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., path: _Optional[str] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("step_id", "message")
@@ -106,13 +102,15 @@ class AttachRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("task", "shm_threshold", "max_tensor_bytes", "shm_prefix")
+    __slots__ = ("task", "shm_threshold", "max_tensor_bytes", "session_socket", "max_frame_bytes")
     TASK_FIELD_NUMBER: _ClassVar[int]
     SHM_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     MAX_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SHM_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     task: str
     shm_threshold: int
     max_tensor_bytes: int
-    shm_prefix: str
-    def __init__(self, task: _Optional[str] = ..., shm_threshold: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., shm_prefix: _Optional[str] = ...) -> None: ...
+    session_socket: str
+    max_frame_bytes: int
+    def __init__(self, task: _Optional[str] = ..., shm_threshold: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., session_socket: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...

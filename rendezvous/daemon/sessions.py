@@ -1,0 +1,418 @@
+"""The session socket: local clients' fast path into rendezvousd.
+
+Beside its gRPC local socket, a daemon listens on a second Unix socket (the
+first's path plus ``.session``, mode 0600 like it). A local client connects
+once and keeps the connection for its life: that connection is its session.
+Frames (:mod:`rendezvous.localwire`) carry the local service's messages;
+replies are tagged with their operation's id, so a client may have any
+number of operations in flight and a burst of them costs one write.
+
+Tensors of at least ``shm_threshold`` bytes travel through the daemon's
+shared-memory pool (:mod:`rendezvous.shm`):
+
+* **send**: the client writes into a segment the daemon lent it and names
+  the segment; the table holds an array on it (no copy in the daemon). The
+  answer lends a replacement of the same size class when the pool has one,
+  so a client in a steady rhythm never waits for a lend.
+* **recv**: a tensor already on a segment (a local client's send, or a
+  receive from a peer, which the daemon makes into pool memory: see
+  :class:`PoolBuffers`) is handed over as it is; any other is copied into a
+  segment once. The client's array is a view on its mapping; when the array
+  is gone the client releases the segment and it returns to the pool.
+
+A segment's descriptor goes to a session once, on first use; both sides keep
+their mappings. The kernel tells the daemon who connected (``SO_PEERCRED``),
+and only the daemon's user (or root) can open the socket. A session that
+ends (closed, or its process died) gives back everything it held; its recvs
+in flight are cancelled and whatever they had fetched is kept for the next
+recv. A client mistake (a bad frame, a segment it does not hold, a frame
+over the limit) gets an ERROR frame, or for broken framing the end of its
+session; it never reaches the table or the other sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from rendezvous import fields as F
+from rendezvous import frames, localwire, shm, wire
+from rendezvous.buffers import RecvBuffers
+from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted, Unavailable, to_status
+from rendezvous.localwire import Kind
+from rendezvous.stats import payload_nbytes
+from rendezvous.table import Received
+from rendezvous.tensors import TensorMeta, encode_meta, is_memcpyable
+from rendezvous.v1 import local_pb2 as lpb
+
+from .service import LocalServicer, _slot, parse_recv, path_field
+
+__all__ = ["SessionServer", "PoolBuffers", "session_path", "FRAME_SLACK"]
+
+log = logging.getLogger("rendezvous.daemon")
+_UCRED = struct.Struct("3i")
+#: frame bytes beyond a tensor's own (key, dtype, shape and field headers)
+FRAME_SLACK = 1 << 20
+#: copies this big into a segment run on a worker thread (numpy releases the GIL)
+_OFF_LOOP_BYTES = 4 << 20
+#: segments a session may hold lent and not yet sent into
+MAX_LENT = 256
+
+
+def session_path(local_socket: str) -> str:
+    """The session socket's path beside the gRPC local socket's."""
+    return local_socket + ".session"
+
+
+class PoolBuffers(RecvBuffers):
+    """A daemon's receive buffers: a tensor of at least ``threshold`` bytes
+    received from a peer lands in a pool segment, which a local client can then
+    map as it is (no copy between the network and the client). Smaller ones, and
+    all when the pool is full, come from :class:`RecvBuffers`."""
+
+    def __init__(self, pool: shm.Pool, threshold: int, limit: int) -> None:
+        super().__init__(limit)
+        self.pool = pool
+        self.threshold = threshold
+
+    def empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        dt = np.dtype(dtype)
+        dims = tuple(int(d) for d in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+        nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+        if 0 <= self.threshold <= nbytes and nbytes > 0 and not dt.hasobject:
+            arr = self.pool.array(dims, dt)
+            if arr is not None:
+                return arr
+        return super().empty(dims, dt)
+
+
+class SessionServer:
+    """Accepts session connections on ``path`` for ``servicer`` (on the running loop)."""
+
+    def __init__(self, servicer: LocalServicer, pool: shm.Pool, path: str, threshold: int) -> None:
+        self.servicer = servicer
+        self.pool = pool
+        self.path = path
+        self.threshold = threshold
+        self.frame_limit = servicer.config.max_tensor_bytes + FRAME_SLACK
+        self.sessions: dict[str, Session] = {}
+        self._ids = itertools.count(1)
+        self._sock: socket.socket | None = None
+        self._ino: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        pool.on_retire = self._retired
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            os.unlink(self.path)  # the daemon claimed the gRPC socket beside it: this one is stale
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old = os.umask(0o177)
+            try:
+                sock.bind(self.path)
+            finally:
+                os.umask(old)
+            os.chmod(self.path, 0o600)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._ino = os.stat(self.path).st_ino
+        self._loop.add_reader(sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        for _ in range(64):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors: the client sees its connection closed
+                log.warning("cannot accept a local session: %s", exc)
+                return
+            sid = f"session-{next(self._ids)}"
+            try:
+                self.sessions[sid] = Session(self, sid, conn)
+            except OSError as exc:
+                conn.close()
+                log.warning("cannot start a local session: %s", exc)
+
+    def _retired(self, seg_id: int, sessions: set[str]) -> None:
+        """The pool closed a segment these sessions have mapped (any thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        body = localwire.frame(Kind.RETIRE, 0, localwire.pack_ids([seg_id]))
+
+        def tell() -> None:
+            for sid in sessions:
+                session = self.sessions.get(sid)
+                if session is not None:
+                    session.conn.write(body)
+
+        try:
+            loop.call_soon_threadsafe(tell)
+        except RuntimeError:
+            pass  # the loop is closing: the sessions end with it
+
+    def remove_file(self) -> None:
+        """Remove the socket file if it is still the one bound here."""
+        if self._ino is None:
+            return
+        try:
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._ino = None
+
+    def close(self) -> None:
+        """Stop accepting, end every session, remove the socket file (if still ours)."""
+        if self._sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        self.remove_file()
+        for session in list(self.sessions.values()):
+            session.conn.close(None)
+
+
+class Session:
+    """One client's connection."""
+
+    def __init__(self, server: SessionServer, sid: str, sock: socket.socket) -> None:
+        self.server = server
+        self.servicer = server.servicer
+        self.pool = server.pool
+        self.id = sid
+        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        self.pid, self.uid = pid, uid
+        self.client_id = ""
+        self.hello = False
+        self.recvs: dict[int, asyncio.Task] = {}
+        self.lent = 0
+        self.bad = 0
+        self.conn = localwire.Connection(sock, limit=server.frame_limit, on_frames=self._frames,
+                                         on_close=self._closed)
+
+    # -- frames in --------------------------------------------------------------
+
+    def _frames(self, frames_in: list[tuple[int, int, memoryview]], fds: list[int]) -> None:
+        for fd in fds:  # the daemon never takes descriptors (recv drops them anyway)
+            os.close(fd)
+        for kind, op, body in frames_in:
+            if self.conn.closed:
+                return
+            try:
+                self._dispatch(kind, op, body)
+            except RendezvousError as exc:
+                self._error(op, exc)
+            except Exception as exc:  # a bug, not the client's: logged, and the session goes on
+                log.error("session frame failed", exc_info=exc)
+                self._error(op, exc)
+
+    def _dispatch(self, kind: int, op: int, body: memoryview) -> None:
+        if not self.hello:
+            if kind != Kind.HELLO:
+                self._error(op, InvalidArgument("a session begins with HELLO"))
+                self.conn.close(None)
+                return
+            self._hello(op, body)
+        elif kind == Kind.SEND or kind == Kind.RETURN:
+            self._send(op, body, keep=kind == Kind.RETURN)
+        elif kind == Kind.RECV:
+            req = parse_recv(body)
+            if op in self.recvs:
+                raise InvalidArgument(f"operation id {op} is already in flight")
+            task = asyncio.get_running_loop().create_task(self._recv(op, req))
+            self.recvs[op] = task
+        elif kind == Kind.CANCEL:
+            task = self.recvs.get(op)
+            if task is not None:
+                task.cancel()
+        elif kind == Kind.RELEASE:
+            for seg_id in localwire.unpack_ids(body):
+                if not self.pool.release(seg_id, self.id):
+                    self._misuse(f"released segment {seg_id}, which it does not hold")
+        elif kind == Kind.LEND:
+            (nbytes,) = struct.unpack("<Q", body) if len(body) == 8 else (-1,)
+            if not 0 < nbytes <= self.servicer.config.max_tensor_bytes:
+                raise InvalidArgument(f"a lend asks for {nbytes} bytes")
+            self._lend(op, nbytes, Kind.OK, required=True)
+        elif kind == Kind.ABORT:
+            try:
+                req = lpb.AbortRequest.FromString(bytes(body))
+            except DecodeError as exc:
+                raise InvalidArgument(f"malformed AbortRequest: {exc}") from None
+            self.servicer.server.abort(req.step_id, req.message or "aborted")
+            self.conn.write(localwire.frame(Kind.OK, op))
+        elif kind == Kind.PENDING:
+            body_out = lpb.PendingResponse(entries=self.servicer.pending()).SerializeToString()
+            self.conn.write(localwire.frame(Kind.PENDING_REPLY, op, body_out))
+        elif kind == Kind.HELLO:
+            raise InvalidArgument("this session already said HELLO")
+        else:
+            raise InvalidArgument(f"unknown frame kind {kind}")
+
+    def _hello(self, op: int, body: memoryview) -> None:
+        try:
+            req = lpb.AttachRequest.FromString(bytes(body))
+        except DecodeError as exc:
+            raise InvalidArgument(f"malformed AttachRequest: {exc}") from None
+        self.hello = True
+        self.client_id = req.client_id[:32]
+        log.debug("client %s (pid %d, uid %d) opened %s", self.client_id, self.pid, self.uid, self.id)
+        welcome = self.servicer.welcome(self.server.threshold, self.server.frame_limit)
+        self.conn.write(localwire.frame(Kind.WELCOME, op, welcome.SerializeToString()))
+
+    # -- send -------------------------------------------------------------------
+
+    def _resolve(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
+        value = self.pool.produced(seg_id, self.id, nbytes, meta.dtype, meta.shape)
+        self.lent -= 1
+        return value
+
+    def _send(self, op: int, body: memoryview, keep: bool) -> None:
+        try:
+            path, nbytes = self.servicer.send(body, self._resolve, keep=keep)
+        except BaseException:
+            self._forfeit(body)
+            raise
+        metrics = self.servicer.metrics
+        if metrics is not None:
+            metrics.local_op("send", path, nbytes)
+        if path == "shm" and not keep:
+            self._lend(op, nbytes, Kind.OK, required=False)  # a replacement for the next send
+        else:
+            self.conn.write(localwire.frame(Kind.OK, op))
+
+    def _forfeit(self, body: memoryview) -> None:
+        """A failed pooled send gives its segment back: the client forgets it too."""
+        try:
+            for num, wt, a, b in wire.iter_fields(body):
+                if num == F.SEND_POOLED and wt == wire.LEN:
+                    if self.pool.release(_slot(body, a, b)[0], self.id):
+                        self.lent -= 1
+        except RendezvousError:
+            pass
+
+    def _lend(self, op: int, nbytes: int, kind: int, required: bool) -> None:
+        """Answer ``op`` with a segment for ``nbytes`` lent to this session (if the
+        pool has room; ``required``: RESOURCE_EXHAUSTED otherwise)."""
+        seg = None
+        if self.lent < MAX_LENT:
+            seg = self.pool.lend(nbytes, self.id)
+        elif required:
+            raise ResourceExhausted(f"this session already holds {self.lent} lent segments it has not sent "
+                                    f"(at most {MAX_LENT})")
+        if seg is None:
+            if required:
+                raise ResourceExhausted(f"the daemon's shared-memory pool is full ({self.pool.total} of "
+                                        f"{self.pool.limit} bytes, shm_pool_bytes): no segment for {nbytes} bytes")
+            self.conn.write(localwire.frame(Kind.OK, op))
+            return
+        self.lent += 1
+        self._introduce(seg)
+        self.conn.write(localwire.frame(kind, op, localwire.pack_grants([(seg.id, seg.size)])))
+
+    def _introduce(self, seg: shm.Segment) -> None:
+        """Send the segment's descriptor if this session has not got it yet."""
+        if self.pool.mark_known(seg, self.id):
+            fd = os.dup(seg.fd)  # the connection closes its copy once it is sent
+            self.conn.write(localwire.frame(Kind.SEGMENTS, 0, localwire.pack_grants([(seg.id, seg.size)])), [fd])
+
+    # -- recv -------------------------------------------------------------------
+
+    async def _recv(self, op: int, req: lpb.LocalRecvRequest) -> None:
+        """Answer one RECV: exactly one frame for ``op``, RECV_REPLY or ERROR (CANCELLED
+        after the client's CANCEL). Fetched and not handed over is kept."""
+        t0 = time.perf_counter()
+        metrics = self.servicer.metrics
+        try:
+            item, path = await self.servicer.fetch(req)
+            try:
+                reply, hop, nbytes = await self._reply(item, path)
+            except BaseException:
+                self.servicer.give_back(req, item)
+                raise
+            self.conn.write(localwire.frame(Kind.RECV_REPLY, op, reply))
+            if metrics is not None:
+                metrics.recv_done(path, time.perf_counter() - t0)
+                metrics.local_op("recv", hop, nbytes)
+        except asyncio.CancelledError:
+            self._error(op, Cancelled(f"recv of {req.rendezvous_key!r} (step {req.step_id}) was cancelled"))
+        except RendezvousError as exc:
+            self._error(op, exc)
+        except Exception as exc:
+            log.error("local recv failed", exc_info=exc)
+            self._error(op, exc)
+        finally:
+            self.recvs.pop(op, None)
+
+    async def _reply(self, item: Received, path: str) -> tuple[bytes, str, int]:
+        """(LocalRecvResponse bytes, "inline" or "shm", payload bytes)."""
+        value = item.value
+        threshold = self.server.threshold
+        if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
+                or value.nbytes == 0 or value.nbytes < threshold):
+            return frames.unary_response(item) + path_field(path), "inline", payload_nbytes(value)
+        seg = self.pool.segment_of(value)
+        if seg is None or seg.held_by is not None or value.nbytes > seg.size:
+            copy = self.pool.array(value.shape, value.dtype)
+            if copy is None:  # the pool is full: the bytes go in the frame
+                return frames.unary_response(item) + path_field(path), "inline", payload_nbytes(value)
+            if value.nbytes >= _OFF_LOOP_BYTES:
+                await asyncio.get_running_loop().run_in_executor(None, np.copyto, copy, value)
+            else:
+                np.copyto(copy, value)
+            value = copy
+            seg = self.pool.segment_of(value)
+            assert seg is not None
+        if self.conn.closed:  # no await from here until the reply is written
+            raise Unavailable("the client went away")
+        self.pool.hand_to(seg, self.id)
+        self._introduce(seg)
+        meta = encode_meta(TensorMeta(value.dtype, value.shape))
+        slot = wire.varint_field(F.SLOT_SEGMENT, seg.id) + wire.varint_field(F.SLOT_NBYTES, value.nbytes)
+        reply = b"".join([wire.len_field_header(F.LOCAL_REPLY_TENSOR, len(meta)), meta,
+                          wire.len_field_header(F.LOCAL_REPLY_POOLED, len(slot)), slot, path_field(path)])
+        return reply, "shm", value.nbytes
+
+    # -- errors and the end -----------------------------------------------------------
+
+    def _error(self, op: int, exc: BaseException) -> None:
+        code, message = self.servicer._error(exc)
+        self.conn.write(localwire.frame(Kind.ERROR, op, localwire.pack_error(code.value[0], message)))
+
+    def _misuse(self, what: str) -> None:
+        self.bad += 1
+        if self.bad == 1 or self.bad % 1000 == 0:
+            log.warning("client %s (pid %d) %s (%d such frames in this session)", self.client_id or self.id,
+                        self.pid, what, self.bad)
+        if self.servicer.metrics is not None:
+            self.servicer.metrics.error("INVALID_ARGUMENT")
+
+    def _closed(self, error: BaseException | None) -> None:
+        self.server.sessions.pop(self.id, None)
+        for task in list(self.recvs.values()):
+            task.cancel()
+        n = self.pool.session_gone(self.id)
+        if error is not None and not isinstance(error, ConnectionError):
+            log.warning("client %s (pid %d) session ended: %s", self.client_id or self.id, self.pid, error)
+        log.debug("client %s (pid %d) closed %s; %d segment hold(s) given back", self.client_id or self.id,
+                  self.pid, self.id, n)
