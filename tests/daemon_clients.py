@@ -87,11 +87,17 @@ def waiter(address: str, wanted: str) -> None:
             result(error=exc.code.name, message=exc.message)
 
 
-def hold(address: str) -> None:
-    """Attach, write a segment as a send would, then wait to be killed before sending it."""
+def hold(address: str, key: str) -> None:
+    """Receive ``key`` (a pool segment held) and get a segment lent for a send,
+    then wait to be killed holding both."""
+    import struct
+
+    from rendezvous.localwire import Kind
+
     with Client(address) as c:
-        name, _ = shm.write(c._prefix, np.ones(1 << 16, np.uint8))
-        sys.stdout.write(f"SEGMENT {name}\n")
+        value = c.recv(key, step_id=1, timeout=30)
+        c._link.call(Kind.LEND, struct.pack("<Q", 1 << 16))
+        sys.stdout.write(f"HOLDING {value.nbytes}\n")
         sys.stdout.flush()
         sys.stdin.read()  # until killed (or stdin closes)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import datetime
 import gc
 import ipaddress
@@ -15,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import struct
 import sys
 import tempfile
 import time
@@ -27,10 +29,11 @@ import numpy as np
 import pytest
 
 from rendezvous import aio as rank_aio
-from rendezvous import errors, shm
+from rendezvous import errors, localwire, shm
 from rendezvous.client.aio import Client
 from rendezvous.config import Config
 from rendezvous.daemon.daemon import Daemon
+from rendezvous.localwire import Kind
 from rendezvous.v1 import local_pb2 as lpb
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import tensor_pb2 as tpb
@@ -197,12 +200,10 @@ def test_errors_have_their_status_and_the_daemon_keeps_serving(sockdir):
 def test_abort_fails_waiters_and_frees_shared_memory(sockdir):
     async def main():
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
-            base = shm.live_mappings()
             await a.send(key(0, 0, "big"), np.ones(1 << 20, np.float32), step_id=5)
-            # the daemon read the client's segment into its own memory: it maps none
-            # of a client's segments (a truncated one would fault), and the name is gone
-            assert shm.live_mappings() == base
-            assert shm.listed(a._prefix) == []
+            # the table holds the daemon's array on the segment the client wrote
+            # into; the answer lent the client a replacement for its next send
+            assert d.pool.stats()["in_table"] == 1 and d.pool.stats()["lent"] == 1
             assert d.server.table.stats()["tensors"] == 1
             waiter = asyncio.create_task(b.recv(key(0, 0, "other"), step_id=5, timeout=10))
             await until(lambda: d.server.table.stats()["waiters"] == 1, what="the recv waiting")
@@ -213,34 +214,44 @@ def test_abort_fails_waiters_and_frees_shared_memory(sockdir):
                 await a.send(key(0, 0, "late"), np.ones(1 << 20, np.float32), step_id=5)
             gc.collect()
             assert d.server.table.stats()["tensors"] == 0, "an aborted step's tensor is still held"
-            assert shm.live_mappings() == base
-            # consumption frees it too (local consumers are not kept for retries)
+            stats = d.pool.stats()
+            # the aborted tensor's segment is free again; the refused send gave its
+            # segment back too, and the client has no lent segment left
+            assert stats["in_table"] == 0 and stats["lent"] == 0 and stats["held"] == 0, stats
+            assert stats["free_bytes"] == stats["bytes"]
+            # consumption: the client's array is a view on the segment the sender
+            # wrote (no copy), held until the array goes, then free for reuse
+            created = stats["created"]
             await a.send(key(0, 0, "eaten"), np.ones(1 << 20, np.float32), step_id=6)
             got = await b.recv(key(0, 0, "eaten"), step_id=6, timeout=5)
-            gc.collect()
-            assert shm.live_mappings() == base + 1  # the daemon let its copy go; the client maps its reply
+            assert d.pool.stats()["held"] == 1 and d.pool.stats()["created"] == created
             del got
             gc.collect()
-            assert shm.live_mappings() == base
+            await until(lambda: d.pool.stats()["held"] == 0, what="the released segment back in the pool")
+            assert d.pool.stats()["created"] == created, "a steady rhythm reuses its segments"
     run(main())
 
 
-def test_a_dead_clients_segments_are_unlinked(sockdir):
+def test_a_dead_clients_holds_go_back_to_the_pool(sockdir):
+    """A client killed while it holds a received segment and a lent one: the
+    daemon takes both back when its session socket closes."""
     async def main():
-        async with daemons(sockdir) as (d,):
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a:
+            await a.send(key(0, 0, "held"), np.ones(1 << 16, np.uint8), step_id=1)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, str(HERE / "daemon_clients.py"), "hold", d.local_target,
+                sys.executable, str(HERE / "daemon_clients.py"), "hold", d.local_target, key(0, 0, "held"),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
             try:
                 line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-                assert line.startswith("SEGMENT "), line
-                name = line.split()[1]
-                assert shm.listed(name) == [name]
-                await until(lambda: len(d.local.sessions) == 1, what="the session")
-                proc.kill()  # dies between writing a segment and sending it
+                assert line.startswith("HOLDING "), line
+                stats = d.pool.stats()
+                assert stats["held"] == 1 and stats["lent"] >= 2, stats  # a's replacement and the child's lend
+                proc.kill()  # dies holding both
                 await proc.wait()
-                await until(lambda: not shm.listed(name), what="the dead client's segment to be unlinked")
-                await until(lambda: not d.local.sessions, what="the session to end")
+                await until(lambda: d.pool.stats()["held"] == 0 and d.pool.stats()["lent"] == 1,
+                            what="the dead client's segments back in the pool")
+                await until(lambda: not d.sessions.sessions or len(d.sessions.sessions) == 1,
+                            what="the session to end")
             finally:
                 if proc.returncode is None:
                     proc.kill()
@@ -252,8 +263,8 @@ def test_local_limits(sockdir):
     async def main():
         async with daemons(sockdir, max_tensor_bytes=1 << 20) as (d,), Client(d.local_target) as c:
             with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
-                await c.send(key(0, 0, "huge"), np.ones((1 << 20) + 8, np.uint8))  # via shared memory
-            assert shm.listed(c._prefix) == []  # the refused segment is gone
+                await c.send(key(0, 0, "huge"), np.ones((1 << 20) + 8, np.uint8))  # no segment is lent for it
+            assert d.pool.stats()["lent"] == 0
             # Inline sends the client library would never write: a few bytes that
             # announce a huge tensor (one float_val filling 2**28 floats, 2**26
             # empty strings), and real content over the limit. Each once expanded.
@@ -267,7 +278,7 @@ def test_local_limits(sockdir):
                 raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "hostile"), tensor=tensor)
                 assert len(raw.SerializeToString()) < (1 << 20) or tensor is content
                 with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
-                    await c._call("Send", raw.SerializeToString(), timeout=10)
+                    await c._link.call(Kind.SEND, raw.SerializeToString(), timeout=10)
             assert not d.server.pending()  # none of them was queued
             await c.send(key(0, 0, "fits"), np.ones(1 << 20, np.uint8))
     run(main())
@@ -282,10 +293,10 @@ def test_local_clients_over_tcp_need_the_token(sockdir):
             with pytest.raises(errors.Unauthenticated):
                 await Client(d.local_target, token="wrong").connect()
             async with Client(d.local_target, token="s3cret") as c:
-                value = np.arange(1 << 16, dtype=np.float32)  # loopback: shared memory still works
+                value = np.arange(1 << 16, dtype=np.float32)  # over TCP: inside the messages
                 await c.send(key(0, 0, "t"), value, step_id=1)
                 assert np.array_equal(await c.recv(key(0, 0, "t"), step_id=1, timeout=5), value)
-                assert c.stats() == {"send_shm": 1, "recv_shm": 1, "local": 1}
+                assert c.stats() == {"send_inline": 1, "recv_inline": 1, "local": 1} and not c.session
     run(main())
 
 
@@ -651,96 +662,106 @@ def test_get_command_sends_the_token_and_speaks_tls(sockdir, pki, capsys):
     run(main())
 
 
+async def lend(c: Client, nbytes: int) -> int:
+    await c._link.call(Kind.LEND, struct.pack("<Q", nbytes))
+    seg_id = c._link.segments.take(nbytes)
+    assert seg_id is not None
+    return seg_id
+
+
+def pooled(step: int, name: str, value: np.ndarray, seg_id: int, nbytes: int | None = None) -> bytes:
+    meta = tpb.TensorProto(dtype=tpb.DT_FLOAT if value.dtype == np.float32 else tpb.DT_DOUBLE)
+    for d in value.shape:
+        meta.tensor_shape.dim.add(size=d)
+    return lpb.SendRequest(step_id=step, rendezvous_key=key(0, 0, name), tensor=meta,
+                           pooled=lpb.PoolSlot(segment=seg_id, nbytes=value.nbytes if nbytes is None else nbytes)
+                           ).SerializeToString()
+
+
 def test_a_client_cannot_hand_over_another_clients_segment(sockdir):
-    """A send naming a segment of another session was once taken (mapped and
-    unlinked) by the daemon: the other client's bytes became this one's tensor."""
+    """A send may only name a segment the daemon lent to that same session: the
+    other client's bytes never become this one's tensor."""
     async def main():
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
-            await a.connect()
-            await b.connect()
             value = np.arange(1 << 16, dtype=np.float64)
-            name, nbytes = shm.write(a._prefix, value)  # a's segment, not yet sent
-            try:
-                meta = tpb.TensorProto(dtype=2)
-                meta.tensor_shape.dim.add(size=value.size)
-                for client_id in (b.client_id, "", "0123456789ab"):
-                    raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "stolen"), tensor=meta,
-                                          shm=lpb.ShmSegment(name=name, nbytes=nbytes), client_id=client_id)
-                    with pytest.raises(errors.InvalidArgument, match="not one of this client's session"):
-                        await b._call("Send", raw.SerializeToString(), timeout=10)
-                    assert shm.listed(a._prefix) == [name]  # untouched: still a's to send
-                assert not d.server.pending()
-                # its owner may send it
-                raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "mine"), tensor=meta,
-                                      shm=lpb.ShmSegment(name=name, nbytes=nbytes), client_id=a.client_id)
-                await a._call("Send", raw.SerializeToString(), timeout=10)
-                np.testing.assert_array_equal(await b.recv(key(0, 0, "mine"), step_id=1, timeout=10), value)
-            finally:
-                shm.discard(name)
+            seg_id = await lend(a, value.nbytes)  # a's, written and not yet sent
+            a._link.segments.write(seg_id, value)
+            for bogus in (seg_id, seg_id + 1000):
+                with pytest.raises(errors.InvalidArgument, match="not lent to this client"):
+                    await b._link.call(Kind.SEND, pooled(1, "stolen", value, bogus), timeout=10)
+            assert d.pool.get(seg_id).lent_to is not None  # untouched: still a's to send
+            assert not d.server.pending()
+            with pytest.raises(errors.InvalidArgument, match="holds"):  # more than the segment holds
+                await a._link.call(Kind.SEND, pooled(1, "big", np.zeros(1 << 20), seg_id), timeout=10)
+            # a refused pooled send gives the segment back: the client must ask again
+            assert d.pool.get(seg_id).lent_to is None
+            seg_id = await lend(a, value.nbytes)
+            a._link.segments.write(seg_id, value)
+            # its owner may send it, once
+            await a._link.call(Kind.SEND, pooled(1, "mine", value, seg_id), timeout=10)
+            with pytest.raises(errors.InvalidArgument, match="not lent"):
+                await a._link.call(Kind.SEND, pooled(1, "twice", value, seg_id), timeout=10)
+            np.testing.assert_array_equal(await b.recv(key(0, 0, "mine"), step_id=1, timeout=10), value)
+            # a release of a segment the client does not hold changes nothing
+            a._link.conn.write(localwire.frame(Kind.RELEASE, 0, localwire.pack_ids([seg_id, 99999])))
+            await a.pending()  # a round trip: the release was handled before it
+            assert d.sessions.sessions and all(s.bad <= 2 for s in d.sessions.sessions.values())
+            assert sum(s.bad for s in d.sessions.sessions.values()) == 2
     run(main())
 
 
-def test_a_client_truncating_its_segment_after_the_send_cannot_crash_the_daemon(sockdir):
-    """The daemon once mapped a client's segment: truncating it after the hand-off
-    made the next access to the tensor fault (SIGBUS) and killed the daemon.
-    Now the daemon reads the segment into its own memory."""
-
-    from rendezvous.shm import _posixshmem
-
+def test_no_client_can_truncate_a_segment_under_the_daemon(sockdir):
+    """The daemon once mapped a client's shared-memory file: truncating it after
+    the hand-off made the next access fault (SIGBUS) and killed the daemon. Pool
+    segments are sealed before any client sees them: they cannot shrink or grow."""
     async def main():
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
-            await a.connect()
             value = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
-            name = f"{a._prefix}999"
-            fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            await a.send(key(0, 0, "cut"), value, step_id=1)
+            for seg in list(d.pool._segments.values()):
+                # the daemon's descriptor and a client's copy of it (as a client got it)
+                path = f"/proc/self/fd/{seg.fd}"
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    for size in (0, seg.size // 2, seg.size * 2):
+                        with pytest.raises(PermissionError):
+                            os.ftruncate(fd, size)
+                    with pytest.raises(PermissionError):
+                        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # the seals are sealed too
+                finally:
+                    os.close(fd)
+            np.testing.assert_array_equal(await b.recv(key(0, 0, "cut"), step_id=1, timeout=10), value)
+            # a client refuses to map a descriptor whose size is not sealed
+            plain = os.memfd_create("not-sealed")
             try:
-                os.ftruncate(fd, value.nbytes)
-                with mmap.mmap(fd, value.nbytes) as mm:
-                    np.frombuffer(mm, np.float32)[:] = value
-                meta = tpb.TensorProto(dtype=1)
-                meta.tensor_shape.dim.add(size=value.size)
-                raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "cut"), tensor=meta,
-                                      shm=lpb.ShmSegment(name=name, nbytes=value.nbytes), client_id=a.client_id)
-                await a._call("Send", raw.SerializeToString(), timeout=10)
-                os.ftruncate(fd, 0)  # the client's mistake, or malice, after the hand-off
+                os.ftruncate(plain, 1 << 16)
+                with pytest.raises(errors.InvalidArgument, match="seal"):
+                    shm.map_segment(plain, 1 << 16)
             finally:
-                os.close(fd)
-                shm.discard(name)
-            got = await b.recv(key(0, 0, "cut"), step_id=1, timeout=10)  # the daemon reads its copy
-            np.testing.assert_array_equal(got, value)
-            # a segment truncated *before* the daemon reads it fails that send only
-            name2, nbytes2 = shm.write(a._prefix, value)
-            fd = _posixshmem.shm_open("/" + name2, os.O_RDWR, 0)
-            os.ftruncate(fd, 100)
-            os.close(fd)
-            raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "short"), tensor=meta,
-                                  shm=lpb.ShmSegment(name=name2, nbytes=nbytes2), client_id=a.client_id)
-            with pytest.raises(errors.InvalidArgument, match="truncated"):
-                await a._call("Send", raw.SerializeToString(), timeout=10)
-            assert shm.listed(a._prefix) == []
-            await a.send(key(0, 0, "after"), value)  # the daemon goes on serving
-            np.testing.assert_array_equal(await b.recv(key(0, 0, "after"), step_id=0, timeout=10), value)
+                os.close(plain)
     run(main())
 
 
 def test_a_fetched_tensor_the_daemon_cannot_hand_over_is_kept_for_the_next_recv(sockdir, monkeypatch):
-    """The daemon took the tensor from its table but could not write the reply
-    (shared memory full): the tensor was lost. Now the next recv gets it."""
+    """The daemon took the tensor from its table but could not make the reply:
+    the tensor was once lost. Now the next recv gets it."""
+    from rendezvous.daemon import sessions
+
     async def main():
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
             value = np.arange(1 << 17, dtype=np.float64)  # 1 MiB: a shared-memory reply
             await a.send(key(0, 0, "full"), value, step_id=2)
-            real = shm.write
+            real = sessions.Session._reply
             calls = []
 
-            def full(prefix, arr):
-                calls.append(prefix)
-                raise errors.ResourceExhausted("no space left in /dev/shm")
-            monkeypatch.setattr(shm, "write", full)
+            async def broken(self, item, path):
+                calls.append(path)
+                raise errors.ResourceExhausted("cannot make the reply")
+            monkeypatch.setattr(sessions.Session, "_reply", broken)
             with pytest.raises(errors.ResourceExhausted):
                 await b.recv(key(0, 0, "full"), step_id=2, timeout=10)
             assert calls
-            monkeypatch.setattr(shm, "write", real)
+            monkeypatch.setattr(sessions.Session, "_reply", real)
             np.testing.assert_array_equal(await b.recv(key(0, 0, "full"), step_id=2, timeout=10), value)
             assert not d.server.pending() and not d.server._undelivered
     run(main())

@@ -360,9 +360,9 @@ class Daemon:
                  f"{', token' if self._token else ''})", f"local {self.local_target}"]
         if self.metrics_url:
             parts.append(f"metrics {self.metrics_url}")
+        parts.append(f"pid {os.getpid()}")
         if self.sessions is not None:
             parts.append(f"sessions unix:{self.sessions.path}")
-        parts.append(f"pid {os.getpid()}")
         return "; ".join(parts)
 
     # -- operations -------------------------------------------------------------------

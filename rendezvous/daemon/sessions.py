@@ -251,8 +251,11 @@ class Session:
                     self._misuse(f"released segment {seg_id}, which it does not hold")
         elif kind == Kind.LEND:
             (nbytes,) = struct.unpack("<Q", body) if len(body) == 8 else (-1,)
-            if not 0 < nbytes <= self.servicer.config.max_tensor_bytes:
+            if nbytes <= 0:
                 raise InvalidArgument(f"a lend asks for {nbytes} bytes")
+            if nbytes > self.servicer.config.max_tensor_bytes:
+                raise ResourceExhausted(f"a lend asks for {nbytes} bytes, more than max_tensor_bytes "
+                                        f"({self.servicer.config.max_tensor_bytes})")
             self._lend(op, nbytes, Kind.OK, required=True)
         elif kind == Kind.ABORT:
             try:

@@ -164,10 +164,13 @@ class RetryCache:
         self._arm()
 
     def close(self) -> None:
-        """Stop the release timer (the server is stopping)."""
+        """Stop the release timer and let every answer go (the server has stopped:
+        nobody can ask again; a daemon's pool segments go back at once)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        for rid in list(self._done):
+            self._release(rid)
 
     def _expire(self, now: float) -> None:
         while self._done:
