@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rendezvous"
 LAYERS = {
     "v1": 0, "fields": 0,
     "errors": 1, "keys": 1, "table": 1, "tensors": 1, "wire": 1, "frames": 1, "buffers": 1,
-    "config": 1, "cluster": 1, "devices": 1, "fakegpu": 1, "stats": 1, "shm": 1, "auth": 1,
+    "config": 1, "cluster": 1, "devices": 1, "fakegpu": 1, "stats": 1, "shm": 1, "localwire": 1, "auth": 1,
     "lifecycle": 1,
     "transport": 2, "mpi": 2,
     "rpc": 3, "rpc.options": 1,  # names and options: below everything that opens a channel

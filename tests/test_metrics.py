@@ -21,7 +21,7 @@ SNAPSHOT = {
               "mpi": {"transfers": 2, "bytes": 2 << 20, "served": 1, "served_bytes": 1 << 20, "fallbacks": 0,
                       "errors": 0, "in_flight": 4}},
     "tensors": 6, "waiters": 2, "keys": 5, "oldest": 1.5, "local_waits": 1, "local_oldest": 0.25,
-    "sessions": 3, "shm_live": 0, "draining": True,
+    "sessions": 3, "pool": {"segments": 2, "bytes": 1 << 20, "free_bytes": 1 << 19, "held": 1}, "draining": True,
 }
 
 

@@ -1,7 +1,6 @@
 """README promises of rendezvousd that no other module tests: the drain as seen
 from outside (health, local refusals, a produced tensor still served), the
-start-up sweep of dead processes' segments, the socket folder's modes, the
-default local address, ``token_file`` over ``token``, ``rendezvous get
+socket folder's and both sockets' modes, the default local address, ``token_file`` over ``token``, ``rendezvous get
 --save/--token-file/--token``, the one warning for a GPU key without a GPU,
 and the metrics of local recvs, errors by code and the drain.
 
@@ -40,7 +39,7 @@ from rendezvous.devices import Devices
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from conftest import run, until
-from test_daemon import config, daemons, key, scrape, sockdir  # noqa: F401  (sockdir: a fixture)
+from test_daemon import _segment_files, config, daemons, key, scrape, sockdir  # noqa: F401  (sockdir: a fixture)
 from test_daemon_cli import READY, RENDEZVOUSD, Proc, procs  # noqa: F401  (procs: a fixture)
 
 pytestmark = pytest.mark.timeout(90)
@@ -51,13 +50,10 @@ LOCAL_SERVICE = "rendezvous.v1.LocalRendezvous"
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments():
-    """Only this process's segments: other runs on the machine have their own."""
-    mine = f"rdv-{os.getpid()}-"
-    before = set(shm.listed(mine))
+    """No pool segment left open or mapped in this process once a test is over."""
     yield
     gc.collect()
-    leaked = set(shm.listed(mine)) - before
-    assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
+    assert _segment_files() == 0, "pool segments left open or mapped"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -170,41 +166,10 @@ def test_draining_gauge_and_refusals_by_code_in_the_metrics(sockdir):
 # -- 2. the start-up sweep ------------------------------------------------------------------------
 
 
-def test_start_up_unlinks_segments_of_dead_processes_and_keeps_a_live_ones(sockdir):
-    """A segment ``rdv-<pid>-<12 hex>-<n>`` whose pid no longer exists is gone once
-    a daemon has started; one of a live process (this one, a fresh session) stays.
-
-    Checked to fail: with ``shm.sweep_dead`` a no-op (the dead one stays), and with
-    ``shm._alive`` always False (the live one is unlinked)."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    dead_pid = child.pid
-    with pytest.raises(ProcessLookupError):
-        os.kill(dead_pid, 0)  # reaped: the pid names no process now
-    value = np.arange(64, dtype=np.uint8)
-    dead, _ = shm.write(f"rdv-{dead_pid}-{secrets.token_hex(6)}-", value)
-    live, _ = shm.write(shm.new_prefix(), value)
-    try:
-        assert shm.NAME_RE.match(dead) and shm.NAME_RE.match(live)
-        assert shm.listed(dead) == [dead] and shm.listed(live) == [live]
-
-        async def main():
-            async with daemons(sockdir) as (d,):
-                assert d.local_target
-                assert shm.listed(dead) == [], "a dead process's segment survived the daemon's start"
-                assert shm.listed(live) == [live], "a live process's segment was unlinked"
-        run(main())
-    finally:
-        shm.discard(dead)
-        shm.discard(live)
-
-
-# -- 3. the socket folder ----------------------------------------------------------------------------
-
-
 def test_the_socket_folder_the_daemon_creates_is_0700_and_the_socket_0600():
     """Under umask 022 (which would give 0755), the folder the daemon creates for
-    its socket is 0700 and the socket 0600; a client connects; stop removes it.
+    its socket is 0700 and both sockets (gRPC and session) 0600; a client connects;
+    stop removes them.
 
     Checked to fail: with the daemon's ``os.chmod`` a no-op (socket 0755) and with
     ``_claim_socket`` creating the folder without ``mode`` (folder 0755)."""
@@ -218,12 +183,14 @@ def test_the_socket_folder_the_daemon_creates_is_0700_and_the_socket_0600():
             async with daemons(base, local_address=f"unix:{path}") as (d,):
                 assert d.local_target == f"unix:{path}"
                 assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-                st = os.lstat(path)
-                assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+                for sock in (path, Path(f"{path}.session")):
+                    st = os.lstat(sock)
+                    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, sock
                 async with Client(d.local_target) as c:
+                    assert c.session
                     await c.send(key(0, 0, "x"), np.ones(2))
                     assert list(await c.recv(key(0, 0, "x"), timeout=10)) == [1, 1]
-            assert not path.exists()
+            assert not path.exists() and not Path(f"{path}.session").exists()
         run(main())
     finally:
         os.umask(old_umask)

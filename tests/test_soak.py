@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from rendezvous import errors, shm
+from rendezvous import errors
+from rendezvous.localwire import Kind
 from rendezvous.client.aio import Client
 from rendezvous.v1 import local_pb2 as lpb
 from rendezvous.v1 import tensor_pb2 as tpb
@@ -50,16 +51,16 @@ async def _hostile(client: Client, i: int) -> str:
     if kind == 0:  # announces a huge tensor with one typed value
         meta.int64_val.append(1)
         raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 1, f"h{i}"), tensor=meta).SerializeToString()
-    elif kind == 1:  # names a segment of another session
-        raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 1, f"h{i}"), tensor=meta, client_id="0" * 12,
-                              shm=lpb.ShmSegment(name=f"rdv-1-{'0' * 12}-{i}", nbytes=64)).SerializeToString()
+    elif kind == 1:  # names a pool segment the daemon did not lend it
+        raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 1, f"h{i}"), tensor=meta,
+                              pooled=lpb.PoolSlot(segment=1 + i, nbytes=64)).SerializeToString()
     elif kind == 2:  # garbage
         raw = bytes(random.Random(i).getrandbits(8) for _ in range(64))
     else:  # a key of a task this daemon does not produce
         raw = lpb.SendRequest(step_id=1, rendezvous_key=key(1, 0, f"h{i}"),
                               tensor=tpb.TensorProto(dtype=9)).SerializeToString()
     try:
-        await client._call("Send", raw, timeout=10)
+        await client._link.call(Kind.SEND, raw, timeout=10)
     except errors.RendezvousError as exc:
         return exc.code.name
     return "OK"
@@ -110,7 +111,10 @@ def test_soak_every_tensor_arrives_once_and_memory_stays_bounded(tmp_path):
             for d in (d0, d1):  # nothing left anywhere (withdrawn recvs' cancels may be in flight)
                 await until(lambda d=d: not d.server.pending() and not d.server._undelivered,
                             what="the daemons' tables to empty")
-            assert shm.listed(f"rdv-{os.getpid()}-") == []
+            gc.collect()
+            for d in (d0, d1):  # every segment back: none held by a client or in a table
+                await until(lambda d=d: d.pool.stats()["held"] == 0 and d.pool.stats()["in_table"] == 0,
+                            what="the pool's segments free again")
             assert grown_mib < 160, f"the process grew by {grown_mib:.0f} MiB after the first batch"
             print(f"\nsoak: {OPS} transfers through two daemons in {took:.1f}s, {timeouts} recvs timed out "
                   f"and were retried, {statuses} hostile requests refused, 0 lost, 0 twice, "
