@@ -118,12 +118,12 @@ def test_kubernetes_mpijob_with_cluster_configmap():
     daemon = next(c for c in pod["containers"] if c["name"] == "worker")
     mount = next(m for m in daemon["volumeMounts"] if m["name"] == volume["name"])
     assert args.cluster == f"{mount['mountPath']}/cluster.json"
-    # the trainer shares the daemon's socket folder and /dev/shm, and is told where the socket is
+    # the trainer shares the daemon's socket folder (both sockets; shared memory
+    # travels over the session socket as descriptors), and is told where the socket is
     trainer = next(c for c in pod["containers"] if c["name"] == "trainer")
     socket_dir = args.local[len("unix:"):].rsplit("/", 1)[0]
-    for container in (daemon, trainer):
-        paths = {m["mountPath"] for m in container["volumeMounts"]}
-        assert {socket_dir, "/dev/shm"} <= paths
+    mounts = [{m["mountPath"]: m["name"] for m in c["volumeMounts"]} for c in (daemon, trainer)]
+    assert socket_dir in mounts[0] and mounts[0][socket_dir] == mounts[1].get(socket_dir)
     env = {e["name"]: e["value"] for e in trainer["env"]}
     assert env["RENDEZVOUS_LOCAL_ADDRESS"] == args.local
 

@@ -147,7 +147,7 @@ def test_big_body_through_into(chunk):
 
 
 def test_big_body_buffer_of_its_own():
-    body = bytes(range(256)) * 2048  # 512 KiB
+    body = bytes(range(1, 256)) * 2056 + b"\x01"  # over 512 KiB; no zero byte, the last one neither
     data = frame(Kind.RECV_REPLY, 77, body)
     r = FrameReader(1 << 20)
     assert r.feed(data[:5]) == []  # not even a header yet
@@ -161,8 +161,13 @@ def test_big_body_buffer_of_its_own():
     assert r.filled(100) == []
     into = r.into()
     assert len(into) == len(data) - 1100
-    into[:] = data[1100:]
-    [(kind, op, got)] = r.filled(len(into))
+    into[:len(into) - 1] = data[1100:-1]
+    assert r.filled(len(into) - 1) == []  # one byte short: not yet
+    assert r.partial
+    into = r.into()
+    assert len(into) == 1
+    into[:] = data[-1:]
+    [(kind, op, got)] = r.filled(1)
     assert (kind, op) == (Kind.RECV_REPLY, 77) and bytes(got) == body
     assert not r.partial and r.into() is None
     # the reader goes on with ordinary frames

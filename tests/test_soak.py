@@ -112,9 +112,12 @@ def test_soak_every_tensor_arrives_once_and_memory_stays_bounded(tmp_path):
                 await until(lambda d=d: not d.server.pending() and not d.server._undelivered,
                             what="the daemons' tables to empty")
             gc.collect()
-            for d in (d0, d1):  # every segment back: none held by a client or in a table
-                await until(lambda d=d: d.pool.stats()["held"] == 0 and d.pool.stats()["in_table"] == 0,
-                            what="the pool's segments free again")
+            # every segment back: none held by a client; on the producer's node only
+            # the answers kept for retries (a window of retry_cache_bytes) stay
+            retained = len(d0.server._retry._done)
+            for d, kept in ((d0, retained), (d1, 0)):
+                await until(lambda d=d, kept=kept: d.pool.stats()["held"] == 0 and d.pool.stats()["in_table"] <= kept,
+                            what=f"the pool's segments free again ({d.pool.stats()})")
             assert grown_mib < 160, f"the process grew by {grown_mib:.0f} MiB after the first batch"
             print(f"\nsoak: {OPS} transfers through two daemons in {took:.1f}s, {timeouts} recvs timed out "
                   f"and were retried, {statuses} hostile requests refused, 0 lost, 0 twice, "
