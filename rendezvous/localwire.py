@@ -217,10 +217,11 @@ class Connection:
     # -- reading ------------------------------------------------------------------
 
     def _readable(self) -> None:
+        fds: list[int] = []
         try:
             for _ in range(16):  # a bounded burst, then let the loop run others
                 into = self.reader.into()
-                fds: list[int] = []
+                fds = []
                 if into is not None:
                     if self._fds:
                         n, anc, _, _ = self.sock.recvmsg_into([into], socket.CMSG_SPACE(MAX_FDS * 4))
@@ -243,14 +244,14 @@ class Connection:
                         return
                     frames = self.reader.feed(data)
                 if frames or fds:
-                    self._on_frames(frames, fds)
+                    handed, fds = fds, []
+                    self._on_frames(frames, handed)
                 if self.closed or not self._reading:
                     return
         except (BlockingIOError, InterruptedError):
             return
-        except FrameError as exc:
-            self.close(exc)
-        except OSError as exc:
+        except (FrameError, OSError) as exc:
+            _close_fds(fds)  # they came with the read that broke the framing
             self.close(exc)
 
     # -- writing ------------------------------------------------------------------
@@ -259,7 +260,7 @@ class Connection:
         """Queue ``data`` (whole frames) to go out at the end of this loop turn, with
         ``fds`` attached to its first byte. The connection owns ``fds`` from here:
         it closes them once sent (or when it closes)."""
-        if self.closed:
+        if self.closed or not data:  # descriptors ride on a byte: none without data
             _close_fds(fds)
             return
         self._out.append((data, tuple(fds)))
@@ -339,5 +340,6 @@ class Connection:
             for _, fds in self._out:
                 _close_fds(fds)
             self._out.clear()
+            self._out_bytes = 0
             self.sock.close()
             self._on_close(error)

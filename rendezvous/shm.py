@@ -244,6 +244,9 @@ class Pool:
         has written a send into; the session's hold passes to the array.
         InvalidArgument if the session was not lent that segment or it is too small."""
         dt = np.dtype(dtype)
+        dims = tuple(int(d) for d in shape)
+        if math.prod(dims) * dt.itemsize != nbytes:
+            raise InvalidArgument(f"{dt} {dims} needs {math.prod(dims) * dt.itemsize} bytes; {nbytes} announced")
         with self._lock:
             seg = self._segments.get(seg_id)
             if seg is None or seg.lent_to != session:
@@ -253,7 +256,7 @@ class Pool:
                 raise InvalidArgument(f"segment {seg_id} holds {seg.size} bytes; {nbytes} announced")
             seg.lent_to = None
             owner = self._own(seg, nbytes)  # the array's hold replaces the session's
-        return owner.view(dt).reshape(tuple(int(d) for d in shape))
+        return owner.view(dt).reshape(dims)
 
     def segment_of(self, arr: np.ndarray) -> Segment | None:
         """The segment ``arr`` covers from its first byte, if it is a daemon array on

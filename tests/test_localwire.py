@@ -653,3 +653,51 @@ def test_connection_writer_blocked_then_peer_gone():
         assert conn.closed and a.fileno() == -1
 
     run(main(), 20)
+
+
+def test_an_empty_write_is_dropped_and_its_descriptors_closed():
+    """An empty write once made the flush loop forever (sendmsg sent 0 bytes and
+    nothing left the queue): the loop hung."""
+    async def main():
+        a, b = socket.socketpair()
+        side = Side()
+        conn = side.connect(a)
+        r, w = os.pipe()
+        try:
+            conn.write(frame(1, 1, b"x"))
+            conn.write(b"", [os.dup(w)])
+            conn.write(frame(1, 2, b"y"))
+            await asyncio.sleep(0)  # one loop turn: the flush runs and returns
+            b.setblocking(False)
+            assert b.recv(100) == frame(1, 1, b"x") + frame(1, 2, b"y")
+            os.close(w)
+            w = -1
+            assert os.read(r, 1) == b""  # every write end is closed: the dup went with the empty write
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+            conn.close()
+            b.close()
+
+    run(main(), 20)
+
+
+def test_descriptors_that_came_with_a_broken_frame_are_closed():
+    """Descriptors read together with a header over the limit were once left open."""
+    async def main():
+        a, b = socket.socketpair()
+        side = Side()
+        side.connect(a, limit=100, fds=True)
+        r, w = os.pipe()
+        try:
+            socket.send_fds(b, [HEADER.pack(1000, 1, 0)], [w])
+            os.close(w)
+            await until(lambda: side.closes, what="the close")
+            assert isinstance(side.closes[0], FrameError)
+            assert os.read(r, 1) == b""  # no copy of the write end is left open here
+        finally:
+            os.close(r)
+            b.close()
+
+    run(main(), 20)

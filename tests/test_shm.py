@@ -516,7 +516,7 @@ def test_limit_evicts_free_segments_lru_first():
     try:
         a = pool.lend(MIN, "s")  # class MIN
         b = pool.lend(2 * MIN, "s")  # class 2*MIN
-        c = pool.lend(3 * MIN, "s")  # class 3*MIN (160 KiB... a class of its own)
+        c = pool.lend(3 * MIN, "s")  # class 3*MIN (192 KiB)
         sizes = a.size + b.size + c.size
         assert pool.total == sizes <= 8 * MIN
         for s in (a, b, c):
@@ -752,7 +752,7 @@ def test_many_threads_lend_produce_drop(pool):
     def work(name: str) -> None:
         try:
             for i in range(rounds):
-                seg = pool.lend(MIN + i % 3, name)
+                seg = pool.lend(MIN - i % 3, name)  # one class: each thread holds one segment at a time
                 assert seg is not None and seg.lent_to == name
                 arr = pool.produced(seg.id, name, 64, "uint8", (64,))
                 arr[:] = i % 256
