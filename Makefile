@@ -33,10 +33,12 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 STEPS_ARGS ?=
+DAEMON_ARGS ?=
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m rendezvous bench $(BENCH_ARGS)
 	$(BIN)/python -m rendezvous bench-steps $(STEPS_ARGS)
+	$(BIN)/python -m rendezvous bench-daemon $(DAEMON_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-steps", add_help=False,
                    help="one training step's gradient exchange (ResNet-50, BERT-base, many small tensors) "
                         "against raw MPI, gloo and raw gRPC; 'rendezvous bench-steps --help' for its flags")
+    sub.add_parser("bench-daemon", add_help=False,
+                   help="rendezvousd: the local hop against memcpy, small tensors against bare gRPC, two daemons "
+                        "against raw MPI, peak RSS; 'rendezvous bench-daemon --help' for its flags")
     return p
 
 
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.steps import main as steps
 
         return steps(argv[1:])
+    if argv[:1] == ["bench-daemon"]:  # its own flags: see rendezvous.bench.daemon
+        from .bench.daemon import main as daemon_bench
+
+        return daemon_bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

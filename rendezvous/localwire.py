@@ -210,6 +210,7 @@ class Connection:
         self._flushing = False
         self._writing = False
         self._reading = True
+        self._closing = False
         self.closed = False
         self._fd = sock.fileno()
         self.loop.add_reader(self._fd, self._readable)
@@ -302,6 +303,9 @@ class Connection:
         if self._writing:
             self._writing = False
             self.loop.remove_writer(self._fd)
+        if self._closing:
+            self.close(None)
+            return
         if not self._reading and self._out_bytes <= self._high // 2 and not self.closed:
             self._reading = True
             self.loop.add_reader(self._fd, self._readable)
@@ -322,11 +326,29 @@ class Connection:
         self._flush()
 
     @property
+    def ending(self) -> bool:
+        """Closed, or closing once its output is out."""
+        return self.closed or self._closing
+
+    @property
     def backlog(self) -> int:
         """Bytes waiting to go out."""
         return self._out_bytes
 
     # -- closing --------------------------------------------------------------------
+
+    def close_after_flush(self) -> None:
+        """Read no more, and close once what was written has gone out (an ERROR
+        frame that says why the connection ends reaches the peer)."""
+        if self.closed or self._closing:
+            return
+        self._closing = True
+        if self._reading:
+            self._reading = False
+            self.loop.remove_reader(self._fd)
+        if not self._flushing and not self._writing:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
 
     def close(self, error: BaseException | None = None) -> None:
         if self.closed:

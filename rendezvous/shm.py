@@ -258,6 +258,25 @@ class Pool:
             owner = self._own(seg, nbytes)  # the array's hold replaces the session's
         return owner.view(dt).reshape(dims)
 
+    def given_back(self, seg_id: int, session: str, nbytes: int, dtype: Any, shape: Any) -> np.ndarray:
+        """The daemon's array on segment ``seg_id``, which was handed to ``session``
+        (a received tensor whose recv gave up): the session's hold passes to the
+        array. InvalidArgument if the session does not hold it or sizes disagree."""
+        dt = np.dtype(dtype)
+        dims = tuple(int(d) for d in shape)
+        if math.prod(dims) * dt.itemsize != nbytes:
+            raise InvalidArgument(f"{dt} {dims} needs {math.prod(dims) * dt.itemsize} bytes; {nbytes} announced")
+        with self._lock:
+            seg = self._segments.get(seg_id)
+            if seg is None or seg.held_by != session:
+                raise InvalidArgument(f"segment {seg_id} is not held by this client (a returned tensor names "
+                                      "the segment it was handed)")
+            if not 0 < nbytes <= seg.size:
+                raise InvalidArgument(f"segment {seg_id} holds {seg.size} bytes; {nbytes} announced")
+            seg.held_by = None
+            owner = self._own(seg, nbytes)
+        return owner.view(dt).reshape(dims)
+
     def segment_of(self, arr: np.ndarray) -> Segment | None:
         """The segment ``arr`` covers from its first byte, if it is a daemon array on
         one (C-contiguous, starting at offset 0)."""

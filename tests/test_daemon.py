@@ -710,6 +710,69 @@ def test_a_client_cannot_hand_over_another_clients_segment(sockdir):
     run(main())
 
 
+def test_a_pooled_reply_whose_recv_gave_up_is_given_back_and_kept(sockdir):
+    """A large reply that arrives after its recv gave up goes back as RETURN with
+    the segment it was handed: the daemon keeps it for the next recv of its key
+    (it was once refused, and the tensor lost)."""
+    from rendezvous.client.local import _Op, returned
+
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
+            value = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
+            await a.send(key(0, 0, "late"), value, step_id=3)
+            req = lpb.LocalRecvRequest(step_id=3, rendezvous_key=key(0, 0, "late")).SerializeToString()
+            raw = await b._link.call(Kind.RECV, req, timeout=10)  # as if its caller had given up meanwhile
+            assert d.pool.stats()["held"] == 1
+            await b._link.call(Kind.RETURN, returned(_Op(key(0, 0, "late"), 3), raw), timeout=10)
+            stats = d.pool.stats()
+            assert stats["held"] == 0 and stats["in_table"] == 1, stats
+            # the same tensor, on the same segment, for the next recv (here another client's)
+            np.testing.assert_array_equal(await a.recv(key(0, 0, "late"), step_id=3, timeout=10), value)
+            # a RETURN naming a segment the client does not hold is refused
+            with pytest.raises(errors.InvalidArgument, match="not held"):
+                await b._link.call(Kind.RETURN, returned(_Op(key(0, 0, "late"), 3), raw), timeout=10)
+            assert not d.server.pending() and not d.server._undelivered
+    run(main())
+
+
+def test_a_session_that_skips_hello_is_told_why_and_closed(sockdir):
+    async def main():
+        def talk(path: str) -> bytes:  # on a thread: the daemon lives on this loop
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            try:
+                sock.connect(path)
+                sock.sendall(localwire.frame(Kind.PENDING, 7) + localwire.frame(Kind.PENDING, 8))
+                got = b""
+                while chunk := sock.recv(4096):  # until the daemon closes it
+                    got += chunk
+                return got
+            finally:
+                sock.close()
+
+        async with daemons(sockdir) as (d,):
+            got = await asyncio.to_thread(talk, d.sessions.path)
+            [(kind, op, body)] = localwire.FrameReader(1 << 20).feed(got)
+            assert (kind, op) == (Kind.ERROR, 7)
+            code, message = localwire.unpack_error(body)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "HELLO" in message
+    run(main())
+
+
+def test_a_lent_segment_released_unused_no_longer_counts_against_the_session(sockdir):
+    from rendezvous.daemon.sessions import MAX_LENT
+
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a:
+            for _ in range(MAX_LENT + 5):
+                seg_id = await lend(a, 1 << 16)
+                a._link.conn.write(localwire.frame(Kind.RELEASE, 0, localwire.pack_ids([seg_id])))
+            await a.pending()
+            (session,) = d.sessions.sessions.values()
+            assert session.lent == 0 and d.pool.stats()["lent"] == 0 and session.bad == 0
+    run(main())
+
+
 def test_no_client_can_truncate_a_segment_under_the_daemon(sockdir):
     """The daemon once mapped a client's shared-memory file: truncating it after
     the hand-off made the next access fault (SIGBUS) and killed the daemon. Pool

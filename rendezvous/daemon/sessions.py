@@ -216,7 +216,7 @@ class Session:
         for fd in fds:  # the daemon never takes descriptors (recv drops them anyway)
             os.close(fd)
         for kind, op, body in frames_in:
-            if self.conn.closed:
+            if self.conn.ending:
                 return
             try:
                 self._dispatch(kind, op, body)
@@ -230,7 +230,7 @@ class Session:
         if not self.hello:
             if kind != Kind.HELLO:
                 self._error(op, InvalidArgument("a session begins with HELLO"))
-                self.conn.close(None)
+                self.conn.close_after_flush()
                 return
             self._hello(op, body)
         elif kind == Kind.SEND or kind == Kind.RETURN:
@@ -247,8 +247,12 @@ class Session:
                 task.cancel()
         elif kind == Kind.RELEASE:
             for seg_id in localwire.unpack_ids(body):
+                seg = self.pool.get(seg_id)
+                was_lent = seg is not None and seg.lent_to == self.id
                 if not self.pool.release(seg_id, self.id):
                     self._misuse(f"released segment {seg_id}, which it does not hold")
+                elif was_lent:
+                    self.lent -= 1
         elif kind == Kind.LEND:
             (nbytes,) = struct.unpack("<Q", body) if len(body) == 8 else (-1,)
             if nbytes <= 0:
@@ -290,9 +294,12 @@ class Session:
         self.lent -= 1
         return value
 
+    def _given_back(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
+        return self.pool.given_back(seg_id, self.id, nbytes, meta.dtype, meta.shape)
+
     def _send(self, op: int, body: memoryview, keep: bool) -> None:
         try:
-            path, nbytes = self.servicer.send(body, self._resolve, keep=keep)
+            path, nbytes = self.servicer.send(body, self._given_back if keep else self._resolve, keep=keep)
         except BaseException:
             self._forfeit(body)
             raise
