@@ -225,6 +225,7 @@ class Server:
             log.info("tasks outside this MPI job, served over gRPC: %s", ", ".join(outside))
         self._plane = MpiPlane(world, engine, self.config, self._stats, buffers=self.buffers,
                                devices=self.devices)
+        self._plane.delivered = self._retry.delivered
         self.planes.register(self._plane)
         if self.config.mpi_requests:
             from .mpi.control import MpiRequests

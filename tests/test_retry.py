@@ -101,3 +101,26 @@ def test_an_idle_cache_releases_answers_when_their_window_ends():
         cache.close()
 
     asyncio.run(main())
+
+
+def test_a_delivered_answer_goes_at_once_and_its_id_is_not_answered_again():
+    """An MPI send that completed put the bytes in the consumer's buffer: the
+    answer is released then (a daemon's pool segment is free for the next send)
+    and a late retry of its id is refused rather than given another tensor."""
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        table.send(1, "k", np.arange(4), False)
+        table.send(1, "k", np.arange(4) + 10, False)
+        first = await cache.run(1, 7, lambda: table.recv(1, "k"), "k")
+        assert len(cache) == 1
+        cache.delivered(7)
+        assert len(cache) == 0
+        with pytest.raises(FailedPrecondition, match="already answered"):
+            await cache.run(1, 7, lambda: table.recv(1, "k"), "k")
+        assert list(first.value) == [0, 1, 2, 3]
+        assert list((await table.recv(1, "k")).value) == [10, 11, 12, 13]  # the second was never taken
+        cache.delivered(99)  # unknown ids change nothing
+        cache.close()
+
+    run(main())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,11 @@ from .world import MpiWorld
 __all__ = ["MpiPlane"]
 
 log = logging.getLogger("rendezvous.mpi")
+#: A completed send this big went by MPI's rendezvous protocol (every MPI's
+#: eager limit is far below it): the consumer has matched it and holds the bytes,
+#: so no retry of its request can come. A smaller send may complete while its
+#: bytes wait in the consumer's MPI buffers: its answer stays for retries.
+DELIVERED_BYTES = 1 << 20
 _ENDPOINT_URL = "type.googleapis.com/rendezvous.v1.MpiEndpoint"
 _TRANSFER_URL = "type.googleapis.com/rendezvous.v1.MpiTransfer"
 _FIRST_TAG = 1
@@ -94,6 +100,10 @@ class MpiPlane(DataPlane):
         self.stats = stats
         self.buffers = buffers
         self.devices = devices
+        #: called with a request's id once its direct send of at least DELIVERED_BYTES
+        #: completed: the consumer's buffer holds the bytes (the server lets the retry
+        #: cache drop the answer, so a daemon's pool segment is free again at once)
+        self.delivered: Callable[[int], None] | None = None
         tag_ub = world.comm.Get_attr(world.MPI.TAG_UB) or 32767
         self._tags = _Tags(min(int(tag_ub), 1 << 30))
         if config.cuda_aware is None:
@@ -164,7 +174,8 @@ class MpiPlane(DataPlane):
         except BaseException:
             self._tags.give_back(rank, tag)
             raise
-        done.add_done_callback(lambda f, r=rank, t=tag: self._sent(f, r, t))
+        rid = req.request_id if arr.nbytes >= DELIVERED_BYTES else 0
+        done.add_done_callback(lambda f, r=rank, t=tag, rid=rid: self._sent(f, r, t, rid))
         transfer = any_pb2.Any()
         transfer.Pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
                                      tag=tag, nbytes=arr.nbytes, chunk_bytes=chunk))
@@ -173,11 +184,13 @@ class MpiPlane(DataPlane):
         return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
                      lambda: response, None)
 
-    def _sent(self, future: asyncio.Future, rank: int, tag: int) -> None:
+    def _sent(self, future: asyncio.Future, rank: int, tag: int, request_id: int = 0) -> None:
         self._tags.give_back(rank, tag)
         if not future.cancelled() and future.exception() is not None:
             self.stats.error("mpi")
             log.warning("MPI send to rank %d (tag %d) failed: %s", rank, tag, future.exception())
+        elif request_id and not future.cancelled() and self.delivered is not None:
+            self.delivered(request_id)
 
     # -- consumer -----------------------------------------------------------
 

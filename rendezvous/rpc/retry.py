@@ -118,6 +118,15 @@ class RetryCache:
         self.forget(request_id)
         return entry.task.result()
 
+    def delivered(self, request_id: int) -> None:
+        """The answer's bytes are in its consumer's buffer (a completed MPI
+        rendezvous-protocol send): no retry can come, so let it go now. Its id
+        stays remembered (a late retry is refused, not answered with another
+        tensor)."""
+        entry = self._entries.get(request_id)
+        if entry is not None and request_id in self._done and not entry.waiters:
+            self._release(request_id)
+
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""
         entry = self._entries.pop(request_id, None)
