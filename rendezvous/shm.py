@@ -149,6 +149,19 @@ class Segment:
         return self.refs == 0
 
 
+def _close_segments(segments: dict[int, Segment]) -> None:
+    for seg in list(segments.values()):
+        try:
+            seg.mm.close()
+        except BufferError:
+            pass  # an array still maps it; the mapping goes with the array
+        try:
+            os.close(seg.fd)
+        except OSError:
+            pass
+    segments.clear()
+
+
 class Pool:
     """The daemon's segments (thread-safe: the daemon's owner arrays may be
     dropped on any thread).
@@ -171,6 +184,8 @@ class Pool:
         self.reused = 0  # times a free segment was taken again
         self._owners: dict[int, int] = {}  # id(owner array) -> segment id
         self._closed = False
+        # a pool dropped without close() still lets its descriptors go
+        weakref.finalize(self, _close_segments, self._segments)
 
     # -- taking segments ---------------------------------------------------------
 
@@ -243,38 +258,34 @@ class Pool:
         """The daemon's array on segment ``seg_id``, which ``session`` was lent and
         has written a send into; the session's hold passes to the array.
         InvalidArgument if the session was not lent that segment or it is too small."""
-        dt = np.dtype(dtype)
-        dims = tuple(int(d) for d in shape)
-        if math.prod(dims) * dt.itemsize != nbytes:
-            raise InvalidArgument(f"{dt} {dims} needs {math.prod(dims) * dt.itemsize} bytes; {nbytes} announced")
-        with self._lock:
-            seg = self._segments.get(seg_id)
-            if seg is None or seg.lent_to != session:
-                raise InvalidArgument(f"segment {seg_id} is not lent to this client (a shared-memory send "
-                                      "names a segment the daemon lent it)")
-            if not 0 < nbytes <= seg.size:
-                raise InvalidArgument(f"segment {seg_id} holds {seg.size} bytes; {nbytes} announced")
-            seg.lent_to = None
-            owner = self._own(seg, nbytes)  # the array's hold replaces the session's
-        return owner.view(dt).reshape(dims)
+        return self._to_table(seg_id, session, nbytes, dtype, shape, lent=True)
 
     def given_back(self, seg_id: int, session: str, nbytes: int, dtype: Any, shape: Any) -> np.ndarray:
         """The daemon's array on segment ``seg_id``, which was handed to ``session``
         (a received tensor whose recv gave up): the session's hold passes to the
         array. InvalidArgument if the session does not hold it or sizes disagree."""
+        return self._to_table(seg_id, session, nbytes, dtype, shape, lent=False)
+
+    def _to_table(self, seg_id: int, session: str, nbytes: int, dtype: Any, shape: Any, lent: bool) -> np.ndarray:
         dt = np.dtype(dtype)
         dims = tuple(int(d) for d in shape)
         if math.prod(dims) * dt.itemsize != nbytes:
             raise InvalidArgument(f"{dt} {dims} needs {math.prod(dims) * dt.itemsize} bytes; {nbytes} announced")
         with self._lock:
             seg = self._segments.get(seg_id)
-            if seg is None or seg.held_by != session:
-                raise InvalidArgument(f"segment {seg_id} is not held by this client (a returned tensor names "
-                                      "the segment it was handed)")
+            if seg is None or (seg.lent_to if lent else seg.held_by) != session:
+                raise InvalidArgument(
+                    f"segment {seg_id} is not lent to this client (a shared-memory send names a segment the "
+                    "daemon lent it)" if lent else
+                    f"segment {seg_id} is not held by this client (a returned tensor names the segment it was "
+                    "handed)")
             if not 0 < nbytes <= seg.size:
                 raise InvalidArgument(f"segment {seg_id} holds {seg.size} bytes; {nbytes} announced")
-            seg.held_by = None
-            owner = self._own(seg, nbytes)
+            if lent:
+                seg.lent_to = None
+            else:
+                seg.held_by = None
+            owner = self._own(seg, nbytes)  # the array's hold replaces the session's
         return owner.view(dt).reshape(dims)
 
     def segment_of(self, arr: np.ndarray) -> Segment | None:

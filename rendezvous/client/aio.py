@@ -39,6 +39,7 @@ from rendezvous.v1 import local_pb2 as lpb
 from .local import (
     SERVICE,
     LocalPending,
+    Router,
     Segments,
     _Op,
     channel_target,
@@ -49,7 +50,6 @@ from .local import (
     parse_reply,
     pooled_send,
     recv_request,
-    returned,
     send_head,
     session_socket,
     to_pending,
@@ -62,7 +62,7 @@ __all__ = ["Client"]
 _OFF_LOOP_BYTES = 4 << 20
 
 
-class _AioSession:
+class _AioSession(Router):
     """An asyncio client's connection to the session socket."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -76,23 +76,15 @@ class _AioSession:
         self.conn = localwire.Connection(sock, limit=1 << 62, on_frames=self._frames, on_close=self._closed,
                                          fds=True)
 
+    def _write(self, data: bytes) -> None:
+        self.conn.write(data)
+
     def _frames(self, frames: list[tuple[int, int, memoryview]], fds: list[int]) -> None:
         self.segments.got_fds(fds)
         for kind, op_id, body in frames:
-            if kind == Kind.SEGMENTS:
-                self.segments.introduce(body)
-            elif kind == Kind.RETIRE:
-                self.segments.retire(body)
-            else:
-                entry = self._ops.pop(op_id, None)
-                if entry is None:
-                    late = self._cancelled.pop(op_id, None)
-                    if late is not None and kind == Kind.RECV_REPLY:
-                        self.conn.write(localwire.frame(Kind.RETURN, 0, returned(late, body)))
-                    continue
+            entry = self._route(kind, op_id, body)
+            if entry is not None:
                 op, fut = entry
-                if kind == Kind.OK:
-                    self.segments.lent(body)
                 op.kind, op.body, op.done = kind, body, True
                 if not fut.done():
                     fut.set_result(None)

@@ -52,7 +52,6 @@ import numpy as np
 from rendezvous import auth, localwire, shm, wire
 from rendezvous import fields as F
 from rendezvous.errors import (
-    Cancelled,
     DeadlineExceeded,
     InvalidArgument,
     RendezvousError,
@@ -159,8 +158,8 @@ def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
                                 timeout=timeout or 0.0).SerializeToString()
 
 
-def parse_reply(raw: bytes | memoryview, segments: "Segments | None" = None) -> tuple[Received, str, str]:
-    """(item, daemon path, local hop "inline"|"shm") of a LocalRecvResponse."""
+def _reply_fields(raw: bytes | memoryview) -> tuple[Any, bool, Any, str]:
+    """(tensor span, is_dead, pooled slot span, path) of a LocalRecvResponse."""
     tensor = slot = None
     is_dead = False
     path = "local"
@@ -173,6 +172,12 @@ def parse_reply(raw: bytes | memoryview, segments: "Segments | None" = None) -> 
             slot = (a, b)
         elif num == F.LOCAL_REPLY_PATH and wt == wire.LEN:
             path = bytes(raw[a:b]).decode()
+    return tensor, is_dead, slot, path
+
+
+def parse_reply(raw: bytes | memoryview, segments: "Segments | None" = None) -> tuple[Received, str, str]:
+    """(item, daemon path, local hop "inline"|"shm") of a LocalRecvResponse."""
+    tensor, is_dead, slot, path = _reply_fields(raw)
     if is_dead:
         return Received(None, True), path, "inline"
     if tensor is None:
@@ -335,15 +340,7 @@ def returned(op: _Op, body: bytes | memoryview) -> bytes:
     """A RETURN frame's body for a RECV_REPLY whose recv gave up: the same
     tensor, as a SendRequest the daemon keeps for the next recv of its key."""
     head = send_head(op.key, op.step_id)
-    tensor = slot = None
-    is_dead = False
-    for num, wt, a, b in wire.iter_fields(body):
-        if num == F.LOCAL_REPLY_TENSOR and wt == wire.LEN:
-            tensor = (a, b)
-        elif num == F.LOCAL_REPLY_IS_DEAD and wt == wire.VARINT:
-            is_dead = bool(a)
-        elif num == F.LOCAL_REPLY_POOLED and wt == wire.LEN:
-            slot = (a, b)
+    tensor, is_dead, slot, _ = _reply_fields(body)
     parts = [head]
     if is_dead:
         parts.append(wire.varint_field(F.SEND_IS_DEAD, 1))
@@ -354,10 +351,43 @@ def returned(op: _Op, body: bytes | memoryview) -> bytes:
     return b"".join(parts)
 
 
+class Router:
+    """What both session clients do with a frame from the daemon that is not
+    the answer itself: map and retire segments, take lent grants, and give back
+    a tensor whose recv gave up. Subclasses hold ``segments``, ``_ops`` (op id
+    -> pending entry), ``_cancelled`` (op id -> the _Op of a recv that gave up)
+    and ``_write(data)``."""
+
+    segments: Segments
+    _ops: dict[int, Any]
+    _cancelled: dict[int, _Op]
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _route(self, kind: int, op_id: int, body: memoryview) -> Any:
+        """The pending entry this frame answers, or None (handled here)."""
+        if kind == Kind.SEGMENTS:
+            self.segments.introduce(body)
+            return None
+        if kind == Kind.RETIRE:
+            self.segments.retire(body)
+            return None
+        entry = self._ops.pop(op_id, None)
+        if entry is None:
+            late = self._cancelled.pop(op_id, None)
+            if late is not None and kind == Kind.RECV_REPLY:
+                self._write(localwire.frame(Kind.RETURN, 0, returned(late, body)))
+            return None
+        if kind == Kind.OK:
+            self.segments.lent(body)
+        return entry
+
+
 # -- the blocking session ------------------------------------------------------------------------
 
 
-class _Session:
+class _Session(Router):
     """A blocking client's connection to the session socket. Any thread may call;
     whichever caller is waiting reads for everyone (no reader thread, so a
     lone caller reads its own reply with no hand-off)."""
@@ -487,19 +517,8 @@ class _Session:
             self._frame(kind, op_id, body)
 
     def _frame(self, kind: int, op_id: int, body: memoryview) -> None:
-        if kind == Kind.SEGMENTS:
-            self.segments.introduce(body)
-        elif kind == Kind.RETIRE:
-            self.segments.retire(body)
-        else:
-            op = self._ops.pop(op_id, None)
-            if op is None:
-                late = self._cancelled.pop(op_id, None)
-                if late is not None and kind == Kind.RECV_REPLY:
-                    self._write(localwire.frame(Kind.RETURN, 0, returned(late, body)))
-                return
-            if kind == Kind.OK:
-                self.segments.lent(body)
+        op = self._route(kind, op_id, body)
+        if op is not None:
             with self._cond:
                 op.kind, op.body, op.done = kind, body, True
                 self._cond.notify_all()

@@ -47,7 +47,7 @@ from google.protobuf.message import DecodeError
 from rendezvous import fields as F
 from rendezvous import frames, localwire, shm, wire
 from rendezvous.buffers import RecvBuffers
-from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted, Unavailable, to_status
+from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted, Unavailable
 from rendezvous.localwire import Kind
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
