@@ -10,11 +10,14 @@ the new parameters back. The ps reports each step's time split into compute
 rest: moving tensors and waiting for them).
 
     python examples/ps_training.py            # launches both runs below
+    python examples/ps_training.py --hosts node1,node2,node3   # the same, one rank per host
     mpiexec -n 3 python examples/ps_training.py --cluster cluster.json
     MPI_DISABLED=1 mpiexec -n 3 python examples/ps_training.py --cluster cluster.json
 
-Launched without --cluster, it picks three free loopback ports, writes a
-cluster file, and runs the job twice under `mpiexec -n 3`: protocol grpc+mpi
+Launched without --cluster, it picks three free loopback ports (or, with
+--hosts A,B,C, takes port --port on each of three hosts: ps on A, workers
+on B and C), writes a cluster file, and runs the job twice under
+`mpiexec -n 3` (`mpiexec -hosts A,B,C -ppn 1 -n 3` with --hosts): protocol grpc+mpi
 with MPI on, in the fastest setting measured for this job (the optimal path,
 requests over gRPC: see BENCHMARKS.md), then with MPI_DISABLED=1 (gRPC only).
 The two runs must reach the same loss (the transport never changes a byte),
@@ -223,15 +226,14 @@ def _mpiexec() -> list[str]:
 
 
 def _run(title: str, cluster: str, steps: int, env: dict[str, str],
-         timeout: float) -> tuple[float, float | None] | None:
+         timeout: float, placement: list[str]) -> tuple[float, float | None] | None:
     """Run the job once; its final loss and communication time per step (ms)."""
     print(f"\n=== {title} ===", flush=True)
-    cmd = [*_mpiexec(), "-n", str(1 + WORKERS), sys.executable, "-m", "mpi4py", __file__,
-           "--cluster", cluster, "--steps", str(steps)]
+    launch = [*_mpiexec(), *placement, "-n", str(1 + WORKERS), sys.executable]
+    cmd = [*launch, "-m", "mpi4py", __file__, "--cluster", cluster, "--steps", str(steps)]
     if env.get("MPI_DISABLED", "")[:1] == "1":
         # no MPI at all in the ranks: plain python, not python -m mpi4py
-        cmd = [*_mpiexec(), "-n", str(1 + WORKERS), sys.executable, __file__,
-               "--cluster", cluster, "--steps", str(steps)]
+        cmd = [*launch, __file__, "--cluster", cluster, "--steps", str(steps)]
     # the run's own toggles only: a MPI_DISABLED from the caller's shell must not leak into run 1
     full_env = {**{k: v for k, v in os.environ.items() if k != "MPI_DISABLED"}, **env}
     if "OMP_NUM_THREADS" not in full_env and "OPENBLAS_NUM_THREADS" not in full_env:
@@ -262,8 +264,20 @@ def _run(title: str, cluster: str, steps: int, env: dict[str, str],
 
 
 def launcher_main(args: argparse.Namespace) -> int:
-    ps_port, *worker_ports = _free_ports(1 + WORKERS)
-    cluster = {"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]}
+    if args.hosts:
+        # One rank per host, in the order given: mpiexec places rank i on host i,
+        # and rank 0 is the ps. Every host serves on the same port.
+        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+        if len(hosts) != 1 + WORKERS:
+            print(f"--hosts needs {1 + WORKERS} hosts (ps first), got {len(hosts)}", file=sys.stderr)
+            return 2
+        ps_host, *worker_hosts = (f"[{h}]" if ":" in h else h for h in hosts)
+        cluster = {"ps": [f"{ps_host}:{args.port}"], "worker": [f"{h}:{args.port}" for h in worker_hosts]}
+        placement = ["-hosts", ",".join(hosts), "-ppn", "1"]
+    else:
+        ps_port, *worker_ports = _free_ports(1 + WORKERS)
+        cluster = {"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{p}" for p in worker_ports]}
+        placement = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cluster.json")
         with open(path, "w") as f:
@@ -275,9 +289,9 @@ def launcher_main(args: argparse.Namespace) -> int:
         fastest = {"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": "0"}
         with_mpi = _run("run 1: protocol grpc+mpi, MPI on, in its fastest setting for this job: "
                         "optimal path (MPI_OPTIMAL_PATH=1), requests over gRPC (RENDEZVOUS_MPI_REQUESTS=0)",
-                        path, args.steps, fastest, args.timeout)
+                        path, args.steps, fastest, args.timeout, placement)
         without = _run("run 2: protocol grpc+mpi with MPI_DISABLED=1 (gRPC only)", path, args.steps,
-                       {"MPI_DISABLED": "1"}, args.timeout)
+                       {"MPI_DISABLED": "1"}, args.timeout, placement)
     print()
     if with_mpi is None or without is None:
         print("a run failed", file=sys.stderr)
@@ -287,7 +301,11 @@ def launcher_main(args: argparse.Namespace) -> int:
     print(f"final loss with MPI: {loss_mpi:.6f}; with MPI_DISABLED=1: {loss_grpc:.6f} -> "
           f"{'the same' if same else 'DIFFERENT'}")
     if comm_mpi is not None and comm_grpc is not None:
-        faster = f" ({comm_grpc / comm_mpi:.1f}x less)" if comm_mpi > 0 else ""
+        faster = ""
+        if comm_mpi > 0 and comm_grpc >= comm_mpi:
+            faster = f" ({comm_grpc / comm_mpi:.1f}x less with MPI)"
+        elif comm_grpc > 0:
+            faster = f" ({comm_mpi / comm_grpc:.1f}x more with MPI)"
         print(f"communication per step: {comm_mpi:.2f} ms with MPI (optimal path), "
               f"{comm_grpc:.2f} ms with gRPC only{faster}")
     return 0 if same else 1
@@ -300,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--protocol", default="grpc+mpi", choices=["grpc", "grpc+mpi"])
     p.add_argument("--timeout", type=float, default=300, help="seconds each launched run may take")
+    p.add_argument("--hosts", help="launch one rank per host: ps,worker0,worker1 (passed to mpiexec -hosts)")
+    p.add_argument("--port", type=int, default=50051, help="the port each rank serves on with --hosts")
     args = p.parse_args(argv)
     return rank_main(args) if args.cluster else launcher_main(args)
 

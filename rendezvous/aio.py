@@ -166,7 +166,8 @@ class Server:
         # process-wide allocator setting, applied by the server that needs it).
         frames.prime_allocator(self.config.chunk_bytes)
         server = grpc.aio.server(interceptors=setup.interceptors or None,
-                                 options=server_options(self.config.max_request_bytes, self.config.keepalive_time))
+                                 options=server_options(self.config.max_request_bytes, self.config.keepalive_time,
+                                                        self.config.keepalive_timeout))
         server.add_generic_rpc_handlers(self.servicer.handlers())
         for add_service in setup.services:
             add_service(server)

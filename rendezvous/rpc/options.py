@@ -17,12 +17,17 @@ STREAM_METHOD = f"/{SERVICE}/RecvTensorStream"
 MAX_GRPC_MESSAGE = (1 << 31) - 1
 
 
-def server_options(max_receive_bytes: int, keepalive_time: float = 0.0) -> list[tuple[str, Any]]:
+def server_options(max_receive_bytes: int, keepalive_time: float = 0.0,
+                   keepalive_timeout: float = 10.0) -> list[tuple[str, Any]]:
     """Options of every gRPC server we run: requests up to ``max_receive_bytes``,
     replies of any size, a port that no other process may share, and peers'
     keepalive pings accepted as often as every ``keepalive_time`` seconds (a
     server refuses pings more frequent than it allows by closing the
-    connection)."""
+    connection). With ``keepalive_time`` the server pings its consumers as
+    well, every ``keepalive_time`` seconds, and drops a connection whose ping
+    goes unanswered for ``keepalive_timeout``: the recvs of a consumer behind
+    a pulled cable stop waiting for tensors (which then stay in the table for
+    the consumer's next recv) instead of taking them into a dead stream."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", min(max_receive_bytes, MAX_GRPC_MESSAGE)),
         ("grpc.max_send_message_length", -1),
@@ -33,6 +38,9 @@ def server_options(max_receive_bytes: int, keepalive_time: float = 0.0) -> list[
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive_time * 1000 / 2)),
             ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_time_ms", int(keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", int(keepalive_timeout * 1000)),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
     return options
 

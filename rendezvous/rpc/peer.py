@@ -27,6 +27,7 @@ chunks to the assembly the plane returned.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -58,6 +59,9 @@ __all__ = ["PeerClient"]
 
 log = logging.getLogger("rendezvous.client")
 
+#: recvs per peer whose request_id is kept after they ended unanswered on a broken stream
+_UNSETTLED = 4096
+
 
 class _Broken(Exception):
     """The stream carrying a call broke; the call may be re-sent."""
@@ -68,10 +72,12 @@ class _Broken(Exception):
 
 
 class _Pending:
-    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan")
+    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan", "request_id")
 
-    def __init__(self, future: asyncio.Future, key: str, step_id: int, placement: Any = None) -> None:
+    def __init__(self, future: asyncio.Future, key: str, step_id: int, placement: Any = None,
+                 request_id: int = 0) -> None:
         self.future = future  # resolves to a Fetched
+        self.request_id = request_id
         self.assembly: Any = None  # a reply being assembled from chunk frames
         self.path = Path.GRPC
         self.key = key
@@ -97,18 +103,20 @@ class _Stream:
         self.pending[call_id] = pending
         self.outbox.put_nowait(request)
 
-    def cancel(self, call_id: int) -> None:
+    def cancel(self, call_id: int) -> bool:
         """The recv of ``call_id`` gave up. Its call stays as an orphan until the
         producer answers the cancel: with CANCELLED (nothing was sent), or with the
-        reply it had already started, which is received and kept, never dropped."""
+        reply it had already started, which is received and kept, never dropped.
+        False when the stream is already gone (no cancel can be sent)."""
         p = self.pending.get(call_id)
         if p is None:
-            return
+            return False
         if not self.alive:
             del self.pending[call_id]
-            return
+            return False
         p.orphan = True
         self.outbox.put_nowait(frames.cancel_request(call_id))
+        return True
 
     async def _write(self) -> None:
         outbox = self.outbox
@@ -148,6 +156,8 @@ class _Stream:
             self.writer.cancel()
             broken = _Broken(error)
             for p in self.pending.values():
+                if p.orphan:  # its cancel may never have reached the producer
+                    self.client.unsettled(p.step_id, p.key, p.request_id)
                 if not p.future.done():
                     p.future.set_exception(broken)
             self.pending.clear()
@@ -301,12 +311,28 @@ class PeerClient:
         self._request_ids = itertools.count(secrets.randbits(62) + 1)
         self._connected_once = False
         self._closed = False
+        #: (step_id, key) -> request_id of recvs that ended without the producer's
+        #: answer while their stream broke (see unsettled)
+        self._unsettled: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
 
     def describe(self) -> str:
         return f"task {self.task} at {self.address}"
 
     def _channel_options(self) -> list[tuple[str, Any]]:
         return peer_channel_options(self.config.keepalive_time, self.config.keepalive_timeout)
+
+    def unsettled(self, step_id: int, key: str, request_id: int) -> None:
+        """A recv of ``key`` ended without the producer's answer, and the stream it
+        was asked on broke (a pulled cable, a peer that went silent): the producer
+        may have taken the tensor for it and written it into the dead connection.
+        The next recv of the same key and step asks again with the same
+        request_id, so the producer answers it from its retry cache (or, if it
+        put the tensor back, from its table): the tensor is neither lost nor
+        taken twice. Remembered for the last ``_UNSETTLED`` such recvs."""
+        self._unsettled[(step_id, key)] = request_id
+        self._unsettled.move_to_end((step_id, key))
+        while len(self._unsettled) > _UNSETTLED:
+            self._unsettled.popitem(last=False)
 
     def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived for a recv that had given up."""
@@ -327,16 +353,21 @@ class PeerClient:
         options = self.planes.offer(placement)
         deadline = None if timeout is None else loop.time() + timeout
         key_bytes = key.encode()
-        request_id = next(self._request_ids)
+        # A recv of this key that ended unanswered on a broken stream asked with
+        # this id: ask again with it (see unsettled).
+        request_id = self._unsettled.pop((step_id, key), None) or next(self._request_ids)
         attempts = 0
+        asked = False  # sent, and not answered by the producer (a tensor or its error)
+        orphaned = False  # given up with its cancel on a live stream: the stream settles it
         try:
             async with asyncio.timeout_at(deadline):
                 while True:
                     stream = await self._get_stream(deadline)
                     call_id = next(self._ids)
-                    pending = _Pending(loop.create_future(), key, step_id, placement)
+                    pending = _Pending(loop.create_future(), key, step_id, placement, request_id)
                     stream.submit(call_id, pending, frames.recv_request(
                         call_id, step_id, key_bytes, request_id, options))
+                    asked = True
                     try:
                         return await pending.future
                     except _Broken as broken:
@@ -347,16 +378,22 @@ class PeerClient:
                         await asyncio.sleep(min(1.0, 0.05 * 2 ** attempts))  # a restarting peer gets a moment
                     except BaseException:
                         fut = pending.future
-                        if fut.done() and not fut.cancelled() and fut.exception() is None:
-                            # The tensor arrived in the same turn as the deadline (or the
-                            # cancel): this recv gives up, but the tensor is kept.
-                            self.unclaimed(step_id, key, fut.result())
+                        if fut.done() and not fut.cancelled() and not isinstance(fut.exception(), _Broken):
+                            asked = False  # the producer answered
+                            if fut.exception() is None:
+                                # The tensor arrived in the same turn as the deadline (or the
+                                # cancel): this recv gives up, but the tensor is kept.
+                                self.unclaimed(step_id, key, fut.result())
                         else:
-                            stream.cancel(call_id)
+                            orphaned = stream.cancel(call_id)
                         raise
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s") from None
+        except BaseException as exc:
+            if asked and not orphaned:
+                self.unsettled(step_id, key, request_id)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(
+                    f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s") from None
+            raise
 
     async def _get_stream(self, deadline: float | None) -> _Stream:
         stream = self._stream

@@ -24,7 +24,7 @@ __all__ = ["RetryCache"]
 
 
 class _Entry:
-    __slots__ = ("step_id", "key", "task", "waiters", "done_at", "nbytes", "withdrawn")
+    __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn")
 
     def __init__(self, step_id: int, key: str, task: asyncio.Task) -> None:
         self.step_id = step_id
@@ -32,6 +32,7 @@ class _Entry:
         self.withdrawn: RendezvousError | None = None  # why a waiting take was withdrawn
         self.task = task
         self.waiters = 0
+        self.handed = 0  # calls the answer was given to (a retry on another stream is one more)
         self.done_at: float | None = None
         self.nbytes = 0
 
@@ -75,7 +76,9 @@ class RetryCache:
                 f"request_id {request_id} was first used for key {entry.key!r}, now for {key!r}")
         entry.waiters += 1
         try:
-            return await asyncio.shield(entry.task)
+            answer = await asyncio.shield(entry.task)
+            entry.handed += 1
+            return answer
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if entry.withdrawn is not None and current is not None and not current.cancelling():
@@ -102,7 +105,8 @@ class RetryCache:
         """Note an answer taken without waiting (the tensor was already there)."""
         future = asyncio.get_running_loop().create_future()
         future.set_result(item)
-        self._entries[request_id] = _Entry(step_id, key, future)  # type: ignore[arg-type]
+        entry = self._entries[request_id] = _Entry(step_id, key, future)  # type: ignore[arg-type]
+        entry.handed = 1
         self._completed(request_id, future)  # type: ignore[arg-type]
 
     def unclaimed(self, request_id: int) -> Received | None:
@@ -126,6 +130,18 @@ class RetryCache:
         entry = self._entries.get(request_id)
         if entry is not None and request_id in self._done and not entry.waiters:
             self._release(request_id)
+
+    def cut_off(self, request_id: int) -> bool:
+        """A reply carrying this id's answer was not sent to its end (a cancel came
+        first, or its stream broke). True when no other call was given the answer
+        (a retry of the same id on another stream): the id is forgotten and the
+        caller puts the tensor back. False when another reply carries it."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.handed > 1:
+            entry.handed -= 1
+            return False
+        self.forget(request_id)
+        return True
 
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""

@@ -165,9 +165,11 @@ class RecvTensorServicer:
                 self.put_back(req, self._check_key(req), item)
 
     def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received) -> None:
-        """Return an item whose reply was never started (the consumer cancelled)."""
-        if req.request_id:
-            self.retry.forget(req.request_id)
+        """Return an item whose reply was not sent to its end (the consumer
+        cancelled, or the stream broke) to the table, unless a retry of the same
+        request_id on another stream was given it too: that reply carries it."""
+        if req.request_id and not self.retry.cut_off(req.request_id):
+            return
         try:
             self.table.requeue(req.step_id, key, item)
         except RendezvousError:
