@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-loopback test test-quick soak protos bench clean
+.PHONY: all venv demo demo-hosts demo-loopback test test-quick soak protos bench clean
 
 all: test
 
@@ -25,6 +25,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/ps_training.py
 
+# The demo across three "hosts" (network namespaces; needs root): tools/netns.py.
+demo-hosts: $(STAMP)
+	$(BIN)/python tools/netns.py demo
+
 demo-loopback: $(STAMP)
 	$(BIN)/python examples/loopback_demo.py
 
@@ -34,11 +38,13 @@ $(BENCH_STAMP): $(STAMP)
 
 STEPS_ARGS ?=
 DAEMON_ARGS ?=
+SCALE_ARGS ?=
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m rendezvous bench $(BENCH_ARGS)
 	$(BIN)/python -m rendezvous bench-steps $(STEPS_ARGS)
 	$(BIN)/python -m rendezvous bench-daemon $(DAEMON_ARGS)
+	$(BIN)/python -m rendezvous bench-scale $(SCALE_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-daemon", add_help=False,
                    help="rendezvousd: the local hop against memcpy, small tensors against bare gRPC, two daemons "
                         "against raw MPI, peak RSS; 'rendezvous bench-daemon --help' for its flags")
+    sub.add_parser("bench-scale", add_help=False,
+                   help="per-rank connections, threads, fds and memory as the number of peers grows; "
+                        "'rendezvous bench-scale --help' for its flags")
     return p
 
 
@@ -168,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.daemon import main as daemon_bench
 
         return daemon_bench(argv[1:])
+    if argv[:1] == ["bench-scale"]:  # its own flags: see rendezvous.bench.scale
+        from .bench.scale import main as scale_bench
+
+        return scale_bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -206,6 +206,15 @@ class Config:
         cfg.validate()
         return cfg
 
+    @property
+    def reconnect_window(self) -> float:
+        """Seconds a recv waits for a lost connection to a peer to come back:
+        the keepalive bound (``keepalive_time + keepalive_timeout``), or
+        ``connect_timeout`` with keepalive off."""
+        if self.keepalive_time > 0:
+            return self.keepalive_time + self.keepalive_timeout
+        return self.connect_timeout
+
     def replace(self, **changes: Any) -> "Config":
         for name in changes:
             if name not in _FIELDS:

@@ -21,6 +21,7 @@ Command line (as root):
     tools/netns.py exec h1 -- CMD ...     # run CMD in host h1
     tools/netns.py link h1 down           # pull h1's cable (and `up` to plug it back)
     tools/netns.py kill h1                # SIGKILL every process in h1
+    tools/netns.py shape h1 200           # hold h1's cable to 200 Mbit/s (`shape h1 off`)
     tools/netns.py status                 # hosts, addresses, links, processes
     tools/netns.py down                   # remove everything `up` built
     tools/netns.py demo                   # the parameter-server demo across 3 hosts
@@ -209,6 +210,16 @@ class Net:
         """Plug (``up``) or pull ``host``'s cable at the switch."""
         _ip("-n", self.switch, "link", "set", host.port, "up" if up else "down")
 
+    def shape(self, host: Host, mbit: float | None) -> None:
+        """Hold ``host``'s cable to ``mbit`` megabits per second each way (a token
+        bucket at both ends), so that a transfer takes long enough to be cut in
+        the middle; None: full speed again."""
+        for ns, dev in ((self.switch, host.port), (host.netns, IFACE)):
+            _ip("netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            if mbit is not None:
+                _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", f"{mbit:g}mbit", "burst", "256kb", "latency", "500ms")
+
     def link_up(self, host: Host) -> bool:
         out = _ip("-n", self.switch, "-o", "link", "show", host.port).stdout
         return "state UP" in out or ",UP" in out.split(">")[0]
@@ -289,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     lk.add_argument("state", choices=["up", "down"])
     kl = sub.add_parser("kill", parents=[common], help="SIGKILL every process in a host")
     kl.add_argument("host")
+    sh = sub.add_parser("shape", parents=[common], help="hold a host's cable to MBIT megabits/s (or off)")
+    sh.add_argument("host")
+    sh.add_argument("mbit")
     dm = sub.add_parser("demo", parents=[common], help="build 3 hosts, run the PS demo across them, remove them")
     dm.add_argument("--steps", type=int, default=20)
     args = p.parse_args(argv)
@@ -326,6 +340,8 @@ def _command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         net.link(net.host(args.host), args.state == "up")
     elif args.cmd == "kill":
         net.kill(net.host(args.host))
+    elif args.cmd == "shape":
+        net.shape(net.host(args.host), None if args.mbit == "off" else float(args.mbit))
     elif args.cmd == "demo":
         with net:
             return _demo(net, args.steps)

@@ -67,6 +67,10 @@ def peer_channel_options(keepalive_time: float = 0.0, keepalive_timeout: float =
             ("grpc.http2.max_pings_without_data", 0),
             # gRPC's core also times every ping out on its own (a minute by default)
             ("grpc.http2.ping_timeout_ms", int(keepalive_timeout * 1000)),
+            # A connection attempt into a partition (a SYN nobody answers) gives
+            # up after the keepalive bound, not gRPC's 20 s, so the channel
+            # tries again soon after the network is back.
+            ("grpc.min_connect_timeout_ms", int((keepalive_time + keepalive_timeout) * 1000)),
         ]
     return options
 

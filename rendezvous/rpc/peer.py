@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from rendezvous import frames
+from rendezvous.cluster import parse_address
 from rendezvous.config import Config
 from rendezvous.errors import (
     DeadlineExceeded,
@@ -94,6 +95,8 @@ class _Stream:
         self.client = client
         self.call = call
         self.pending: dict[int, _Pending] = {}
+        #: calls whose bytes are on their way another way (an MPI transfer posted)
+        self.moving: dict[int, _Pending] = {}
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.alive = True
         self.reader = asyncio.create_task(self._read())
@@ -110,7 +113,10 @@ class _Stream:
         False when the stream is already gone (no cancel can be sent)."""
         p = self.pending.get(call_id)
         if p is None:
-            return False
+            p = self.moving.get(call_id)
+            if p is not None:  # its bytes are on their way: they are kept when they land
+                p.orphan = True
+            return p is not None
         if not self.alive:
             del self.pending[call_id]
             return False
@@ -155,6 +161,15 @@ class _Stream:
             self.alive = False
             self.writer.cancel()
             broken = _Broken(error)
+            for p in self.moving.values():
+                # Its bytes travel outside this stream (MPI) and are received
+                # whenever they come, then kept for the next recv: the recv fails
+                # now, within the keepalive bound, and is not re-sent.
+                p.orphan = True
+                if not p.future.done():
+                    p.future.set_exception(PeerUnavailable(
+                        f"{error.message}; the tensor for {p.key!r} was on its way outside the stream "
+                        "and is kept for the next recv of its key when it lands"))
             for p in self.pending.values():
                 if p.orphan:  # its cancel may never have reached the producer
                     self.client.unsettled(p.step_id, p.key, p.request_id)
@@ -193,8 +208,10 @@ class _Stream:
                 p.path = self.inline_path if arrival.path is Path.GRPC else arrival.path
                 if arrival.pending is not None:
                     self.pending.pop(frame.call_id, None)
+                    self.moving[frame.call_id] = p
                     task = asyncio.ensure_future(arrival.pending)
-                    task.add_done_callback(lambda t, p=p, a=arrival: self._settle(p, t, a.path, a.placed))
+                    task.add_done_callback(lambda t, c=frame.call_id, p=p, a=arrival:
+                                           self._settle(c, p, t, a.path, a.placed))
                 elif arrival.assembly is not None:
                     p.assembly = arrival.assembly
                 else:
@@ -232,17 +249,21 @@ class _Stream:
         # recv of the same key and step still waiting on this stream takes it
         # (its own request is cancelled, and whatever answers that becomes an
         # orphan in turn), else the server keeps it for the next recv.
+        # (After a break that is the client's new stream: the recv asked again.)
         kept = Fetched(fetched.item, fetched.path, placed=False)
-        for call_id, other in self.pending.items():
+        stream = self if self.alive else self.client.live_stream()
+        for call_id, other in (stream.pending.items() if stream is not None else ()):
             if (not other.orphan and other.key == p.key and other.step_id == p.step_id
                     and not other.future.done()):
                 other.future.set_result(kept)
-                self.cancel(call_id)
+                stream.cancel(call_id)  # type: ignore[union-attr]
                 return
         self.client.unclaimed(p.step_id, p.key, kept)
 
-    def _settle(self, p: _Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
+    def _settle(self, call_id: int, p: _Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
         """A reply whose bytes came another way (a plane's pending transfer) is done."""
+        if self.moving.get(call_id) is p:
+            del self.moving[call_id]
         if task.cancelled():
             if not p.future.done():
                 p.future.cancel()
@@ -320,6 +341,10 @@ class PeerClient:
 
     def _channel_options(self) -> list[tuple[str, Any]]:
         return peer_channel_options(self.config.keepalive_time, self.config.keepalive_timeout)
+
+    def live_stream(self) -> _Stream | None:
+        stream = self._stream
+        return stream if stream is not None and stream.alive else None
 
     def unsettled(self, step_id: int, key: str, request_id: int) -> None:
         """A recv of ``key`` ended without the producer's answer, and the stream it
@@ -431,11 +456,45 @@ class PeerClient:
                     raise PeerUnavailable(
                         f"could not connect to {self.describe()} within {limit:g}s") from None
                 self._connected_once = True
+            else:
+                await self._reconnect(deadline)
             call = self._channel.stream_stream(STREAM_METHOD, request_serializer=None,
                                                response_deserializer=None)(
                                                metadata=self._metadata, wait_for_ready=first)
             self._stream = _Stream(self, call)
             return self._stream
+
+    async def _reconnect(self, deadline: float | None) -> None:
+        """The connection was up once: make sure it is up now. A lost one gets
+        the reconnect window (the keepalive bound), and a probe tells a gone
+        peer from a silent one: a refused connection (the peer's process is
+        gone, its host up) fails at once, one into a partition (nobody answers)
+        when the window ends, and one that is answered (a cable plugged in
+        again, a peer restarted) waits for gRPC's channel to reconnect and
+        serves the recv. PeerUnavailable when it fails."""
+        channel = self._channel
+        assert channel is not None
+        if channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        loop = asyncio.get_running_loop()
+        window = self.config.reconnect_window
+        limit = window if deadline is None else min(window, max(0.0, deadline - loop.time()))
+        try:
+            async with asyncio.timeout(limit):
+                # gRPC reports a failed channel as failed until it is ready again,
+                # whatever its attempts meet: ask the network directly.
+                host, port = parse_address(self.address)
+                try:
+                    _, writer = await asyncio.open_connection(host.strip("[]"), port)
+                except OSError as exc:
+                    raise PeerUnavailable(f"lost {self.describe()}: {exc.strerror or exc}") from None
+                writer.close()
+                await channel.channel_ready()
+        except TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                raise  # the recv's own deadline: DeadlineExceeded upstream
+            raise PeerUnavailable(f"lost {self.describe()}: no connection within {limit:g}s "
+                                  "(the reconnect window: keepalive_time + keepalive_timeout)") from None
 
     async def close(self) -> None:
         """Fail pending recvs with UNAVAILABLE and close the channel. Idempotent."""

@@ -1,0 +1,380 @@
+"""Across hosts: three network namespaces on one bridge (tools/netns.py) stand
+in for three machines. The demo runs across them with gRPC only and with MPI
+on its network path; a rendezvousd per host serves local clients; cables are
+pulled during waits and during a large transfer, and a whole host is lost.
+
+Skipped, with the reason, where namespaces cannot be built (not root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from netns_agent import digest, payload
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import netns  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.multihost]
+
+BIN = Path(sys.executable).parent
+RENDEZVOUSD = str(BIN / "rendezvousd")
+AGENT = str(Path(__file__).resolve().parent / "netns_agent.py")
+READY = re.compile(r"rendezvousd: (\S+) serving on (\S+) .*; local (\S+); metrics (\S+); pid (\d+)")
+
+# The keepalive the partition tests configure: a silent peer is noticed after
+# KEEPALIVE_TIME + KEEPALIVE_TIMEOUT seconds, and a recv then waits as long
+# again for the connection to come back before it fails (the reconnect
+# window). BOUND adds what a busy 2-core machine needs on top.
+KEEPALIVE_TIME, KEEPALIVE_TIMEOUT = 1.0, 1.0
+BOUND = 2 * (KEEPALIVE_TIME + KEEPALIVE_TIMEOUT) + 3.0
+
+
+@pytest.fixture(scope="module")
+def net():
+    why = netns.unavailable()
+    if why:
+        pytest.skip(f"no multi-host harness here: {why}")
+    hosts = netns.Net(3, prefix=f"rt{os.getpid()}")
+    hosts.up()
+    yield hosts
+    hosts.down()
+
+
+@pytest.fixture
+def hosts(net):
+    """The module's hosts, handed back as they were: cables in, no shaping, no processes."""
+    yield net
+    for h in net.hosts:
+        net.kill(h)
+        net.shape(h, None)
+        net.link(h, up=True)
+
+
+def key(src: int, dst: int, name: str, step: int = 0) -> str:
+    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+            f"/job:node/replica:0/task:{dst}/device:CPU:0;{name};0:0")
+
+
+class Agent:
+    """A local client process in one host (tests/netns_agent.py), driven by commands."""
+
+    def __init__(self, host: netns.Host, local: str, env: dict[str, str]) -> None:
+        self.host = host
+        self.p = host.popen([sys.executable, AGENT, "--local", local], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.results: dict[int, tuple[float, dict]] = {}
+        self.cond = threading.Condition()
+        self.next_id = 1
+        threading.Thread(target=self._read, daemon=True).start()
+        self.result(0, 60)  # connected to its daemon
+
+    def _read(self) -> None:
+        for line in self.p.stdout:  # type: ignore[union-attr]
+            msg = json.loads(line)
+            with self.cond:
+                self.results[msg["id"]] = (time.monotonic(), msg)
+                self.cond.notify_all()
+
+    def call(self, **cmd) -> int:
+        with self.cond:
+            cmd["id"] = n = self.next_id
+            self.next_id += 1
+        self.p.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+        self.p.stdin.flush()  # type: ignore[union-attr]
+        return n
+
+    def result(self, n: int, timeout: float = 60) -> dict:
+        return self.answer(n, timeout)[1]
+
+    def answer(self, n: int, timeout: float = 60) -> tuple[float, dict]:
+        """(when it came, the answer)."""
+        with self.cond:
+            ok = self.cond.wait_for(lambda: n in self.results or self.p.poll() is not None, timeout)
+            if n in self.results:
+                return self.results.pop(n)
+        err = self.p.stderr.read() if self.p.poll() is not None else ""  # type: ignore[union-attr]
+        raise AssertionError(f"{self.host.name}: no answer to {n} within {timeout}s "
+                             f"({'exited' if ok else 'alive'}) {err[-2000:]}")
+
+    def done(self, n: int) -> bool:
+        with self.cond:
+            return n in self.results
+
+    def send(self, k: str, nbytes: int, seed: int) -> None:
+        got = self.result(self.call(op="send", key=k, nbytes=nbytes, seed=seed))
+        assert got["ok"], got
+
+    def recv_ok(self, k: str, nbytes: int, seed: int, timeout: float = 60) -> None:
+        got = self.result(self.call(op="recv", key=k, timeout=timeout), timeout + 30)
+        assert got["ok"], got
+        assert (got["nbytes"], got["digest"]) == (nbytes, digest(payload(nbytes, seed)))
+
+
+class Node:
+    """A host's rendezvousd and one local client of it."""
+
+    def __init__(self, host: netns.Host, daemon: subprocess.Popen, ready: re.Match, agent: Agent) -> None:
+        self.host, self.daemon, self.agent = host, daemon, agent
+        self.target, self.local, self.metrics_url, self.pid = ready.group(2), ready.group(3), ready.group(4), \
+            int(ready.group(5))
+
+    def metrics(self) -> dict[str, float]:
+        out = self.host.run([sys.executable, "-c", "import sys, urllib.request; "
+                             "print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())",
+                             self.metrics_url], capture_output=True, text=True, check=True).stdout
+        values = {}
+        for line in out.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RENDEZVOUS_KEEPALIVE_TIME": str(KEEPALIVE_TIME),
+            "RENDEZVOUS_KEEPALIVE_TIMEOUT": str(KEEPALIVE_TIMEOUT), "GRPC_VERBOSITY": "ERROR"}
+
+
+def start_node(host: netns.Host, index: int, cluster: str, sockdir: str) -> Node:
+    env = _env()
+    local = f"unix:{sockdir}/{host.name}.sock"
+    d = host.popen([RENDEZVOUSD, "--cluster", cluster, "--job-name", "node", "--task-index", str(index),
+                    "--local", local, "--metrics-port", "0"],
+                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    line = d.stdout.readline()  # type: ignore[union-attr]
+    ready = READY.match(line)
+    assert ready, f"{host.name}: no ready line from rendezvousd: {line!r}"
+    return Node(host, d, ready, Agent(host, ready.group(3), env))
+
+
+@pytest.fixture
+def nodes(hosts):
+    """A rendezvousd (protocol grpc, port 50051 of its host) and a local client per host."""
+    cluster = json.dumps({"node": [f"{h.address}:50051" for h in hosts.hosts]})
+    with tempfile.TemporaryDirectory(prefix="rdvmh", dir="/tmp") as sockdir:
+        yield [start_node(h, i, cluster, sockdir) for i, h in enumerate(hosts.hosts)]
+
+
+def _cable_crossed(host: netns.Host, before: dict[str, int]) -> int:
+    after = host.counters()
+    return after["rx_bytes"] - before["rx_bytes"] + after["tx_bytes"] - before["tx_bytes"]
+
+
+# --- the product across hosts ---------------------------------------------------------
+
+def test_the_ps_demo_runs_across_hosts_with_grpc_only_and_with_mpi_on_its_network_path(hosts):
+    env = hosts.env({**netns.mpi_network_env(), "GRPC_VERBOSITY": "ERROR",
+                     "RENDEZVOUS_MPIEXEC": " ".join([str(BIN / "mpiexec"), *hosts.launcher()])})
+    before = [h.counters() for h in hosts.hosts]
+    run = hosts.hosts[0].run([sys.executable, str(ROOT / "examples" / "ps_training.py"),
+                              "--hosts", ",".join(h.address for h in hosts.hosts), "--steps", "4",
+                              "--timeout", "150"], env=env, capture_output=True, text=True, timeout=200)
+    out = run.stdout
+    assert run.returncode == 0, out[-4000:] + run.stderr[-4000:]
+    # Every rank served on its own host's address, given by the launcher's host list.
+    for i, h in enumerate(hosts.hosts):
+        task = "/job:ps/replica:0/task:0" if i == 0 else f"/job:worker/replica:0/task:{i - 1}"
+        assert f"{task} on {h.address}:50051" in run.stderr, run.stderr[-4000:]
+    assert re.search(r"-> the same", out), out[-2000:]
+    runs = out.split("=== run ")[1:]
+    assert len(runs) == 2
+    mpi = re.search(r"MPI\s+(\d+)\s+([\d,]+)", runs[0])
+    assert mpi and int(mpi.group(1)) > 0, runs[0]  # run 1 moved tensors over MPI...
+    mpi_bytes = int(mpi.group(2).replace(",", ""))
+    grpc_bytes = int(re.search(r"gRPC inline\s+\d+\s+([\d,]+)", runs[1]).group(1).replace(",", ""))
+    # ...and no rank shares a host with another: every byte either run moved
+    # crossed the ps's cable (MPI did not take shared memory between hosts).
+    ps_cable = _cable_crossed(hosts.hosts[0], before[0])
+    assert ps_cable >= mpi_bytes + grpc_bytes, (ps_cable, mpi_bytes, grpc_bytes)
+
+
+def test_a_daemon_per_host_serves_its_local_clients_across_hosts(nodes):
+    for src in nodes:
+        for dst in nodes:
+            if dst is not src:
+                i, j = nodes.index(src), nodes.index(dst)
+                src.agent.send(key(i, j, "t"), 3 << 20, seed=10 * i + j)
+    for dst in nodes:
+        for src in nodes:
+            if dst is not src:
+                i, j = nodes.index(src), nodes.index(dst)
+                dst.agent.recv_ok(key(i, j, "t"), 3 << 20, seed=10 * i + j)
+    for n in nodes:
+        m = n.metrics()
+        assert m['rendezvous_transfers_total{path="grpc"}'] == 2  # from the other two hosts
+        assert m["rendezvous_waiting_tensors"] == 0
+
+
+@pytest.fixture
+def mpi_nodes(hosts):
+    """A rendezvousd per host, the three one MPI job (grpc+mpi, MPI on the network,
+    ports from the OS published by the rank map's allgather), and a local client each."""
+    env = hosts.env({**_env(), **netns.mpi_network_env()})
+    with tempfile.TemporaryDirectory(prefix="rdvmh", dir="/tmp") as sockdir:
+        cluster = json.dumps({"node": [f"{h.address}:0" for h in hosts.hosts]})
+        job = subprocess.Popen(
+            hosts.mpiexec([RENDEZVOUSD, "--cluster", cluster, "--job-name", "node", "--protocol", "grpc+mpi",
+                           "--local", f"unix:{sockdir}/d{{task_index}}.sock", "--metrics-port", "0"]),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        try:
+            ready = {}
+            while len(ready) < 3:
+                line = job.stdout.readline()  # type: ignore[union-attr]
+                assert line, "the MPI job ended before every daemon was ready"
+                m = READY.match(line)
+                if m:
+                    ready[int(m.group(1).rsplit(":", 1)[1])] = m
+            yield [Node(h, job, ready[i], Agent(h, ready[i].group(3), env)) for i, h in enumerate(hosts.hosts)]
+        finally:
+            os.killpg(job.pid, 9)
+            job.wait()
+
+
+def test_daemons_in_one_mpi_job_across_hosts_move_tensors_over_mpi_on_the_network(hosts, mpi_nodes):
+    nodes = mpi_nodes
+    for i, n in enumerate(nodes):
+        assert n.target.startswith(hosts.hosts[i].address + ":")  # the rank's own host
+    before = nodes[1].host.counters()
+    nodes[0].agent.send(key(0, 1, "big"), 8 << 20, seed=1)
+    nodes[2].agent.send(key(2, 1, "big"), 8 << 20, seed=2)
+    nodes[1].agent.recv_ok(key(0, 1, "big"), 8 << 20, seed=1)
+    nodes[1].agent.recv_ok(key(2, 1, "big"), 8 << 20, seed=2)
+    assert nodes[1].metrics()['rendezvous_transfers_total{path="mpi"}'] == 2
+    assert nodes[1].host.counters()["rx_bytes"] - before["rx_bytes"] >= 16 << 20  # over the cable
+
+
+# --- partitions and lost hosts -----------------------------------------------------------
+
+def test_a_pulled_cable_fails_waiting_recvs_within_the_keepalive_bound_and_loses_nothing(hosts, nodes):
+    a, b, c = (n.agent for n in nodes)
+    waiting = b.call(op="recv", key=key(0, 1, "w1"))                # no deadline
+    with_deadline = b.call(op="recv", key=key(0, 1, "w2"), timeout=120)
+    from_b = c.call(op="recv", key=key(1, 2, "w3"))                 # b is the producer
+    # Each recv is waiting in its producer's daemon before the cable goes.
+    wait_until(lambda: nodes[0].metrics()["rendezvous_waiting_receivers"] == 2)
+    wait_until(lambda: nodes[1].metrics()["rendezvous_waiting_receivers"] == 1)
+
+    hosts.link(hosts.hosts[1], up=False)
+    pulled = time.monotonic()
+    # Produced while the cable is out: the producers' streams to b are dead.
+    a.send(key(0, 1, "w1"), 4096, seed=1)
+    a.send(key(0, 1, "w2"), 1 << 20, seed=2)
+    b.send(key(1, 2, "w3"), 4096, seed=3)
+    for agent, n in ((b, waiting), (b, with_deadline), (c, from_b)):
+        when, got = agent.answer(n, BOUND + 30)
+        assert not got["ok"] and got["code"] == "UNAVAILABLE", got
+        assert when - pulled < BOUND, (when - pulled, got)
+    # The rest of the job goes on meanwhile.
+    a.send(key(0, 2, "side"), 4096, seed=4)
+    c.recv_ok(key(0, 2, "side"), 4096, seed=4)
+
+    hosts.link(hosts.hosts[1], up=True)
+    # The same processes: each tensor arrives once, whole.
+    b.recv_ok(key(0, 1, "w1"), 4096, seed=1)
+    b.recv_ok(key(0, 1, "w2"), 1 << 20, seed=2)
+    c.recv_ok(key(1, 2, "w3"), 4096, seed=3)
+    again = b.result(b.call(op="recv", key=key(0, 1, "w1"), timeout=1.0))
+    assert again["code"] == "DEADLINE_EXCEEDED", again  # not delivered twice
+    for n in nodes:
+        assert n.daemon.poll() is None
+        assert n.metrics()["rendezvous_waiting_tensors"] == 0
+
+
+def test_a_pulled_cable_during_a_large_transfer_fails_it_in_bound_and_the_tensor_stays(hosts, nodes):
+    a, b = nodes[0].agent, nodes[1].agent
+    size = 96 << 20
+    hosts.shape(hosts.hosts[1], 200)  # about 4 s for the tensor: the cable goes in the middle
+    a.send(key(0, 1, "big"), size, seed=5)
+    before = hosts.hosts[1].counters()["rx_bytes"]
+    n = b.call(op="recv", key=key(0, 1, "big"))
+    wait_until(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20)
+    hosts.link(hosts.hosts[1], up=False)
+    pulled = time.monotonic()
+    when, got = b.answer(n, BOUND + 30)
+    assert not got["ok"] and got["code"] == "UNAVAILABLE", got
+    assert when - pulled < BOUND, when - pulled
+    # The producer notices the dead consumer too and puts the cut-off reply back.
+    wait_until(lambda: nodes[0].metrics()["rendezvous_waiting_tensors"] == 1, BOUND + 10)
+
+    hosts.shape(hosts.hosts[1], None)
+    hosts.link(hosts.hosts[1], up=True)
+    b.recv_ok(key(0, 1, "big"), size, seed=5)
+    assert nodes[0].metrics()["rendezvous_waiting_tensors"] == 0
+
+
+def test_a_lost_host_is_noticed_within_the_bound_and_the_others_go_on(hosts, nodes):
+    a, b = nodes[0].agent, nodes[1].agent
+    from_c = [a.call(op="recv", key=key(2, 0, "x")), b.call(op="recv", key=key(2, 1, "x"), timeout=120)]
+    wait_until(lambda: nodes[2].metrics()["rendezvous_waiting_receivers"] == 2)
+    # Power gone: the cable first, so not a packet (FIN, RST) leaves the host.
+    hosts.link(hosts.hosts[2], up=False)
+    hosts.kill(hosts.hosts[2])
+    lost = time.monotonic()
+    for agent, n in zip((a, b), from_c):
+        when, got = agent.answer(n, BOUND + 30)
+        assert not got["ok"] and got["code"] == "UNAVAILABLE", got
+        assert when - lost < BOUND, when - lost
+    # A new recv from the lost host fails within the bound as well.
+    start = time.monotonic()
+    got = a.result(a.call(op="recv", key=key(2, 0, "y")), BOUND + 30)
+    assert got["code"] == "UNAVAILABLE" and time.monotonic() - start < BOUND, got
+    # The hosts that stayed up go on.
+    a.send(key(0, 1, "z"), 1 << 20, seed=6)
+    b.recv_ok(key(0, 1, "z"), 1 << 20, seed=6)
+    # The host comes back (a new daemon on the same address): the others reach it
+    # without being restarted.
+    hosts.link(hosts.hosts[2], up=True)
+    cluster = json.dumps({"node": [f"{h.address}:50051" for h in hosts.hosts]})
+    back = start_node(hosts.hosts[2], 2, cluster, str(Path(nodes[2].local[5:]).parent))
+    back.agent.send(key(2, 0, "again"), 4096, seed=7)
+    a.recv_ok(key(2, 0, "again"), 4096, seed=7)
+    assert nodes[0].daemon.poll() is None and nodes[1].daemon.poll() is None
+
+
+def test_a_pulled_cable_during_an_mpi_transfer_fails_the_recv_in_bound_and_the_tensor_lands_later(
+        hosts, mpi_nodes):
+    nodes = mpi_nodes
+    a, b = nodes[0].agent, nodes[1].agent
+    size = 96 << 20
+    hosts.shape(hosts.hosts[1], 200)
+    a.send(key(0, 1, "big"), size, seed=8)
+    before = hosts.hosts[1].counters()["rx_bytes"]
+    n = b.call(op="recv", key=key(0, 1, "big"))
+    wait_until(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20)
+    hosts.link(hosts.hosts[1], up=False)
+    pulled = time.monotonic()
+    # The descriptor came over gRPC, the bytes were coming over MPI: the recv
+    # fails with the stream, within the bound, and says where the tensor is.
+    when, got = b.answer(n, BOUND + 30)
+    assert not got["ok"] and got["code"] == "UNAVAILABLE" and "kept for the next recv" in got["message"], got
+    assert when - pulled < BOUND, when - pulled
+    hosts.shape(hosts.hosts[1], None)
+    hosts.link(hosts.hosts[1], up=True)
+    # MPI's transfer goes on once the cable is back; the next recv of the key
+    # gets the tensor, once, and the job (the same processes) goes on.
+    b.recv_ok(key(0, 1, "big"), size, seed=8, timeout=120)
+    again = b.result(b.call(op="recv", key=key(0, 1, "big"), timeout=1.0))
+    assert again["code"] == "DEADLINE_EXCEEDED", again
+    a.send(key(0, 1, "after"), 4 << 20, seed=9)
+    b.recv_ok(key(0, 1, "after"), 4 << 20, seed=9)
+    assert nodes[0].daemon.poll() is None
+
+
+def wait_until(cond, timeout: float = 30.0, interval: float = 0.02) -> None:
+    """Poll ``cond`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
