@@ -45,6 +45,7 @@ def net():
     why = netns.unavailable()
     if why:
         pytest.skip(f"no multi-host harness here: {why}")
+    netns.sweep(r"rt(\d+)")  # what earlier runs that were killed left
     hosts = netns.Net(3, prefix=f"rt{os.getpid()}")
     hosts.up()
     yield hosts

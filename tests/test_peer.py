@@ -622,3 +622,102 @@ def test_a_reply_arriving_in_the_same_turn_as_the_deadline_is_kept():
             (step, k, fetched), = kept
             assert (step, k) == (5, K1) and fetched.item.value.tolist() == [42]
     run(main(), 20)
+
+
+# --- a stream that breaks with recvs unanswered (a partition) ----------------------------
+
+def test_a_recv_that_ended_unanswered_on_a_broken_stream_is_asked_again_with_its_request_id():
+    async def main():
+        async with scripted(reconnect_attempts=0) as (peer, client):
+            r = asyncio.ensure_future(client.recv(K1, step_id=3, timeout=10))
+            first = await peer.stream()
+            (req1,) = await first.recvs(1)
+            first.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
+            with pytest.raises(PeerUnavailable):
+                await r
+            # The producer may have written the tensor into the dead stream: the
+            # next recv of the key asks with the same id (the retry cache answers).
+            r = asyncio.ensure_future(client.recv(K1, step_id=3, timeout=10))
+            second = await peer.stream()
+            (req2,) = await second.recvs(1)
+            assert req2.recv.request_id == req1.recv.request_id
+            second.write(*reply(req2.call_id, np.array([5])))
+            assert (await r).item.value.tolist() == [5]
+            # Answered: the id is settled, a later recv of the key is a new request.
+            r = asyncio.ensure_future(client.recv(K1, step_id=3, timeout=10))
+            (req3,) = await second.recvs(1)
+            assert req3.recv.request_id != req1.recv.request_id
+            second.write(*reply(req3.call_id, np.array([6])))
+            await r
+            # Another key, or another step, never takes the id.
+            r = asyncio.ensure_future(client.recv(K2, step_id=3, timeout=10))
+            (req4,) = await second.recvs(1)
+            assert req4.recv.request_id not in (req1.recv.request_id, req3.recv.request_id)
+            second.write(*reply(req4.call_id, np.array([7])))
+            await r
+    run(main(), 20)
+
+
+def test_an_orphan_whose_cancel_never_got_an_answer_keeps_its_request_id_when_the_stream_breaks():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=0.2))
+            (req1,) = await side.recvs(1)
+            with pytest.raises(DeadlineExceeded):
+                await r
+            assert (await side.next()).WhichOneof("kind") == "cancel"
+            side.abort(grpc.StatusCode.UNAVAILABLE, "the cable")  # the cancel is never answered
+            await until(lambda: not client.live_stream(), what="the client to see the stream end")
+            r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+            again = await peer.stream()
+            (req2,) = await again.recvs(1)
+            assert req2.recv.request_id == req1.recv.request_id
+            again.write(*reply(req2.call_id, np.array([1])))
+            await r
+    run(main(), 20)
+
+
+def test_a_recv_the_producer_answered_with_an_error_does_not_keep_its_id():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+            (req1,) = await side.recvs(1)
+            side.write(frames.error_frame(req1.call_id, errors.Aborted("step 2 aborted")))
+            with pytest.raises(errors.Aborted):
+                await r
+            r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+            (req2,) = await side.recvs(1)
+            assert req2.recv.request_id != req1.recv.request_id
+            side.write(*reply(req2.call_id, np.array([1])))
+            await r
+    run(main(), 20)
+
+
+def test_an_mpi_transfer_cut_from_its_stream_fails_the_recv_and_lands_for_the_next_recv():
+    async def main():
+        plane = DescriptorPlane()
+        async with scripted(planes=_inline_planes([plane]), reconnect_attempts=3) as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
+            (req,) = await side.recvs(1)
+            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
+            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
+            # Fails with the stream, not re-sent (a second transfer would bring it twice).
+            with pytest.raises(PeerUnavailable, match="kept for the next recv"):
+                await r
+            assert len(peer.sides) == 1
+            # The next recv asks the producer anew (the tensor was served: it waits)...
+            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
+            again = await peer.stream()
+            (req2,) = await again.recvs(1)
+            assert req2.recv.request_id != req.recv.request_id
+            # ...and gets the bytes of the cut transfer when they land; its own
+            # request is cancelled.
+            (fut, _), = plane.arrivals
+            fut.set_result(np.array([4, 2]))
+            assert (await r).item.value.tolist() == [4, 2]
+            assert (await again.next()).WhichOneof("kind") == "cancel"
+    run(main(), 20)

@@ -124,3 +124,32 @@ def test_a_delivered_answer_goes_at_once_and_its_id_is_not_answered_again():
         cache.close()
 
     run(main())
+
+
+def test_a_cut_off_reply_goes_back_only_when_no_retry_of_its_id_carries_the_tensor():
+    """A reply written into a dead connection and its retry on a new stream both
+    got the answer: when the first is cut off, the second carries the tensor
+    (it must not go back to the table too); when every reply of the id was cut
+    off, the tensor goes back and the id is forgotten."""
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        table.send(1, "k", np.arange(3), False)
+        take = lambda: table.recv(1, "k")  # noqa: E731
+        first = await cache.run(1, 5, take, "k")    # the reply into the dead stream
+        retried = await cache.run(1, 5, take, "k")  # the retry on the new stream
+        assert first is retried
+        assert not cache.cut_off(5)  # the first reply is cut off: the retry carries it
+        assert cache.known(5)
+        assert cache.cut_off(5)      # the retry is cut off as well: put the tensor back
+        assert not cache.known(5)
+        # One reply only (the usual case): cut off means back to the table.
+        table.send(1, "j", np.arange(2), False)
+        await cache.run(1, 6, lambda: table.recv(1, "j"), "j")
+        assert cache.cut_off(6) and not cache.known(6)
+        cache.record(1, 8, first, "k")  # taken without waiting: one reply
+        assert cache.cut_off(8)
+        assert cache.cut_off(99)  # an id never seen: nothing else carries it
+        cache.close()
+
+    run(main())

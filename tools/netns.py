@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SSH_SHIM = Path(__file__).resolve().parent / "netns-ssh"
 IFACE = "eth0"
 
-__all__ = ["Host", "Net", "unavailable", "mpi_network_env", "IFACE", "SSH_SHIM"]
+__all__ = ["Host", "Net", "unavailable", "sweep", "mpi_network_env", "IFACE", "SSH_SHIM"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,6 +96,23 @@ def unavailable() -> str | None:
     finally:
         _ip("netns", "del", probe, check=False)
     return None
+
+
+def sweep(pattern: str = r"rt(\d+)") -> list[str]:
+    """Remove the hosts of harnesses whose creator is gone: namespaces named
+    ``<prefix>-sw`` or ``<prefix>-h<N>`` whose prefix matches ``pattern`` with
+    the creating process's pid as its group (what a killed test run leaves)."""
+    gone = []
+    listed = _ip("netns", "list", check=False).stdout.splitlines()
+    for ns in (line.split()[0] for line in listed if line.strip()):
+        m = re.fullmatch(pattern + r"-(sw|h\d+)", ns)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
+            gone.append(ns)
+    return gone
 
 
 def mpi_network_env(iface: str = IFACE) -> dict[str, str]:

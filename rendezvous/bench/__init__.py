@@ -9,7 +9,10 @@ rank uses. See BENCHMARKS.md for the method and the latest results.
 
 Modules: :mod:`.stats` (numbers), :mod:`.contenders` (the ways to move
 bytes), :mod:`.worker` (one rank's schedule), :mod:`.report` (the results
-document, targets, table, plot), :mod:`.rss` (peak memory), :mod:`.cli`.
+document, targets, table, plot), :mod:`.rss` (peak memory), :mod:`.cli`;
+the other commands of ``make bench``: :mod:`.steps` (whole model steps),
+:mod:`.daemon` (the daemon's paths), :mod:`.scale` (per-rank cost as the
+number of peers grows).
 Nothing here is imported by the library itself; matplotlib (the plot) and
 torch (gloo) are optional and imported only when used.
 """
