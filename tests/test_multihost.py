@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from mpi_scenarios import wait_for
 from netns_agent import digest, payload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,8 +264,8 @@ def test_a_pulled_cable_fails_waiting_recvs_within_the_keepalive_bound_and_loses
     with_deadline = b.call(op="recv", key=key(0, 1, "w2"), timeout=120)
     from_b = c.call(op="recv", key=key(1, 2, "w3"))                 # b is the producer
     # Each recv is waiting in its producer's daemon before the cable goes.
-    wait_until(lambda: nodes[0].metrics()["rendezvous_waiting_receivers"] == 2)
-    wait_until(lambda: nodes[1].metrics()["rendezvous_waiting_receivers"] == 1)
+    wait_for(lambda: nodes[0].metrics()["rendezvous_waiting_receivers"] == 2, "both recvs of b to wait in a's daemon")
+    wait_for(lambda: nodes[1].metrics()["rendezvous_waiting_receivers"] == 1, "c's recv to wait in b's daemon")
 
     hosts.link(hosts.hosts[1], up=False)
     pulled = time.monotonic()
@@ -299,14 +300,15 @@ def test_a_pulled_cable_during_a_large_transfer_fails_it_in_bound_and_the_tensor
     a.send(key(0, 1, "big"), size, seed=5)
     before = hosts.hosts[1].counters()["rx_bytes"]
     n = b.call(op="recv", key=key(0, 1, "big"))
-    wait_until(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20)
+    wait_for(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20, "16 MiB of the transfer on b's cable")
     hosts.link(hosts.hosts[1], up=False)
     pulled = time.monotonic()
     when, got = b.answer(n, BOUND + 30)
     assert not got["ok"] and got["code"] == "UNAVAILABLE", got
     assert when - pulled < BOUND, when - pulled
     # The producer notices the dead consumer too and puts the cut-off reply back.
-    wait_until(lambda: nodes[0].metrics()["rendezvous_waiting_tensors"] == 1, BOUND + 10)
+    wait_for(lambda: nodes[0].metrics()["rendezvous_waiting_tensors"] == 1,
+             "a's daemon to put the cut-off reply back", BOUND + 10)
 
     hosts.shape(hosts.hosts[1], None)
     hosts.link(hosts.hosts[1], up=True)
@@ -317,7 +319,7 @@ def test_a_pulled_cable_during_a_large_transfer_fails_it_in_bound_and_the_tensor
 def test_a_lost_host_is_noticed_within_the_bound_and_the_others_go_on(hosts, nodes):
     a, b = nodes[0].agent, nodes[1].agent
     from_c = [a.call(op="recv", key=key(2, 0, "x")), b.call(op="recv", key=key(2, 1, "x"), timeout=120)]
-    wait_until(lambda: nodes[2].metrics()["rendezvous_waiting_receivers"] == 2)
+    wait_for(lambda: nodes[2].metrics()["rendezvous_waiting_receivers"] == 2, "both recvs to wait in c's daemon")
     # Power gone: the cable first, so not a packet (FIN, RST) leaves the host.
     hosts.link(hosts.hosts[2], up=False)
     hosts.kill(hosts.hosts[2])
@@ -352,7 +354,7 @@ def test_a_pulled_cable_during_an_mpi_transfer_fails_the_recv_in_bound_and_the_t
     a.send(key(0, 1, "big"), size, seed=8)
     before = hosts.hosts[1].counters()["rx_bytes"]
     n = b.call(op="recv", key=key(0, 1, "big"))
-    wait_until(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20)
+    wait_for(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20, "16 MiB of the transfer on b's cable")
     hosts.link(hosts.hosts[1], up=False)
     pulled = time.monotonic()
     # The descriptor came over gRPC, the bytes were coming over MPI: the recv
@@ -370,12 +372,3 @@ def test_a_pulled_cable_during_an_mpi_transfer_fails_the_recv_in_bound_and_the_t
     a.send(key(0, 1, "after"), 4 << 20, seed=9)
     b.recv_ok(key(0, 1, "after"), 4 << 20, seed=9)
     assert nodes[0].daemon.poll() is None
-
-
-def wait_until(cond, timeout: float = 30.0, interval: float = 0.02) -> None:
-    """Poll ``cond`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(interval)
