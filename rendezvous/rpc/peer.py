@@ -18,6 +18,15 @@ connection reset) pending recvs are re-sent on a new stream with the same
 id, and the producer answers them from its retry cache instead of consuming
 another tensor.
 
+A peer that goes silent (a pulled cable, a dead host) is noticed by the
+keepalive; a channel that was up and is not gets one reconnect window (the
+keepalive bound) before its recvs fail with UNAVAILABLE. A recv that ended
+unanswered on a stream that broke leaves its request_id behind for the next
+recv of the same key and step (the producer may have written the tensor
+into the dead connection: its retry cache answers the id again), and a recv
+whose bytes were already moving outside the stream (MPI) fails with the
+stream and its tensor is kept when it lands.
+
 What a request offers and how a reply's bytes are received is the server's
 data planes' business (:class:`rendezvous.transport.Planes`): the stream
 reader hands each reply's first frame to the plane it names and feeds later
