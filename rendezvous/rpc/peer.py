@@ -477,8 +477,8 @@ class PeerClient:
         """The connection was up once: make sure it is up now. A lost one gets
         the reconnect window (the keepalive bound), and a probe tells a gone
         peer from a silent one: a refused connection (the peer's process is
-        gone, its host up) fails at once, one into a partition (nobody answers)
-        when the window ends, and one that is answered (a cable plugged in
+        gone, its host up) fails at once, one into a partition (nobody answers,
+        or no route yet) when the window ends, and one that is answered (a cable plugged in
         again, a peer restarted) waits for gRPC's channel to reconnect and
         serves the recv. PeerUnavailable when it fails."""
         channel = self._channel
@@ -493,10 +493,18 @@ class PeerClient:
                 # gRPC reports a failed channel as failed until it is ready again,
                 # whatever its attempts meet: ask the network directly.
                 host, port = parse_address(self.address)
-                try:
-                    _, writer = await asyncio.open_connection(host.strip("[]"), port)
-                except OSError as exc:
-                    raise PeerUnavailable(f"lost {self.describe()}: {exc.strerror or exc}") from None
+                pause = 0.05
+                while True:
+                    try:
+                        _, writer = await asyncio.open_connection(host.strip("[]"), port)
+                        break
+                    except ConnectionRefusedError as exc:
+                        raise PeerUnavailable(f"lost {self.describe()}: {exc.strerror or exc}") from None
+                    except OSError:
+                        # No route, no neighbour yet (a link just back, ARP still
+                        # failing): silent for now; ask again within the window.
+                        await asyncio.sleep(pause)
+                        pause = min(0.5, pause * 2)
                 writer.close()
                 await channel.channel_ready()
         except TimeoutError:
