@@ -163,9 +163,35 @@ def start_node(host: netns.Host, index: int, cluster: str, sockdir: str) -> Node
 @pytest.fixture
 def nodes(hosts):
     """A rendezvousd (protocol grpc, port 50051 of its host) and a local client per host."""
-    cluster = json.dumps({"node": [f"{h.address}:50051" for h in hosts.hosts]})
+    cluster = cluster_file(hosts)
     with tempfile.TemporaryDirectory(prefix="rdvmh", dir="/tmp") as sockdir:
         yield [start_node(h, i, cluster, sockdir) for i, h in enumerate(hosts.hosts)]
+
+
+def cluster_file(net: netns.Net) -> str:
+    """The daemons' cluster: task i of job node on port 50051 of host i."""
+    return json.dumps({"node": [f"{h.address}:50051" for h in net.hosts]})
+
+
+def fails_in_bound(agent: Agent, n: int, since: float) -> dict:
+    """Recv ``n`` failed with UNAVAILABLE within BOUND seconds of ``since``."""
+    when, got = agent.answer(n, BOUND + 30)
+    assert not got["ok"] and got["code"] == "UNAVAILABLE", got
+    assert when - since < BOUND, (when - since, got)
+    return got
+
+
+def cut_mid_transfer(net: netns.Net, src: Agent, dst: Agent, size: int, seed: int) -> tuple[int, float]:
+    """``src`` sends host 0's tensor ``big`` to host 1, whose link is held to
+    200 Mbit/s (about 4 s for 96 MiB); ``dst`` asks for it, and its cable is
+    pulled once 16 MiB crossed it. (The recv's id, when the cable went.)"""
+    net.shape(net.hosts[1], 200)
+    src.send(key(0, 1, "big"), size, seed=seed)
+    before = net.hosts[1].counters()["rx_bytes"]
+    n = dst.call(op="recv", key=key(0, 1, "big"))
+    wait_for(lambda: net.hosts[1].counters()["rx_bytes"] - before > 16 << 20, "16 MiB of the transfer on b's cable")
+    net.link(net.hosts[1], up=False)
+    return n, time.monotonic()
 
 
 def _cable_crossed(host: netns.Host, before: dict[str, int]) -> int:
@@ -274,9 +300,7 @@ def test_a_pulled_cable_fails_waiting_recvs_within_the_keepalive_bound_and_loses
     a.send(key(0, 1, "w2"), 1 << 20, seed=2)
     b.send(key(1, 2, "w3"), 4096, seed=3)
     for agent, n in ((b, waiting), (b, with_deadline), (c, from_b)):
-        when, got = agent.answer(n, BOUND + 30)
-        assert not got["ok"] and got["code"] == "UNAVAILABLE", got
-        assert when - pulled < BOUND, (when - pulled, got)
+        fails_in_bound(agent, n, pulled)
     # The rest of the job goes on meanwhile.
     a.send(key(0, 2, "side"), 4096, seed=4)
     c.recv_ok(key(0, 2, "side"), 4096, seed=4)
@@ -296,16 +320,8 @@ def test_a_pulled_cable_fails_waiting_recvs_within_the_keepalive_bound_and_loses
 def test_a_pulled_cable_during_a_large_transfer_fails_it_in_bound_and_the_tensor_stays(hosts, nodes):
     a, b = nodes[0].agent, nodes[1].agent
     size = 96 << 20
-    hosts.shape(hosts.hosts[1], 200)  # about 4 s for the tensor: the cable goes in the middle
-    a.send(key(0, 1, "big"), size, seed=5)
-    before = hosts.hosts[1].counters()["rx_bytes"]
-    n = b.call(op="recv", key=key(0, 1, "big"))
-    wait_for(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20, "16 MiB of the transfer on b's cable")
-    hosts.link(hosts.hosts[1], up=False)
-    pulled = time.monotonic()
-    when, got = b.answer(n, BOUND + 30)
-    assert not got["ok"] and got["code"] == "UNAVAILABLE", got
-    assert when - pulled < BOUND, when - pulled
+    n, pulled = cut_mid_transfer(hosts, a, b, size, seed=5)
+    fails_in_bound(b, n, pulled)
     # The producer notices the dead consumer too and puts the cut-off reply back.
     wait_for(lambda: nodes[0].metrics()["rendezvous_waiting_tensors"] == 1,
              "a's daemon to put the cut-off reply back", BOUND + 10)
@@ -325,21 +341,16 @@ def test_a_lost_host_is_noticed_within_the_bound_and_the_others_go_on(hosts, nod
     hosts.kill(hosts.hosts[2])
     lost = time.monotonic()
     for agent, n in zip((a, b), from_c):
-        when, got = agent.answer(n, BOUND + 30)
-        assert not got["ok"] and got["code"] == "UNAVAILABLE", got
-        assert when - lost < BOUND, when - lost
+        fails_in_bound(agent, n, lost)
     # A new recv from the lost host fails within the bound as well.
-    start = time.monotonic()
-    got = a.result(a.call(op="recv", key=key(2, 0, "y")), BOUND + 30)
-    assert got["code"] == "UNAVAILABLE" and time.monotonic() - start < BOUND, got
+    fails_in_bound(a, a.call(op="recv", key=key(2, 0, "y")), time.monotonic())
     # The hosts that stayed up go on.
     a.send(key(0, 1, "z"), 1 << 20, seed=6)
     b.recv_ok(key(0, 1, "z"), 1 << 20, seed=6)
     # The host comes back (a new daemon on the same address): the others reach it
     # without being restarted.
     hosts.link(hosts.hosts[2], up=True)
-    cluster = json.dumps({"node": [f"{h.address}:50051" for h in hosts.hosts]})
-    back = start_node(hosts.hosts[2], 2, cluster, str(Path(nodes[2].local[5:]).parent))
+    back = start_node(hosts.hosts[2], 2, cluster_file(hosts), str(Path(nodes[2].local[5:]).parent))
     back.agent.send(key(2, 0, "again"), 4096, seed=7)
     a.recv_ok(key(2, 0, "again"), 4096, seed=7)
     assert nodes[0].daemon.poll() is None and nodes[1].daemon.poll() is None
@@ -350,18 +361,11 @@ def test_a_pulled_cable_during_an_mpi_transfer_fails_the_recv_in_bound_and_the_t
     nodes = mpi_nodes
     a, b = nodes[0].agent, nodes[1].agent
     size = 96 << 20
-    hosts.shape(hosts.hosts[1], 200)
-    a.send(key(0, 1, "big"), size, seed=8)
-    before = hosts.hosts[1].counters()["rx_bytes"]
-    n = b.call(op="recv", key=key(0, 1, "big"))
-    wait_for(lambda: hosts.hosts[1].counters()["rx_bytes"] - before > 16 << 20, "16 MiB of the transfer on b's cable")
-    hosts.link(hosts.hosts[1], up=False)
-    pulled = time.monotonic()
+    n, pulled = cut_mid_transfer(hosts, a, b, size, seed=8)
     # The descriptor came over gRPC, the bytes were coming over MPI: the recv
     # fails with the stream, within the bound, and says where the tensor is.
-    when, got = b.answer(n, BOUND + 30)
-    assert not got["ok"] and got["code"] == "UNAVAILABLE" and "kept for the next recv" in got["message"], got
-    assert when - pulled < BOUND, when - pulled
+    got = fails_in_bound(b, n, pulled)
+    assert "kept for the next recv" in got["message"], got
     hosts.shape(hosts.hosts[1], None)
     hosts.link(hosts.hosts[1], up=True)
     # MPI's transfer goes on once the cable is back; the next recv of the key

@@ -1556,13 +1556,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, old)
         bench.close()
     bar.close()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / JSON_NAME).write_text(json.dumps(doc, indent=1))
-    text = render(doc)
-    (out / MARKDOWN_NAME).write_text(text)
-    print(text)
-    print(f"results: {out / JSON_NAME} (Markdown: {out / MARKDOWN_NAME})")
+    from .report import save
+
+    save(args.out, doc, render(doc), JSON_NAME, MARKDOWN_NAME)
     return 0
 
 

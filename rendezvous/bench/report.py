@@ -302,6 +302,17 @@ def write_json(doc: Mapping[str, Any], path: Path) -> None:
     path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
 
 
+def save(out: str | Path, doc: Mapping[str, Any], text: str, json_name: str, md_name: str) -> None:
+    """Write a command's results document and its Markdown into folder ``out``,
+    then print the Markdown and where both went (bench-steps, -daemon, -scale)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / json_name).write_text(json.dumps(doc, indent=1) + "\n")
+    (out / md_name).write_text(text)
+    print(text)
+    print(f"results: {out / json_name} (Markdown: {out / md_name})")
+
+
 def load(path: Path) -> dict[str, Any]:
     doc = json.loads(Path(path).read_text())
     validate(doc)

@@ -829,13 +829,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     doc = build(runs, {"ranks": args.ranks, "setups": args.setups, "big_bytes": args.big, "timeout": args.timeout},
                 time.monotonic() - t0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / JSON_NAME).write_text(json.dumps(doc, indent=1) + "\n")
-    text = render(doc)
-    (out / MARKDOWN_NAME).write_text(text)
-    print(text)
-    print(f"results: {out / JSON_NAME} (Markdown: {out / MARKDOWN_NAME})")
+    from .report import save
+
+    save(args.out, doc, render(doc), JSON_NAME, MARKDOWN_NAME)
     return 0
 
 

@@ -31,13 +31,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -414,12 +411,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
         return proc.returncode or 1
     doc = docs[0]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "steps.json").write_text(json.dumps(doc, indent=1))
-    text = render(doc)
-    (out / "steps.md").write_text(text)
-    print(text)
+    from .report import save
+
+    save(args.out, doc, render(doc), "steps.json", "steps.md")
     return 0
 
 
