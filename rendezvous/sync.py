@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 
@@ -19,7 +19,7 @@ from . import aio
 from .cluster import ClusterLike
 from .config import Config
 from .errors import FailedPrecondition
-from .keys import Key
+from .keys import Key, as_key
 from .devices import Devices
 from .lifecycle import new_event_loop
 from .table import Received
@@ -42,7 +42,12 @@ class Server:
 
     # -- plumbing -----------------------------------------------------------
 
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
+              orphaned: Callable[[T], None] | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result. Interrupted here
+        (Ctrl-C, ``timeout``), the coroutine is cancelled; if it had finished
+        already, its result goes to ``orphaned`` on the loop (a recv's tensor is
+        kept for the next recv of its key, never dropped)."""
         if self._loop is None:
             coro.close()
             raise FailedPrecondition("server is not started; call start() first")
@@ -53,7 +58,13 @@ class Server:
         try:
             return fut.result(timeout)
         except BaseException:
-            fut.cancel()  # KeyboardInterrupt or a timeout here: stop the remote wait too
+            # KeyboardInterrupt or a timeout here: stop the remote wait too
+            if not fut.cancel() and orphaned is not None and fut.done() and not fut.cancelled() \
+                    and fut.exception() is None:
+                try:
+                    self._loop.call_soon_threadsafe(orphaned, fut.result())
+                except RuntimeError:
+                    pass  # the loop is closed: the server stopped, and its tensors with it
             raise
 
     @property
@@ -154,11 +165,17 @@ class Server:
              device: str | None = None) -> Any:
         """Block until the tensor is here (None if dead): numpy, or a cupy array when
         the key's dst_device (or ``device="gpu:N"``) is a GPU; errors as in the aio form."""
-        return self._call(self._aio.recv(key, step_id, timeout, device))
+        return self.recv_item(key, step_id, timeout, device).value
 
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                   device: str | None = None) -> Received:
-        return self._call(self._aio.recv_item(key, step_id, timeout, device))
+        """:meth:`recv` as ``Received(value, is_dead)``."""
+        canonical = as_key(key).format()
+
+        def keep(item: Received) -> None:
+            self._aio.keep(step_id, canonical, item, why="was received after its caller was interrupted")
+
+        return self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         self._call(_as_coro(self._aio.abort, step_id, message))

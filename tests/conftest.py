@@ -25,7 +25,7 @@ settings.load_profile("rendezvous")
 
 
 # Settings of the test run itself, read by the tests: they stay.
-_TEST_SETTINGS = {"RENDEZVOUS_MPIEXEC", "RENDEZVOUS_SOAK_OPS"}
+_TEST_SETTINGS = {"RENDEZVOUS_MPIEXEC", "RENDEZVOUS_SOAK_OPS", "RENDEZVOUS_RACE_TENSORS"}
 
 
 @pytest.fixture(autouse=True)

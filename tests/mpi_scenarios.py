@@ -7,6 +7,7 @@ others hanging; without MPI the rank just exits non-zero.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -327,45 +328,104 @@ def huge() -> None:
     server.stop(5)
 
 
-def deadlines(count: str = "200") -> None:
-    """Rank 1 produces tensors 3 ms apart (a third of them on the MPI
-    path); rank 0 asks for each with a 0.5-6 ms deadline and, when that passes,
-    asks again. Every tensor arrives exactly once, with its own value: a recv
-    that gave up while a descriptor's bytes were on their way keeps them."""
-    import random
+def exactly_once(count: str = "1000", api: str = "aio") -> None:
+    """Deadlines racing transfers on whatever path the environment picks: rank 1
+    produces ``count`` tensors (16 B and 256 KiB in turn) while rank 0 receives
+    each with a 2-20 ms deadline, retried until it arrives, many recvs in flight
+    (``api``: the asyncio server, or the blocking ``Server`` called from a pool
+    of threads); then rank 0 asks every key again (any answer is a second
+    delivery) and both ranks report what is left anywhere once the traffic has
+    settled."""
+    import concurrent.futures
+
+    from rendezvous import aio
+    from racing import ask_again, paced, race, value
 
     n = int(count)
-    server = start(2)
-    me = server.task.task
-    sizes = (64, 4 << 10, 256 << 10)  # the last above the MPI threshold
-    go = key(worker(0), worker(1), "go")
-    if me == 1:
-        # start producing once the consumer asks (a late-starting consumer would
-        # otherwise find everything produced and never race a deadline)
-        server.recv(go, step_id=1, timeout=60)
-        for i in range(n):
-            server.send(key(worker(1), worker(0), f"d{i}"), np.full(sizes[i % 3] // 8, i, np.int64), step_id=1)
-            time.sleep(0.003)  # the producer's pace (slower than the deadlines), not a synchronization
-        finish(server)
-        # the step's tensors (the finish handshake's own may still be on its way)
-        left = [entry for entry in server.pending() if entry.step_id == 1]
-        result(rank=me, left=len(left), left_items=repr(left)[:2000])
-    else:
-        rng = random.Random(5)
-        timed_out = 0
-        server.send(go, np.zeros(1), step_id=1)
-        for i in range(n):
-            k = key(worker(1), worker(0), f"d{i}")
-            try:
-                got = server.recv(k, step_id=1, timeout=rng.uniform(0.0005, 0.006))
-            except rendezvous.DeadlineExceeded:
-                timed_out += 1
-                got = server.recv(k, step_id=1, timeout=60)
-            assert got.shape == (sizes[i % 3] // 8,) and int(got[0]) == i == int(got[-1]), (i, got[:2])
-        finish(server)
-        result(rank=me, timed_out=timed_out, mpi=server.stats()["mpi"]["transfers"],
-               kept=len(server._aio._undelivered))
-    server.stop(5)
+    rank, _ = launcher_rank() or (0, 1)
+    blocking = api == "blocking"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(16)
+        if blocking:
+            sync = rendezvous.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi")
+            await loop.run_in_executor(pool, sync.start)
+            server = sync.aio  # what is left is read on its loop (below)
+        else:
+            server = aio.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi")
+            await server.start()
+
+        async def on_server(fn):  # run fn() (a function or a coroutine function) on the server's loop
+            if not blocking:
+                return await _as_coro(fn)
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_as_coro(fn), sync.loop))
+
+        async def send(k, v, step_id):
+            if blocking:
+                await loop.run_in_executor(pool, sync.send, k, v, step_id)
+            else:
+                server.send(k, v, step_id=step_id)
+
+        async def recv(k, step_id, timeout):
+            if blocking:
+                return await loop.run_in_executor(pool, sync.recv, k, step_id, timeout)
+            return await server.recv(k, step_id=step_id, timeout=timeout)
+
+        if server.config.mpi_disabled:
+            addresses = await loop.run_in_executor(None, exchange_addresses, rank, server.target)
+            await on_server(lambda: server.update_cluster({"worker": addresses}))
+        me, other = worker(rank), worker(1 - rank)
+        name = lambda i: key(worker(1), worker(0), f"x{i}")  # noqa: E731
+        if rank == 1:
+            await recv(key(other, me, "go"), 2, 60)
+            await paced(lambda i: send(name(i), value(i), 1), n)
+            await recv(key(other, me, "done"), 2, 300)
+            await on_server(lambda: quiet(server))
+            left = await on_server(lambda: [e for e in server.pending() if e.step_id == 1])
+            result(rank=rank, left=len(left), left_items=repr(left)[:2000])
+        else:
+            await send(key(me, other, "go"), np.zeros(1), 2)
+            tally = await race(lambda i, t: recv(name(i), 1, t), n, seed=3)
+            await on_server(lambda: quiet(server))
+            await ask_again(lambda i, t: recv(name(i), 1, t), tally)
+            await on_server(lambda: quiet(server))
+            kept = await on_server(lambda: sum(len(q) for q in server._undelivered.values()))
+            unsettled = await on_server(lambda: sum(len(p._unsettled) for p in server._peers.values()))
+            stats = server.stats()
+            result(rank=rank, n=n, timed_out=tally.timed_out, wrong=tally.wrong, twice=tally.twice,
+                   kept=kept, unsettled=unsettled, mpi=stats["mpi"]["transfers"], grpc=stats["grpc"]["transfers"])
+            await send(key(me, other, "done"), np.zeros(1), 2)
+        if blocking:
+            await loop.run_in_executor(pool, sync.stop, 5)
+        else:
+            await server.stop(5)
+        pool.shutdown()
+
+    asyncio.run(main())
+
+
+async def _as_coro(fn):
+    got = fn()
+    return (await got) if asyncio.iscoroutine(got) else got
+
+
+async def quiet(server) -> None:
+    """Until no reply is in flight to or from ``server`` (requests answered, MPI
+    transfers landed, orphans received): what is left then stays."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 60
+
+    def busy() -> bool:
+        streams = [p.live_stream() for p in server._peers.values()]
+        replying = any(c.replies or c.writing for c in server.servicer._streams)
+        return (replying or server.stats()["mpi"]["in_flight"] > 0
+                or any(s is not None and (s.pending or s.moving) for s in streams))
+
+    while busy():
+        if loop.time() > end:
+            raise AssertionError("the traffic did not settle within 60 s")
+        await asyncio.sleep(0.005)
 
 
 def stopped_producer(folder: str) -> None:

@@ -1,24 +1,35 @@
-"""Nothing produced is lost when a recv fails: deadlines racing replies.
+"""Nothing produced is lost, and nothing is delivered twice, when recvs race
+their deadlines.
 
 A recv that gives up (deadline, cancel) must consume nothing: the tensor
 stays in the producer's table, or, when its reply was already on the way,
 the consumer's server keeps it for the next recv of that key and step (or
-hands it to such a recv already waiting). Every produced tensor is counted.
+hands it to such a recv already waiting). Exactly once is checked the way
+``racing.py`` describes: after the race, every key is asked again and none
+may answer, and nothing may be pending anywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import concurrent.futures
+import os
 
 import numpy as np
 import pytest
 
+from rendezvous.client import Client as BlockingClient
+from rendezvous.client.aio import Client
 from rendezvous.errors import DeadlineExceeded
 
 from conftest import cluster, run, until
+from racing import ask_again, paced, race, value
+from test_daemon import daemons, sockdir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
+
+#: tensors per race; ``make soak`` raises it
+RACE = int(os.environ.get("RENDEZVOUS_RACE_TENSORS", "2000"))
 
 
 def key(name: str) -> str:
@@ -26,38 +37,121 @@ def key(name: str) -> str:
             f"/job:worker/replica:0/task:0/device:CPU:0;{name};0:0")
 
 
-def test_short_deadlines_racing_a_stream_of_tensors_lose_none():
-    """The producer sends one tensor a millisecond; the consumer asks for each
-    with a 2-20 ms deadline and, when that passes, asks again with a long one.
-    Every tensor arrives exactly once, with its own value."""
-    n = 300
+def node_key(src: int, dst: int, name: str) -> str:
+    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+            f"/job:node/replica:0/task:{dst}/device:CPU:0;{name};0:0")
 
+
+def nothing_in_flight(*servers) -> bool:
+    """No reply on its way to or from any of ``servers`` (aio rank servers)."""
+    for server in servers:
+        if any(c.replies or c.writing or c.flushing for c in server.servicer._streams):
+            return False
+        for peer in server._peers.values():
+            stream = peer.live_stream()
+            if stream is not None and (stream.pending or stream.moving):
+                return False
+    return True
+
+
+def left_anywhere(*servers) -> list:
+    """What the servers still hold of a race: produced tensors and waiters in
+    their tables, and tensors kept for a next recv."""
+    return [entry for s in servers for entry in s.pending()] + \
+        [k for s in servers for k, q in s._undelivered.items() if q]
+
+
+def test_racing_deadlines_deliver_every_tensor_exactly_once():
+    """Rank servers: the producer sends while the consumer asks for each tensor
+    with a 2-20 ms deadline, again and again until it arrives (16 B and 256 KiB
+    in turn). Then every key is asked again: nothing answers, nothing is left."""
     async def main():
         async with cluster(2) as (consumer, producer):
-            rng = random.Random(7)
-            timed_out = 0
-
-            async def produce():
-                for i in range(n):
-                    producer.send(key(f"t{i}"), np.full(64, i, np.int64), step_id=1)
-                    await asyncio.sleep(0.001)
-
-            async def consume(i: int) -> int:
-                nonlocal timed_out
-                try:
-                    got = await consumer.recv(key(f"t{i}"), step_id=1, timeout=rng.uniform(0.002, 0.02))
-                except DeadlineExceeded:
-                    timed_out += 1
-                    got = await consumer.recv(key(f"t{i}"), step_id=1, timeout=30)
-                return int(got[0]) if (got == got[0]).all() else -1
-
-            feeder = asyncio.ensure_future(produce())
-            got = await asyncio.gather(*(consume(i) for i in range(n)))
+            feeder = asyncio.ensure_future(
+                paced(lambda i: producer.send(key(f"t{i}"), value(i), step_id=1), RACE))
+            recv = lambda i, t: consumer.recv(key(f"t{i}"), step_id=1, timeout=t)  # noqa: E731
+            tally = await race(recv, RACE, seed=7)
             await feeder
-            assert got == list(range(n))
-            assert timed_out > 0, "no deadline passed: the race was not exercised"
-            # nothing left behind on either side
-            assert not producer.pending() and not consumer._undelivered
+            await until(lambda: nothing_in_flight(consumer, producer), what="the replies in flight")
+            await ask_again(recv, tally)
+            tally.check()
+            await until(lambda: nothing_in_flight(consumer, producer), what="the withdrawn requests")
+            assert not left_anywhere(consumer, producer)
+            # unanswered request ids are remembered only for streams that broke
+            assert not any(p._unsettled for p in consumer._peers.values())
+    run(main(), 110)
+
+
+def daemons_settled(*ds) -> bool:
+    return all(not d.local.waits and nothing_in_flight(d.server) and
+               not any(s.recvs for s in d.sessions.sessions.values()) for d in ds)
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one-daemon", "two-daemons"])
+@pytest.mark.parametrize("blocking", [False, True], ids=["aio-client", "blocking-client"])
+def test_racing_deadlines_through_daemons_deliver_every_tensor_exactly_once(sockdir, nodes, blocking):  # noqa: F811
+    """Local clients: one produces through its daemon, another receives through
+    its own (the same daemon, or a second node's), with racing deadlines."""
+    n = RACE // 2
+
+    async def main():
+        async with daemons(sockdir, n=nodes) as ds, Client(ds[0].local_target) as producer:
+            home = ds[-1]
+            dst = nodes - 1
+            k = lambda i: node_key(0, dst, f"t{i}")  # noqa: E731
+            feeder = asyncio.ensure_future(paced(lambda i: producer.send(k(i), value(i), step_id=1), n))
+            loop = asyncio.get_running_loop()
+            if blocking:
+                pool = concurrent.futures.ThreadPoolExecutor(16)
+                consumer = await loop.run_in_executor(pool, BlockingClient, home.local_target)
+                recv = lambda i, t: loop.run_in_executor(pool, consumer.recv, k(i), 1, t)  # noqa: E731
+            else:
+                consumer = await Client(home.local_target).connect()
+                recv = lambda i, t: consumer.recv(k(i), step_id=1, timeout=t)  # noqa: E731
+            try:
+                tally = await race(recv, n, seed=nodes)
+                await feeder
+                await until(lambda: daemons_settled(*ds), what="the recvs in flight")
+                await ask_again(recv, tally)
+                tally.check()
+                await until(lambda: daemons_settled(*ds), what="the withdrawn recvs")
+                assert not left_anywhere(*(d.server for d in ds))
+            finally:
+                if blocking:
+                    consumer.close()
+                    pool.shutdown()
+                else:
+                    await consumer.close()
+    run(main(), 110)
+
+
+def test_local_recvs_cancelled_by_their_caller_race_replies_and_lose_nothing(sockdir):  # noqa: F811
+    """The caller's own deadline (``asyncio.wait_for`` around the recv, no
+    deadline given to the daemon): the daemon's wait is cancelled, and a reply
+    already on its way is given back (RETURN) and kept for the next recv."""
+    n = RACE // 2
+
+    async def main():
+        async with daemons(sockdir, n=2) as (d0, d1), Client(d0.local_target) as producer, \
+                Client(d1.local_target) as consumer:
+            k = lambda i: node_key(0, 1, f"c{i}")  # noqa: E731
+
+            async def recv(i: int, t: float):
+                try:
+                    return await asyncio.wait_for(consumer.recv(k(i), step_id=1), t)
+                except TimeoutError:
+                    raise DeadlineExceeded(f"c{i}") from None
+
+            feeder = asyncio.ensure_future(paced(lambda i: producer.send(k(i), value(i), step_id=1), n))
+            tally = await race(recv, n, seed=11)
+            await feeder
+            await until(lambda: daemons_settled(d0, d1) and not consumer._link._cancelled,
+                        what="the cancelled recvs' answers")
+            await ask_again(recv, tally)
+            tally.check()
+            await until(lambda: daemons_settled(d0, d1) and not consumer._link._cancelled,
+                        what="the withdrawn recvs")
+            assert not left_anywhere(d0.server, d1.server)
     run(main(), 110)
 
 

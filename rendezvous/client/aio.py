@@ -127,9 +127,10 @@ class _AioSession(Router):
         try:
             await asyncio.wait_for(fut, timeout)
         except BaseException:
-            if self._ops.pop(op_id, None) is not None and kind == Kind.RECV:
-                self._cancelled[op_id] = op  # a tensor that still comes is given back
-                self.conn.write(localwire.frame(Kind.CANCEL, op_id))
+            if kind == Kind.RECV:
+                self._give_up(op_id, op)  # the tensor, now or when it comes, is given back
+            else:
+                self._ops.pop(op_id, None)
             raise
         if op.kind == Kind.ERROR:
             raise frame_error(op.body)

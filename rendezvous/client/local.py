@@ -365,6 +365,18 @@ class Router:
     def _write(self, data: bytes) -> None:
         raise NotImplementedError
 
+    def _give_up(self, op_id: int, op: _Op) -> None:
+        """The caller of RECV ``op_id`` stopped waiting (a deadline of its own, a
+        cancel, Ctrl-C). Its answer is given back, never dropped: if it already
+        came, the tensor goes back now (RETURN); if not, the daemon's wait is
+        cancelled and a tensor that still comes is given back when it does.
+        (The blocking client calls this under the lock its reader routes under.)"""
+        if self._ops.pop(op_id, None) is not None:
+            self._cancelled[op_id] = op
+            self._write(localwire.frame(Kind.CANCEL, op_id))
+        elif op.done and op.kind == Kind.RECV_REPLY:
+            self._write(localwire.frame(Kind.RETURN, 0, returned(op, op.body)))
+
     def _route(self, kind: int, op_id: int, body: memoryview) -> Any:
         """The pending entry this frame answers, or None (handled here)."""
         if kind == Kind.SEGMENTS:
@@ -454,13 +466,15 @@ class _Session(Router):
             self._write(localwire.frame(kind, op_id, body))
             self._wait(op, None if timeout is None else _now() + timeout)
         except BaseException as exc:
-            if self._ops.pop(op_id, None) is not None and kind == Kind.RECV:
-                # interrupted (Ctrl-C) or out of time: a tensor that still comes is given back
-                self._cancelled[op_id] = op
+            if kind == Kind.RECV:
+                # interrupted (Ctrl-C) or out of time: the tensor is given back
                 try:
-                    self._write(localwire.frame(Kind.CANCEL, op_id))
+                    with self._cond:
+                        self._give_up(op_id, op)
                 except RendezvousError:
                     pass
+            else:
+                self._ops.pop(op_id, None)
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded(f"the daemon did not answer within {timeout:g}s") from None
             raise
@@ -517,9 +531,9 @@ class _Session(Router):
             self._frame(kind, op_id, body)
 
     def _frame(self, kind: int, op_id: int, body: memoryview) -> None:
-        op = self._route(kind, op_id, body)
-        if op is not None:
-            with self._cond:
+        with self._cond:  # routed and marked done at once: see _give_up
+            op = self._route(kind, op_id, body)
+            if op is not None:
                 op.kind, op.body, op.done = kind, body, True
                 self._cond.notify_all()
 

@@ -82,7 +82,8 @@ class _Broken(Exception):
 
 
 class _Pending:
-    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan", "request_id")
+    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan", "request_id",
+                 "settled")
 
     def __init__(self, future: asyncio.Future, key: str, step_id: int, placement: Any = None,
                  request_id: int = 0) -> None:
@@ -94,6 +95,11 @@ class _Pending:
         self.step_id = step_id
         self.placement = placement  # where the tensor should land
         self.orphan = False  # its recv gave up; the reply, if one comes, is still taken
+        #: the producer's answer is in: a tensor (delivered to this recv, handed to
+        #: another, or kept by the server) or an error. Nothing is left to settle;
+        #: in particular its request_id must never be asked again (that would be
+        #: answered from the producer's retry cache with the same tensor).
+        self.settled = False
 
 
 class _Stream:
@@ -115,17 +121,21 @@ class _Stream:
         self.pending[call_id] = pending
         self.outbox.put_nowait(request)
 
-    def cancel(self, call_id: int) -> bool:
-        """The recv of ``call_id`` gave up. Its call stays as an orphan until the
-        producer answers the cancel: with CANCELLED (nothing was sent), or with the
-        reply it had already started, which is received and kept, never dropped.
-        False when the stream is already gone (no cancel can be sent)."""
-        p = self.pending.get(call_id)
-        if p is None:
-            p = self.moving.get(call_id)
-            if p is not None:  # its bytes are on their way: they are kept when they land
-                p.orphan = True
-            return p is not None
+    def cancel(self, call_id: int, p: _Pending) -> bool:
+        """The recv of ``call_id`` (``p``) gave up. True when this stream settles
+        the call: its answer is already in (the tensor went to another recv or to
+        the server), its bytes are on their way (kept when they land), or the
+        call stays as an orphan until the producer answers the cancel: with
+        CANCELLED (nothing was sent), or with the reply it had already started,
+        which is received and kept, never dropped. False when the stream broke
+        before the producer answered: nobody knows whether it took the tensor."""
+        if p.settled:
+            return True
+        if self.moving.get(call_id) is p:  # its bytes are on their way: they are kept when they land
+            p.orphan = True
+            return True
+        if self.pending.get(call_id) is not p:
+            return False  # the stream broke and dropped it, unanswered
         if not self.alive:
             del self.pending[call_id]
             return False
@@ -201,6 +211,7 @@ class _Stream:
             return
         if frame.error is not None:  # the producer's answer: an error (or CANCELLED for an orphan)
             self.pending.pop(frame.call_id, None)
+            p.settled = True
             if not p.future.done():
                 p.future.set_exception(frame.error)
             return
@@ -236,11 +247,13 @@ class _Stream:
             # under max_tensor_bytes but more than this process can hold: that recv
             # fails; the stream and every other recv on it go on
             self.pending.pop(frame.call_id, None)
+            p.settled = True
             if not p.future.done():
                 p.future.set_exception(ResourceExhausted(
                     f"out of memory for the tensor {self.client.describe()} announced for {p.key!r}"))
         except RendezvousError as exc:
             self.pending.pop(frame.call_id, None)
+            p.settled = True
             if isinstance(exc, InvalidArgument):  # the reply, not the request, is wrong
                 exc = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
             if not p.future.done():
@@ -251,6 +264,7 @@ class _Stream:
         self._deliver(p, fetched)
 
     def _deliver(self, p: _Pending, fetched: Fetched) -> None:
+        p.settled = True
         if not p.orphan and not p.future.done():
             p.future.set_result(fetched)
             return
@@ -265,7 +279,7 @@ class _Stream:
             if (not other.orphan and other.key == p.key and other.step_id == p.step_id
                     and not other.future.done()):
                 other.future.set_result(kept)
-                stream.cancel(call_id)  # type: ignore[union-attr]
+                stream.cancel(call_id, other)  # type: ignore[union-attr]
                 return
         self.client.unclaimed(p.step_id, p.key, kept)
 
@@ -273,6 +287,7 @@ class _Stream:
         """A reply whose bytes came another way (a plane's pending transfer) is done."""
         if self.moving.get(call_id) is p:
             del self.moving[call_id]
+        p.settled = True
         if task.cancelled():
             if not p.future.done():
                 p.future.cancel()
@@ -419,7 +434,7 @@ class PeerClient:
                                 # cancel): this recv gives up, but the tensor is kept.
                                 self.unclaimed(step_id, key, fut.result())
                         else:
-                            orphaned = stream.cancel(call_id)
+                            orphaned = stream.cancel(call_id, pending)
                         raise
         except BaseException as exc:
             if asked and not orphaned:
