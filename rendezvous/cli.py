@@ -47,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--save", metavar="FILE.npy", help="also save the tensor with numpy.save")
     sec = g.add_argument_group("security (for servers with a token or TLS)")
     sec.add_argument("--token", default=os.environ.get("RENDEZVOUS_TOKEN", ""), metavar="TOKEN",
-                     help="shared token, sent as 'authorization: Bearer TOKEN' (env RENDEZVOUS_TOKEN); "
-                          "visible to other users in the process list: prefer --token-file or the env")
+                     help="deprecated (a command line is visible to every user in the process list): use "
+                          "--token-file or RENDEZVOUS_TOKEN. The shared token, sent as 'authorization: Bearer TOKEN'")
     sec.add_argument("--token-file", default=os.environ.get("RENDEZVOUS_TOKEN_FILE", ""), metavar="FILE",
                      help="read the token from FILE (env RENDEZVOUS_TOKEN_FILE)")
     sec.add_argument("--tls-ca", default=os.environ.get("RENDEZVOUS_TLS_CA", ""), metavar="PEM",
@@ -256,8 +256,9 @@ def _get(args: argparse.Namespace, argv: list[str]) -> int:
         parse_key(args.key)
         request = pb.RecvTensorRequest(step_id=args.step, rendezvous_key=args.key)
         if "--token" in argv or any(a.startswith("--token=") for a in argv):
-            print("rendezvous get: warning: a token given with --token shows in the process list; "
-                  "use --token-file or RENDEZVOUS_TOKEN", file=sys.stderr)
+            print("rendezvous get: warning: --token is deprecated and will be removed: a token on the command "
+                  "line shows in the process list to every user; use --token-file FILE or RENDEZVOUS_TOKEN",
+                  file=sys.stderr)
         credentials, metadata = _get_security(args)
         options = local_channel_options()
         channel = (grpc.secure_channel(args.address, credentials, options=options) if credentials

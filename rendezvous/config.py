@@ -74,8 +74,10 @@ class Config:
         "Bytes of large receive buffers (32 MiB and up) a process keeps to reuse once the arrays received "
         "into them are dropped (a fresh one is page-faulted and zeroed at every recv); 0: never reuse.")
     max_request_bytes: int = _knob(
-        4 << 20, "RENDEZVOUS_MAX_REQUEST_BYTES",
-        "Largest request message a server accepts (requests carry keys, never tensors).")
+        256 << 10, "RENDEZVOUS_MAX_REQUEST_BYTES",
+        "Largest request message a server accepts (requests carry keys, never tensors: a key is at most "
+        "16,384 characters, and a consumer packs its queued requests into messages of at most 64 KiB); "
+        "at least 64 KiB.")
     uvloop: bool = _knob(
         True, "RENDEZVOUS_UVLOOP",
         "Run the blocking Server's event loop on uvloop when it is installed.", parse=env_flag)
@@ -236,6 +238,9 @@ class Config:
             raise InvalidArgument("need gpu_staging_chunk_bytes >= 4096 and gpu_staging_depth >= 1")
         if self.chunk_bytes < 1024:
             raise InvalidArgument(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
+        if self.max_request_bytes < 64 << 10:
+            raise InvalidArgument(f"max_request_bytes must be at least 65536 (one request with the longest key, "
+                                  f"or a consumer's packed requests), got {self.max_request_bytes}")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

@@ -27,15 +27,16 @@ import array
 import asyncio
 import collections
 import enum
+import mmap
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["Kind", "HEADER", "frame", "FrameReader", "FrameError", "Connection", "pack_ids", "unpack_ids",
+__all__ = ["Kind", "HEADER", "frame", "FrameReader", "FrameError", "FrameTooLarge", "Connection", "pack_ids", "unpack_ids",
            "pack_grants", "unpack_grants", "pack_error", "unpack_error", "MAX_FDS", "take_fds"]
 
 HEADER = struct.Struct("<IBQ")
@@ -62,7 +63,7 @@ class Kind(enum.IntEnum):
     RETURN = 9  # SendRequest of a reply the client could not deliver (its recv was cancelled); answered OK
     # daemon -> client
     OK = 0x80
-    ERROR = 0x81  # packed status code and message
+    ERROR = 0x81  # packed status code and message; with operation id 0: the session ends, and why
     RECV_REPLY = 0x82  # LocalRecvResponse
     SEGMENTS = 0x83  # packed (id, size) grants; their descriptors ride with this write
     RETIRE = 0x84  # packed segment ids the daemon closed: unmap them
@@ -72,6 +73,10 @@ class Kind(enum.IntEnum):
 
 class FrameError(InvalidArgument):
     """A peer broke the framing: the connection cannot go on."""
+
+
+class FrameTooLarge(FrameError):
+    """A frame announced more bytes than its kind may carry."""
 
 
 def frame(kind: int, op: int, body: bytes | bytearray | memoryview = b"") -> bytes:
@@ -110,16 +115,30 @@ def unpack_error(body: bytes | memoryview) -> tuple[int, str]:
 
 
 class FrameReader:
-    """Splits a byte stream into frames (kind, op id, body view); FrameError on a
-    body above ``limit``. A large body is read straight into a buffer of its own:
-    :meth:`into` says where the next read goes, :meth:`filled` takes it."""
+    """Splits a byte stream into frames (kind, op id, body view).
 
-    def __init__(self, limit: int) -> None:
+    ``limit``: the largest body a frame may announce; ``limits``: smaller (or
+    larger) ones by kind (a daemon takes large bodies only where an operation
+    carries a tensor). A header announcing more is a FrameError at once,
+    before anything is allocated for it.
+
+    A large body is read straight into a buffer of its own (:meth:`into` says
+    where the next read goes, :meth:`filled` takes it). That buffer is an
+    anonymous mapping: address space is reserved for the whole body, but
+    memory is committed only as bytes arrive (no zeroing, no copy), so a
+    header announcing gigabytes and then nothing costs nothing. A body larger
+    than the machine can reserve is a FrameError."""
+
+    def __init__(self, limit: int, limits: Mapping[int, int] | None = None) -> None:
         self.limit = limit
+        self.limits = dict(limits or {})
         self._rest = b""
-        self._big: bytearray | None = None
+        self._big: mmap.mmap | None = None
         self._big_head = (0, 0)
         self._filled = 0
+
+    def limit_of(self, kind: int) -> int:
+        return self.limits.get(kind, self.limit)
 
     def into(self) -> memoryview | None:
         if self._big is None:
@@ -142,13 +161,15 @@ class FrameReader:
         hsize = HEADER.size
         while end - pos >= hsize:
             length, kind, op = HEADER.unpack_from(buf, pos)
-            if length > self.limit:
-                raise FrameError(f"a frame announces {length} bytes; this socket carries at most {self.limit}")
+            cap = self.limits.get(kind, self.limit)
+            if length > cap:
+                raise FrameTooLarge(f"a frame of kind {kind} announces {length} bytes; this socket carries at most "
+                                 f"{cap} in one")
             stop = pos + hsize + length
             if stop > end:
                 if length >= _BIG:
                     have = end - pos - hsize
-                    self._big = bytearray(length)
+                    self._big = _body_buffer(length)
                     self._big[:have] = view[pos + hsize:end]
                     self._filled = have
                     self._big_head = (kind, op)
@@ -163,6 +184,19 @@ class FrameReader:
     def partial(self) -> bool:
         """Whether a frame has begun and not ended."""
         return bool(self._rest) or self._big is not None
+
+    def discard(self) -> None:
+        """Drop a frame begun and not ended (the connection is gone)."""
+        self._rest = b""
+        self._big = None
+
+
+def _body_buffer(length: int) -> mmap.mmap:
+    """Room for a large frame body, committed page by page as it is written."""
+    try:
+        return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    except (OSError, OverflowError, ValueError) as exc:
+        raise FrameTooLarge(f"a frame announces {length} bytes, more than this machine can hold: {exc}") from None
 
 
 def take_fds(ancdata: Sequence[tuple[int, int, bytes]]) -> list[int]:
@@ -184,38 +218,83 @@ def _close_fds(fds: Sequence[int]) -> None:
             pass
 
 
+#: frames handed to the owner in one loop turn, at most; the rest wait for the next
+_TURN_FRAMES = 256
+
+
+def _ignore(*_: Any) -> None:
+    pass
+
+
 class Connection:
     """One stream socket on an asyncio loop: frames in (``on_frames(frames, fds)``,
-    called with every complete frame a read brought and the descriptors that came
-    with it), frames out (:meth:`write`, coalesced per loop turn, descriptors
+    called with frames in arrival order and the descriptors that came with
+    them), frames out (:meth:`write`, coalesced per loop turn, descriptors
     attached), ``on_close(error or None)`` once when the socket ends.
 
-    Reading pauses while more than ``high_water`` bytes wait to go out (a peer
-    that does not read cannot make this side buffer without bound)."""
+    What a peer can make this side hold is bounded:
+
+    * a frame's body by ``limit`` (``limits`` by kind; see :class:`FrameReader`);
+    * replies it does not read: above ``high_water`` bytes, or ``max_fds``
+      descriptors, waiting to go out, no more frames are taken from it (those
+      already read wait, unhandled) and its socket is not read, until half of
+      that has gone out;
+    * the work one burst starts: at most a few hundred frames are handed over
+      per loop turn, ``group`` at a time with the backlog checked in between,
+      and nothing more is read while frames wait.
+
+    Closing drops everything held for the peer at once (buffers, queued
+    frames, the owner's callbacks): nothing waits for the garbage collector."""
 
     def __init__(self, sock: socket.socket, *, limit: int,
                  on_frames: Callable[[list[tuple[int, int, memoryview]], list[int]], None],
                  on_close: Callable[[BaseException | None], None], fds: bool = False,
-                 high_water: int = 64 << 20) -> None:
+                 high_water: int = 64 << 20, max_fds: int = 64, limits: Mapping[int, int] | None = None,
+                 group: int = _TURN_FRAMES, farewell: Callable[[FrameError], bytes] | None = None) -> None:
         self.sock = sock
         sock.setblocking(False)
         self.loop = asyncio.get_running_loop()
-        self.reader = FrameReader(limit)
+        self.reader = FrameReader(limit, limits)
         self._on_frames = on_frames
         self._on_close = on_close
         self._fds = fds  # whether to accept descriptors (the client does; the daemon never)
+        self._inbox: collections.deque[tuple[int, int, memoryview]] = collections.deque()
+        self._inbox_fds: list[int] = []
+        self._dispatching = False  # a dispatch is scheduled for the next turn
         self._out: collections.deque[tuple[Any, tuple[int, ...]]] = collections.deque()
         self._out_bytes = 0
+        self._out_fds = 0
         self._high = high_water
+        self._max_fds = max_fds
+        self._group = max(1, group)
+        self._farewell = farewell  # the last frame to a peer that broke the framing: why
+        self._room = asyncio.Event()  # set while the peer reads its replies (not blocked)
+        self._room.set()
+        self._error: BaseException | None = None  # what ends a connection closing after its flush
         self._flushing = False
         self._writing = False
-        self._reading = True
+        self._reading = False
         self._closing = False
         self.closed = False
         self._fd = sock.fileno()
-        self.loop.add_reader(self._fd, self._readable)
+        self._read_on()
 
     # -- reading ------------------------------------------------------------------
+
+    def _read_on(self) -> None:
+        if not self._reading and not self.closed:
+            self._reading = True
+            self.loop.add_reader(self._fd, self._readable)
+
+    def _read_off(self) -> None:
+        if self._reading:
+            self._reading = False
+            self.loop.remove_reader(self._fd)
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the peer is not reading what was written to it (see the class)."""
+        return self._out_bytes > self._high or self._out_fds > self._max_fds
 
     def _readable(self) -> None:
         fds: list[int] = []
@@ -240,20 +319,52 @@ class Connection:
                     else:
                         data = self.sock.recv(_READ)
                     if not data:
-                        self.close(ConnectionError("the peer closed the socket in the middle of a frame")
-                                   if self.reader.partial else None)
+                        if self.reader.partial:
+                            self.close(ConnectionError("the peer closed the socket in the middle of a frame"))
+                        else:
+                            self._dispatch()  # what came before the end is handled first
+                            self.close(None)
                         return
                     frames = self.reader.feed(data)
-                if frames or fds:
-                    handed, fds = fds, []
-                    self._on_frames(frames, handed)
-                if self.closed or not self._reading:
-                    return
+                self._inbox.extend(frames)
+                self._inbox_fds += fds
+                fds = []
+                if self._inbox or self._inbox_fds:
+                    break  # hand these over before reading more
         except (BlockingIOError, InterruptedError):
-            return
+            pass
         except (FrameError, OSError) as exc:
             _close_fds(fds)  # they came with the read that broke the framing
-            self.close(exc)
+            self._dispatch()  # the frames before the broken one are whole: they count
+            if isinstance(exc, FrameError) and self._farewell is not None and not self.closed:
+                self._error = exc
+                self.write(self._farewell(exc))  # the peer learns why, then the end
+                self.close_after_flush()
+            else:
+                self.close(exc)
+            return
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand waiting frames to the owner: a bounded number per turn, none while
+        the peer is not reading its replies. Reading goes on once none wait."""
+        self._dispatching = False
+        budget = _TURN_FRAMES
+        while (self._inbox or self._inbox_fds) and not self.closed and not self.blocked and not self._closing:
+            if budget <= 0:
+                self._dispatching = True
+                self.loop.call_soon(self._dispatch)
+                break
+            group = [self._inbox.popleft() for _ in range(min(self._group, budget, len(self._inbox)))]
+            fds, self._inbox_fds = self._inbox_fds, []
+            budget -= len(group)
+            self._on_frames(group, fds)
+        if self.closed or self._closing:
+            return
+        if self._inbox or self._inbox_fds or self.blocked:
+            self._read_off()
+        else:
+            self._read_on()
 
     # -- writing ------------------------------------------------------------------
 
@@ -266,12 +377,21 @@ class Connection:
             return
         self._out.append((data, tuple(fds)))
         self._out_bytes += len(data)
+        self._out_fds += len(fds)
         if not self._flushing and not self._writing:
             self._flushing = True
             self.loop.call_soon(self._flush)
-        if self._out_bytes > self._high and self._reading:
-            self._reading = False
-            self.loop.remove_reader(self._fd)
+        if self.blocked:
+            self._room.clear()
+            self._read_off()
+
+    async def room(self) -> None:
+        """Return once the peer is reading its replies (at once, unless it is
+        blocked: see the class). Replies made elsewhere than in ``on_frames``
+        (a recv that waited for its tensor) wait here, so what a peer that reads
+        nothing can make this side hold stays bounded."""
+        while self.blocked and not self.closed:
+            await self._room.wait()
 
     def _flush(self) -> None:
         self._flushing = False
@@ -296,6 +416,7 @@ class Connection:
             if not self._writing:
                 self._writing = True
                 self.loop.add_writer(self._fd, self._writable)
+            self._resume_if_drained()
             return
         except OSError as exc:
             self.close(exc)
@@ -304,17 +425,24 @@ class Connection:
             self._writing = False
             self.loop.remove_writer(self._fd)
         if self._closing:
-            self.close(None)
+            self.close(self._error)
             return
-        if not self._reading and self._out_bytes <= self._high // 2 and not self.closed:
-            self._reading = True
-            self.loop.add_reader(self._fd, self._readable)
+        self._resume_if_drained()
+
+    def _resume_if_drained(self) -> None:
+        """Take frames again once the peer has read half of what it was blocked on."""
+        if self.closed or self._out_bytes > self._high // 2 or self._out_fds > self._max_fds // 2:
+            return
+        self._room.set()
+        if not self._closing and not self._dispatching and not self._reading:
+            self._dispatch()
 
     def _sent(self, n: int) -> None:
         self._out_bytes -= n
         while n > 0:
             data, fds = self._out[0]
             _close_fds(fds)  # the peer has its own copies now
+            self._out_fds -= len(fds)
             if n >= len(data):
                 self._out.popleft()
                 n -= len(data)
@@ -335,6 +463,11 @@ class Connection:
         """Bytes waiting to go out."""
         return self._out_bytes
 
+    @property
+    def queued_fds(self) -> int:
+        """Descriptors waiting to go out."""
+        return self._out_fds
+
     # -- closing --------------------------------------------------------------------
 
     def close_after_flush(self) -> None:
@@ -343,9 +476,7 @@ class Connection:
         if self.closed or self._closing:
             return
         self._closing = True
-        if self._reading:
-            self._reading = False
-            self.loop.remove_reader(self._fd)
+        self._read_off()
         if not self._flushing and not self._writing:
             self._flushing = True
             self.loop.call_soon(self._flush)
@@ -354,14 +485,23 @@ class Connection:
         if self.closed:
             return
         self.closed = True
+        on_close = self._on_close
         try:
-            self.loop.remove_reader(self._fd)
+            self._read_off()
             if self._writing:
                 self.loop.remove_writer(self._fd)
         finally:
             for _, fds in self._out:
                 _close_fds(fds)
+            _close_fds(self._inbox_fds)
             self._out.clear()
-            self._out_bytes = 0
+            self._inbox.clear()
+            self._inbox_fds = []
+            self._out_bytes = self._out_fds = 0
+            self.reader.discard()
+            self._room.set()  # whoever waits for room sees the end
             self.sock.close()
-            self._on_close(error)
+            # the owner and this connection refer to each other: let go at once
+            self._on_frames = self._on_close = _ignore
+            self._farewell = None
+            on_close(error)

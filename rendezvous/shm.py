@@ -38,6 +38,7 @@ a descriptor (:func:`map_segment`, which checks the seals first).
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import math
 import mmap
@@ -53,8 +54,8 @@ import numpy as np
 
 from .errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["available", "size_class", "map_segment", "create_segment", "Pool", "Segment", "MIN_SEGMENT", "SEALS",
-           "live_mappings"]
+__all__ = ["available", "size_class", "map_segment", "create_segment", "Pool", "Segment", "Mapping", "MIN_SEGMENT",
+           "SEALS", "live_mappings"]
 
 #: smallest segment: the default shared-memory threshold
 MIN_SEGMENT = 64 << 10
@@ -92,18 +93,64 @@ def create_segment(size: int) -> int:
     return fd
 
 
-def _counted(mm: mmap.mmap) -> mmap.mmap:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _unmap(addr: int, size: int) -> None:
     global _live
+    _libc.munmap(addr, size)
     with _live_lock:
-        _live += 1
+        _live -= 1
 
-    def gone() -> None:
+
+class Mapping:
+    """A shared read-write mapping of a segment that holds no descriptor of its
+    own (Python's ``mmap`` keeps a duplicate of its file's descriptor: two per
+    segment where one will do). ``buffer`` is what arrays are made on
+    (``np.frombuffer(m.buffer, ...)``); the memory is unmapped once the mapping
+    is closed and the last array on it is gone, never under a live array."""
+
+    __slots__ = ("buffer", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
         global _live
+        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map a segment of {size} bytes: {os.strerror(err)}")
+        self.size = size
+        self.buffer: Any = (ctypes.c_char * size).from_address(addr)
         with _live_lock:
-            _live -= 1
+            _live += 1
+        weakref.finalize(self.buffer, _unmap, addr, size)
 
-    weakref.finalize(mm, gone)
-    return mm
+    def __len__(self) -> int:
+        return self.size
+
+    def view(self) -> memoryview:
+        """The bytes, as a memoryview (``close`` waits for it to go too)."""
+        if self.buffer is None:
+            raise ValueError("the mapping is closed")
+        return memoryview(self.buffer).cast("B")
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.view()[index]
+
+    def __setitem__(self, index: Any, data: Any) -> None:
+        self.view()[index] = data
+
+    @property
+    def closed(self) -> bool:
+        return self.buffer is None
+
+    def close(self) -> None:
+        """Let the mapping go: now, or when the last array on it goes. Idempotent."""
+        self.buffer = None
 
 
 def live_mappings() -> int:
@@ -111,10 +158,11 @@ def live_mappings() -> int:
     return _live
 
 
-def map_segment(fd: int, size: int) -> mmap.mmap:
+def map_segment(fd: int, size: int) -> Mapping:
     """Map a segment's descriptor (read and write, shared) after checking that its
     size is sealed and is ``size``: InvalidArgument otherwise. A mapping of a
-    file that someone could shrink would fault when touched."""
+    file that someone could shrink would fault when touched. The mapping keeps
+    no descriptor: the caller may close ``fd`` at once."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as exc:
@@ -124,7 +172,7 @@ def map_segment(fd: int, size: int) -> mmap.mmap:
     actual = os.fstat(fd).st_size
     if actual != size or size <= 0:
         raise InvalidArgument(f"segment descriptor {fd} holds {actual} bytes, {size} announced")
-    return _counted(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+    return Mapping(fd, size)
 
 
 class Segment:
@@ -132,7 +180,7 @@ class Segment:
 
     __slots__ = ("id", "size", "fd", "mm", "refs", "lent_to", "held_by", "known", "used", "tensor", "__weakref__")
 
-    def __init__(self, ident: int, size: int, fd: int, mm: mmap.mmap) -> None:
+    def __init__(self, ident: int, size: int, fd: int, mm: Mapping) -> None:
         self.id = ident
         self.size = size
         self.fd = fd
@@ -151,10 +199,7 @@ class Segment:
 
 def _close_segments(segments: dict[int, Segment]) -> None:
     for seg in list(segments.values()):
-        try:
-            seg.mm.close()
-        except BufferError:
-            pass  # an array still maps it; the mapping goes with the array
+        seg.mm.close()  # unmapped now, or with the last array on it
         try:
             os.close(seg.fd)
         except OSError:
@@ -166,18 +211,28 @@ class Pool:
     """The daemon's segments (thread-safe: the daemon's owner arrays may be
     dropped on any thread).
 
-    ``limit``: most bytes of segments at once. ``on_retire(segment_id,
-    sessions)`` is called (on whatever thread closes it) when a segment that
-    sessions have mapped is closed, so they can unmap it too."""
+    Bounds: ``limit`` bytes of segments at once; ``max_segments`` segments at
+    once (each holds one descriptor of the daemon's); at most ``max_free`` of
+    them kept free for reuse (the least recently used beyond that are closed,
+    so what a burst of lends opened goes back once it is over). Segments
+    held by one session (lent to it, or received by it) are counted:
+    :meth:`holds`. ``on_retire(segment_id, sessions)`` is called (on whatever
+    thread closes it) when a segment that sessions have mapped is closed, so
+    they can unmap it too."""
 
-    def __init__(self, limit: int, on_retire: Callable[[int, set[str]], None] | None = None) -> None:
+    def __init__(self, limit: int, on_retire: Callable[[int, set[str]], None] | None = None, *,
+                 max_segments: int = 1 << 16, max_free: int = 64) -> None:
         if not available():
             raise FailedPrecondition("this platform has no sealed memfds (Linux 3.17+)")
         self.limit = int(limit)
+        self.max_segments = max(1, int(max_segments))
+        self.max_free = max(0, int(max_free))
+        self._holds: collections.Counter[str] = collections.Counter()  # session -> segments lent or held
         self.on_retire = on_retire
         self._lock = threading.RLock()
         self._segments: dict[int, Segment] = {}
         self._free: dict[int, collections.OrderedDict[int, Segment]] = {}
+        self._n_free = 0
         self._next = 0
         self.total = 0  # bytes of segments open
         self.created = 0  # segments ever made (reuse keeps this flat)
@@ -195,17 +250,22 @@ class Pool:
         free = self._free.get(size)
         if free:
             _, seg = free.popitem(last=True)  # the most recently used: its pages are warm
+            self._n_free -= 1
+            if not free:
+                del self._free[size]
             self.reused += 1
         else:
             if size > self.limit:
                 return None
             if self.total + size > self.limit:
                 self._close_free(self.total + size - self.limit)
-            if self.total + size > self.limit:
+            if len(self._segments) >= self.max_segments:
+                self._close_free(1, count=True)  # a free one of another size makes room
+            if self.total + size > self.limit or len(self._segments) >= self.max_segments:
                 return None
             fd = create_segment(size)
             try:
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = Mapping(fd, size)  # the segment's one descriptor is fd
             except BaseException:
                 os.close(fd)
                 raise
@@ -223,7 +283,21 @@ class Pool:
             seg = self._take(nbytes)
             if seg is not None:
                 seg.lent_to = session
+                self._holds[session] += 1
             return seg
+
+    def holds(self, session: str) -> int:
+        """Segments ``session`` holds now: lent to it and not sent, or received by
+        it and not released."""
+        with self._lock:
+            return self._holds.get(session, 0)
+
+    def _unhold(self, session: str) -> None:
+        left = self._holds[session] - 1
+        if left > 0:
+            self._holds[session] = left
+        else:
+            self._holds.pop(session, None)
 
     def array(self, shape: Any, dtype: Any) -> np.ndarray | None:
         """An array on a free segment, held by the daemon until its last view is
@@ -240,7 +314,7 @@ class Pool:
         return owner.view(dt).reshape(shape)
 
     def _own(self, seg: Segment, nbytes: int) -> np.ndarray:
-        owner = np.frombuffer(seg.mm, np.uint8, nbytes)
+        owner = np.frombuffer(seg.mm.buffer, np.uint8, nbytes)
         seg.tensor = True
         self._owners[id(owner)] = seg.id
         weakref.finalize(owner, self._owner_gone, id(owner), seg.id)
@@ -285,6 +359,7 @@ class Pool:
                 seg.lent_to = None
             else:
                 seg.held_by = None
+            self._unhold(session)
             owner = self._own(seg, nbytes)  # the array's hold replaces the session's
         return owner.view(dt).reshape(dims)
 
@@ -308,6 +383,7 @@ class Pool:
                 raise FailedPrecondition(f"segment {seg.id} is already held by a client")
             seg.refs += 1
             seg.held_by = session
+            self._holds[session] += 1
 
     def mark_known(self, seg: Segment, session: str) -> bool:
         """Note that ``session`` has (or is about to get) the descriptor; False if it already had it."""
@@ -332,6 +408,7 @@ class Pool:
                 seg.lent_to = None
             else:
                 return False
+            self._unhold(session)
             self._drop(seg)
             return True
 
@@ -339,6 +416,7 @@ class Pool:
         """Drop every hold of a session that ended; how many."""
         n = 0
         with self._lock:
+            self._holds.pop(session, None)
             for seg in list(self._segments.values()):
                 seg.known.discard(session)
                 if seg.held_by == session:
@@ -359,32 +437,34 @@ class Pool:
         seg.used = time.monotonic()
         if self._closed or self.total > self.limit:
             self._close(seg)
-        else:
-            self._free.setdefault(seg.size, collections.OrderedDict())[seg.id] = seg
+            return
+        self._free.setdefault(seg.size, collections.OrderedDict())[seg.id] = seg
+        self._n_free += 1
+        if self._n_free > self.max_free:
+            self._close_free(self._n_free - self.max_free, count=True)
 
     # -- closing ------------------------------------------------------------------
 
-    def _close_free(self, need: int) -> None:
+    def _close_free(self, need: int, count: bool = False) -> None:
+        """Close free segments, least recently used first: ``need`` bytes of them,
+        or ``need`` of them with ``count``."""
         candidates = sorted((s for free in self._free.values() for s in free.values()), key=lambda s: s.used)
         for seg in candidates:
             if need <= 0:
                 break
-            self._free[seg.size].pop(seg.id, None)
             self._close(seg)
-            need -= seg.size
+            need -= 1 if count else seg.size
 
     def _close(self, seg: Segment) -> None:
         self._segments.pop(seg.id, None)
         free = self._free.get(seg.size)
         if free is not None:
-            free.pop(seg.id, None)
+            if free.pop(seg.id, None) is not None:
+                self._n_free -= 1
             if not free:
                 del self._free[seg.size]
         self.total -= seg.size
-        try:
-            seg.mm.close()
-        except BufferError:
-            pass  # an array still maps it (cannot happen for a free one); it goes with the array
+        seg.mm.close()  # unmapped now (a free segment has no array), or with its last array
         os.close(seg.fd)
         if seg.known and self.on_retire is not None:
             self.on_retire(seg.id, set(seg.known))
@@ -409,7 +489,8 @@ class Pool:
                     "held": sum(1 for s in self._segments.values() if s.held_by is not None),
                     "lent": sum(1 for s in self._segments.values() if s.lent_to is not None),
                     "in_table": sum(1 for s in self._segments.values() if s.tensor),
-                    "created": self.created, "reused": self.reused, "limit": self.limit}
+                    "created": self.created, "reused": self.reused, "limit": self.limit,
+                    "free": self._n_free, "max_segments": self.max_segments}
 
     def get(self, seg_id: int) -> Segment | None:
         with self._lock:

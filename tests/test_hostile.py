@@ -3,6 +3,9 @@ serving, and nothing it holds grows without bound."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+
 import grpc
 import numpy as np
 import pytest
@@ -27,17 +30,17 @@ def test_a_key_longer_than_the_limit_is_refused_naming_the_limit():
     assert keys.parse_key(f"{PRODUCER};0000000000000001;{CONSUMER};{fits};0:0").name == fits
 
 
-def test_megabyte_keys_are_refused_and_nothing_keeps_them():
+def test_long_keys_are_refused_and_nothing_keeps_them():
     """Distinct 1 MB keys with short deadlines once grew a server by the size of
     every key it was sent (kept in several caches): now each is INVALID_ARGUMENT
-    and no cache holds one."""
+    (here keys of 100,000 characters, which fit in a request) and no cache holds one."""
     async def main():
         async with cluster(2) as (a, b):
             before = keys._parse_key_cached.cache_info().currsize
             async with grpc.aio.insecure_channel(b.target) as channel:
                 call = channel.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
                 for i in range(20):
-                    huge = f"{PRODUCER};0000000000000001;{CONSUMER};{str(i) * (1 << 20)};0:0"
+                    huge = f"{PRODUCER};0000000000000001;{CONSUMER};{str(i % 10) * 100_000};0:0"
                     request = pb.RecvTensorRequest(step_id=1, rendezvous_key=huge).SerializeToString()
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call(request, timeout=10)
@@ -52,6 +55,46 @@ def test_megabyte_keys_are_refused_and_nothing_keeps_them():
             held = sum(len(k) for k in b.servicer._canonical)
             assert held < 1 << 12, f"the servicer keeps {held} characters of keys"
             assert keys._parse_key_cached.cache_info().currsize <= before + 1
+    run(main())
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_requests_larger_than_a_request_needs_are_refused_before_they_cost_memory():
+    """60 refused 4 MB keys once raised a daemon's RSS by about 300 MB (the server
+    took requests of up to 4 MiB, then refused the key). A RecvTensor request
+    needs a few KiB: a larger one is RESOURCE_EXHAUSTED as it arrives
+    (max_request_bytes, 256 KiB), and the server keeps serving."""
+    async def main():
+        async with cluster(2) as (a, b):
+            gc.collect()
+            before = _rss_mib()
+            async with grpc.aio.insecure_channel(b.target) as channel:
+                call = channel.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
+                for i in range(60):
+                    huge = f"{PRODUCER};0000000000000001;{CONSUMER};{str(i % 10) * 4_000_000};0:0"
+                    request = pb.RecvTensorRequest(step_id=1, rendezvous_key=huge).SerializeToString()
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(request, timeout=10)
+                    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    del request, huge
+                ok = f"{PRODUCER};0000000000000001;{CONSUMER};fine;0:0"
+                b.send(ok, np.array([1]), step_id=1)
+                reply = pb.RecvTensorResponse.FromString(
+                    await call(pb.RecvTensorRequest(step_id=1, rendezvous_key=ok).SerializeToString(), timeout=10))
+                assert reply.tensor.tensor_content == np.array([1]).tobytes()
+            gc.collect()
+            # this process is the client too (its 4 MB requests); the server used to add ~250 MB
+            assert _rss_mib() - before < 120, f"grew {_rss_mib() - before:.0f} MiB"
+            # a consumer's own requests stay within every producer's limit, however many are queued
+            keys_ = [f"{PRODUCER};0000000000000001;{CONSUMER};{'n' * 16_000}{i};0:0" for i in range(200)]
+            for k in keys_:
+                b.send(k, np.array([2]), step_id=2)
+            got = await asyncio.gather(*(a.recv(k, step_id=2, timeout=30) for k in keys_))
+            assert all(int(g[0]) == 2 for g in got)
     run(main())
 
 

@@ -455,7 +455,7 @@ def test_get_with_token_on_the_command_line_warns(sockdir):
             await a.send(key(0, 0, "t"), np.arange(3), step_id=1)
             out = await asyncio.to_thread(_get, d.target, key(0, 0, "t"), "--token", "s3cret")
             assert out.returncode == 0, out.stderr
-            assert "warning" in out.stderr and "process list" in out.stderr, out.stderr
+            assert "deprecated" in out.stderr and "process list" in out.stderr, out.stderr
             out = await asyncio.to_thread(_get, d.target, key(0, 0, "t"), env={"RENDEZVOUS_TOKEN": "s3cret"})
             assert out.returncode == 0, out.stderr
             assert "warning" not in out.stderr

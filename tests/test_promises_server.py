@@ -21,7 +21,8 @@ import pytest
 
 from rendezvous import aio, errors
 from rendezvous.cluster import parse_address
-from rendezvous.errors import Aborted, DeadlineExceeded, FailedPrecondition
+from rendezvous.config import Config
+from rendezvous.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from rendezvous.rpc import retry as retry_module
 from rendezvous.rpc.options import server_options
 from rendezvous.rpc.retry import RetryCache
@@ -715,17 +716,20 @@ def test_connect_timeout_to_a_peer_that_accepts_tcp_but_never_speaks_http2():
 # -- 5. max_request_bytes --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("limit", [4096, None])
+@pytest.mark.parametrize("limit", [64 << 10, None])
 def test_requests_over_max_request_bytes_are_refused_and_the_server_serves_on(limit, monkeypatch):
-    """A unary request one byte over max_request_bytes (4096, and the 4 MiB
-    default) is refused by gRPC with RESOURCE_EXHAUSTED and consumes nothing; a
-    request of exactly the limit is served; the server's stream goes on too.
+    """A unary request one byte over max_request_bytes (64 KiB, the least it may
+    be, and the 256 KiB default) is refused by gRPC with RESOURCE_EXHAUSTED and
+    consumes nothing; a request of exactly the limit is served; the server's
+    stream goes on too; a limit below 64 KiB is refused at start-up.
 
     Checked to fail: with aio.server_options patched to give the gRPC server no
     receive limit, the oversized request is served its tensor."""
     monkeypatch.delenv("RENDEZVOUS_MAX_REQUEST_BYTES", raising=False)
     overrides = {} if limit is None else {"max_request_bytes": limit}
-    size = limit or 4 << 20
+    size = limit or 256 << 10
+    with pytest.raises(InvalidArgument, match="max_request_bytes must be at least 65536"):
+        Config.load({"max_request_bytes": (64 << 10) - 1}, env={})
 
     async def main():
         async with cluster(2, **overrides) as (a, b):

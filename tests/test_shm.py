@@ -146,33 +146,43 @@ def test_create_segment_is_sealed():
         os.close(fd)
 
 
-def test_map_segment_shares_memory():
+def test_map_segment_shares_memory_and_keeps_no_descriptor():
     size = 2 * PAGE
     fd = shm.create_segment(size)
     before = shm.live_mappings()
+    fds = len(os.listdir("/proc/self/fd"))
     try:
         a = shm.map_segment(fd, size)
         b = shm.map_segment(fd, size)
+        # one descriptor per segment: a mapping holds none (Python's mmap keeps a duplicate)
+        assert len(os.listdir("/proc/self/fd")) == fds
         assert shm.live_mappings() == before + 2
         assert len(a) == size and len(b) == size
-        a[0:5] = b"hello"
-        a[size - 3:size] = b"end"
-        assert b[0:5] == b"hello"
-        assert b[size - 3:size] == b"end"
-        b[100:104] = b"back"
-        assert a[100:104] == b"back"
+        va, vb = a.view(), b.view()
+        va[0:5] = b"hello"
+        va[size - 3:size] = b"end"
+        assert vb[0:5] == b"hello"
+        assert vb[size - 3:size] == b"end"
+        vb[100:104] = b"back"
+        assert va[100:104] == b"back"
         # a third mapping of a duplicate descriptor sees it too (as a client would)
         dup = os.dup(fd)
         try:
             c = shm.map_segment(dup, size)
-            assert c[0:5] == b"hello"
+            assert c.view()[0:5] == b"hello"
             c.close()
             del c
         finally:
             os.close(dup)
+        # closed while an array still uses it: the memory stays until the array goes
+        arr = np.frombuffer(a.buffer, np.uint8, size)
+        del va, vb
         a.close()
         b.close()
         del a, b
+        collect()
+        assert shm.live_mappings() == before + 1 and bytes(arr[0:5]) == b"hello"
+        del arr
         collect()
         assert shm.live_mappings() == before
     finally:
@@ -269,7 +279,7 @@ def test_lend_produce_free_reuse(pool):
 
     # the daemon's array is a view on the segment itself: the client sees a write through it
     arr[0, 0] = 42.0
-    assert np.frombuffer(client, np.float32, 1)[0] == 42.0
+    assert np.frombuffer(client.buffer, np.float32, 1)[0] == 42.0
 
     view = arr[10:]  # a view keeps the segment in use
     del arr
@@ -284,7 +294,7 @@ def test_lend_produce_free_reuse(pool):
     assert again is seg and again.lent_to == "b"
     st = pool.stats()
     assert st["reused"] == 1 and st["created"] == 1 and st["free_bytes"] == 0 and st["segments"] == 1
-    assert np.frombuffer(client, np.float32, 1)[0] == 42.0  # no zeroing on reuse
+    assert np.frombuffer(client.buffer, np.float32, 1)[0] == 42.0  # no zeroing on reuse
     client.close()
 
 
@@ -425,7 +435,7 @@ def test_array_is_daemon_held(pool):
     arr[...] = np.arange(15).reshape(3, 5)
     # the bytes are on the segment: a mapping of its descriptor sees them
     m = shm.map_segment(seg.fd, seg.size)
-    np.testing.assert_array_equal(np.frombuffer(m, np.int32, 15), np.arange(15))
+    np.testing.assert_array_equal(np.frombuffer(m.buffer, np.int32, 15), np.arange(15))
     m.close()
     assert pool.stats()["in_table"] == 1
     del arr
@@ -463,7 +473,7 @@ def test_segment_of(pool):
     assert pool.segment_of(arr.copy()) is None
     # a foreign array on a mapping of the same descriptor is not the daemon's array
     m = shm.map_segment(seg.fd, seg.size)
-    foreign = np.frombuffer(m, np.float32, 128)
+    foreign = np.frombuffer(m.buffer, np.float32, 128)
     assert pool.segment_of(foreign) is None
     del foreign
     m.close()

@@ -38,7 +38,7 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .local import (
     SERVICE,
-    LocalPending,
+    PendingList,
     Router,
     Segments,
     _Op,
@@ -293,7 +293,8 @@ class Client:
         else:
             await self._link.call(Kind.ABORT, body)
 
-    async def pending(self) -> list[LocalPending]:
+    async def pending(self) -> PendingList:
+        """See :meth:`rendezvous.client.Client.pending`."""
         await self.connect()
         if self._link is None:
             return to_pending(await self._call("Pending", b""))

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import mmap
 import os
 import secrets
 import select
@@ -67,7 +66,7 @@ from rendezvous.tensors import TensorMeta, as_array, decode_meta, decode_tensor,
     is_memcpyable
 from rendezvous.v1 import local_pb2 as lpb
 
-__all__ = ["Client", "LocalPending", "default_address", "channel_target", "session_socket"]
+__all__ = ["Client", "LocalPending", "PendingList", "default_address", "channel_target", "session_socket"]
 
 SERVICE = "/rendezvous.v1.LocalRendezvous/"
 SOCKET_NAME = "rendezvousd.sock"
@@ -201,9 +200,19 @@ def frame_error(body: bytes | memoryview) -> RendezvousError:
     return from_status(code, message)
 
 
-def to_pending(raw: bytes | memoryview) -> list[LocalPending]:
-    return [LocalPending(e.step_id, e.rendezvous_key, e.kind, e.count, e.oldest_age_seconds, e.producer)
-            for e in lpb.PendingResponse.FromString(bytes(raw)).entries]
+class PendingList(list):  # list[LocalPending]
+    """What :meth:`Client.pending` returns: the entries (the oldest first), and in
+    ``omitted`` how many the daemon left out to keep its answer one bounded message."""
+
+    omitted: int = 0
+
+
+def to_pending(raw: bytes | memoryview) -> PendingList:
+    reply = lpb.PendingResponse.FromString(bytes(raw))
+    out = PendingList(LocalPending(e.step_id, e.rendezvous_key, e.kind, e.count, e.oldest_age_seconds, e.producer)
+                      for e in reply.entries)
+    out.omitted = reply.omitted
+    return out
 
 
 # -- a session's shared memory (shared with the async client) ------------------------------
@@ -215,7 +224,7 @@ class Segments:
     its next sends (its stock). Thread-safe."""
 
     def __init__(self, on_release: Callable[[], None]) -> None:
-        self._maps: dict[int, mmap.mmap] = {}
+        self._maps: dict[int, shm.Mapping] = {}
         self._stock: dict[int, list[int]] = {}  # size -> lent segment ids
         self._sizes: dict[int, int] = {}
         self._fds: collections.deque[int] = collections.deque()
@@ -244,7 +253,7 @@ class Segments:
                 self._maps[seg_id] = mm
                 self._sizes[seg_id] = size
             if old is not None:
-                _unmap(old)
+                old.close()
 
     def retire(self, body: bytes | memoryview) -> None:
         for seg_id in localwire.unpack_ids(body):
@@ -255,7 +264,7 @@ class Segments:
                 if stock and seg_id in stock:
                     stock.remove(seg_id)
             if mm is not None:
-                _unmap(mm)
+                mm.close()
 
     def lent(self, body: bytes | memoryview) -> None:
         """An OK frame's grants: segments lent for sends."""
@@ -274,7 +283,7 @@ class Segments:
         """Copy ``arr``'s bytes into segment ``seg_id`` (the send's one copy)."""
         with self._lock:
             mm = self._maps[seg_id]
-        dest = np.frombuffer(mm, np.uint8, arr.nbytes)
+        dest = np.frombuffer(mm.buffer, np.uint8, arr.nbytes)
         np.copyto(dest, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
     def view(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
@@ -288,7 +297,7 @@ class Segments:
         if meta.nbytes != nbytes or not 0 < nbytes <= size:
             raise InvalidArgument(f"segment {seg_id} of {size} bytes cannot hold {meta.dtype} {meta.shape} "
                                   f"({nbytes} bytes announced)")
-        owner = np.frombuffer(mm, np.uint8, nbytes)
+        owner = np.frombuffer(mm.buffer, np.uint8, nbytes)
         weakref.finalize(owner, self._released_one, seg_id)
         return owner.view(meta.dtype).reshape(meta.shape)
 
@@ -315,14 +324,7 @@ class Segments:
         for fd in fds:
             os.close(fd)
         for mm in maps.values():
-            _unmap(mm)
-
-
-def _unmap(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        pass  # arrays still view it: the mapping goes with the last of them
+            mm.close()  # unmapped now, or with the last array on it
 
 
 class _Op:
@@ -689,9 +691,10 @@ class Client:
         else:
             self._link.call(Kind.ABORT, body)
 
-    def pending(self) -> list[LocalPending]:
+    def pending(self) -> PendingList:
         """What waits in the daemon: produced tensors, waiting consumers, local recvs
-        waiting on other tasks; with the age of the oldest of each."""
+        waiting on other tasks; with the age of the oldest of each, the oldest
+        first (``omitted``: how many more the daemon left out of its answer)."""
         if self._link is None:
             return to_pending(self._call("Pending", b""))
         return to_pending(self._link.call(Kind.PENDING, b""))

@@ -199,6 +199,42 @@ def pool_limit(config: Config) -> int:
         return 8 << 30
 
 
+#: descriptors kept out of the pool's reach: listening sockets, peers' connections,
+#: gRPC's and MPI's own, log files
+_RESERVED_FDS = 256
+
+
+class Descriptors(NamedTuple):
+    """How a daemon shares its descriptors: the process's limit, the pool's
+    segments (one descriptor each), free segments kept for reuse, and local
+    sessions (one each)."""
+
+    limit: int
+    segments: int
+    free: int
+    sessions: int
+
+
+def descriptor_budget() -> Descriptors:
+    """Raise this process's descriptor limit to its hard limit (the usual soft
+    limit of 1,024 is a default for select()-era programs; servers raise it),
+    then split it: half of what is not reserved for segments, a quarter for
+    sessions. Without this a client's lends could take every descriptor."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.debug("cannot raise the descriptor limit from %d to %d: %s", soft, target, exc)
+    room = max(64, soft - _RESERVED_FDS)
+    segments = min(1 << 16, max(16, room // 2))
+    return Descriptors(soft, segments, max(8, min(256, segments // 8)), max(16, room // 4))
+
+
 # -- the daemon ---------------------------------------------------------------------
 
 
@@ -229,8 +265,11 @@ class Daemon:
         self.pool: shm.Pool | None = None
         self.shm_threshold = config.shm_threshold if self._kind == "unix" and shm.available() else -1
         buffers = None
+        #: the descriptor limit, and how the pool and the sessions share it
+        self.descriptors = descriptor_budget()
         if self.shm_threshold >= 0:
-            self.pool = shm.Pool(pool_limit(config))
+            self.pool = shm.Pool(pool_limit(config), max_segments=self.descriptors.segments,
+                                 max_free=self.descriptors.free)
             buffers = PoolBuffers(self.pool, self.shm_threshold, config.recv_cache_bytes)
         self.server = aio.Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup,
                                  buffers=buffers)
@@ -307,7 +346,8 @@ class Daemon:
             self._socket_ino = os.stat(path).st_ino
             self.local_target = f"unix:{path}"
             if self.pool is not None:
-                self.sessions = SessionServer(self.local, self.pool, session_path(path), self.shm_threshold)
+                self.sessions = SessionServer(self.local, self.pool, session_path(path), self.shm_threshold,
+                                              max_sessions=self.descriptors.sessions)
                 self.sessions.start()
                 self.local.session_socket = self.sessions.path
         else:

@@ -46,9 +46,11 @@ from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
 from rendezvous.v1 import local_pb2 as lpb
 
-__all__ = ["LocalServicer", "SERVICE"]
+__all__ = ["LocalServicer", "SERVICE", "PENDING_BYTES"]
 
 SERVICE = "rendezvous.v1.LocalRendezvous"
+#: a PENDING answer lists at most this many bytes of entries, and says how many it left out
+PENDING_BYTES = 1 << 20
 log = logging.getLogger("rendezvous.daemon")
 _CLIENT_ID = re.compile(r"[0-9a-f]{12}\Z")
 
@@ -285,9 +287,24 @@ class LocalServicer:
                                             oldest_age_seconds=now - w.started, producer=w.producer))
         return out
 
+    def pending_reply(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
+        """:meth:`pending` as one answer of at most about ``max_bytes``: the oldest
+        entries first, and the count of those left out (a client can park any
+        number of recvs with long keys; the answer stays one bounded message)."""
+        entries = sorted(self.pending(), key=lambda e: -e.oldest_age_seconds)
+        reply = lpb.PendingResponse()
+        size = 0
+        for i, entry in enumerate(entries):
+            size += entry.ByteSize() + 4
+            if size > max_bytes:
+                reply.omitted = len(entries) - i
+                break
+            reply.entries.append(entry)
+        return reply
+
     async def _pending(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            return lpb.PendingResponse(entries=self.pending()).SerializeToString()
+            return self.pending_reply().SerializeToString()
         except Exception as exc:
             await context.abort(*self._error(exc))
 

@@ -33,6 +33,8 @@ session; it never reaches the table or the other sessions.
 from __future__ import annotations
 
 import asyncio
+import collections
+import errno
 import itertools
 import logging
 import os
@@ -54,18 +56,32 @@ from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, encode_meta, is_memcpyable
 from rendezvous.v1 import local_pb2 as lpb
 
-from .service import LocalServicer, _slot, parse_recv, path_field
+from .service import PENDING_BYTES, LocalServicer, _slot, parse_recv, path_field
 
-__all__ = ["SessionServer", "PoolBuffers", "session_path", "FRAME_SLACK"]
+__all__ = ["SessionServer", "PoolBuffers", "session_path", "FRAME_SLACK", "SMALL_FRAME", "SHARE"]
 
 log = logging.getLogger("rendezvous.daemon")
+#: accept() errors that mean "not now" (descriptors or kernel memory), not "not this one"
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _UCRED = struct.Struct("3i")
 #: frame bytes beyond a tensor's own (key, dtype, shape and field headers)
 FRAME_SLACK = 1 << 20
+#: the largest frame of an operation that carries no tensor (RECV, LEND, CANCEL,
+#: RELEASE, ABORT, PENDING, HELLO): a key is at most 16,384 characters
+SMALL_FRAME = 1 << 20
 #: copies this big into a segment run on a worker thread (numpy releases the GIL)
 _OFF_LOOP_BYTES = 4 << 20
-#: segments a session may hold lent and not yet sent into
-MAX_LENT = 256
+#: bytes of replies a session may leave unread before the daemon stops taking its
+#: frames (one reply larger than this still goes out whole)
+SESSION_HIGH_WATER = 8 << 20
+#: descriptors a session may leave unread (segments introduced to it) likewise
+SESSION_FDS = 32
+#: the share of the pool's segments, and of max_waiting_calls, one session may hold:
+#: what one client takes, the others still have
+SHARE = 8
+#: sessions one process may have open at once (a client has one; a process with a
+#: blocking and an asyncio client, two): a process cannot take every session
+MAX_SESSIONS_PER_PROCESS = 16
 
 
 def session_path(local_socket: str) -> str:
@@ -98,17 +114,31 @@ class PoolBuffers(RecvBuffers):
 class SessionServer:
     """Accepts session connections on ``path`` for ``servicer`` (on the running loop)."""
 
-    def __init__(self, servicer: LocalServicer, pool: shm.Pool, path: str, threshold: int) -> None:
+    def __init__(self, servicer: LocalServicer, pool: shm.Pool, path: str, threshold: int,
+                 max_sessions: int = 1 << 12) -> None:
         self.servicer = servicer
+        self.max_sessions = max_sessions
         self.pool = pool
         self.path = path
         self.threshold = threshold
         self.frame_limit = servicer.config.max_tensor_bytes + FRAME_SLACK
+        #: segments one session may hold at once (lent and received), and recvs it may have in flight
+        self.segment_share = max(4, pool.max_segments // SHARE)
+        self.recv_share = max(64, servicer.config.max_waiting_calls // SHARE)
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
         self._ino: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # accepting while out of descriptors: back off, log once (see _accept)
+        self._refused = 0
+        self._over = 0  # sessions refused for being over max_sessions, or their process's share
+        self._per_pid: collections.Counter[int] = collections.Counter()
+        #: protocol mistakes of all sessions (see Session._misuse)
+        self.misused = 0
+        self._refused_since = 0.0
+        self._pause = 0.0
+        self._resume: asyncio.TimerHandle | None = None
         pool.on_retire = self._retired
 
     def start(self) -> None:
@@ -141,15 +171,76 @@ class SessionServer:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors: the client sees its connection closed
-                log.warning("cannot accept a local session: %s", exc)
-                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:
+                    self._back_off(exc)
+                    return
+                # the connection went before it was accepted (ECONNABORTED, EPROTO): the next one
+                log.debug("a local session was lost before it was accepted: %s", exc)
+                continue
+            if self._refused:
+                log.warning("accepting local sessions again, after %d attempts refused over %.1f s "
+                            "(out of descriptors)", self._refused, time.monotonic() - self._refused_since)
+                self._refused, self._pause = 0, 0.0
+            try:
+                pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            except OSError as exc:
+                conn.close()
+                log.debug("a local session went before it started: %s", exc)
+                continue
+            why = self._too_many(pid)
+            if why:
+                # its descriptor is needed more by the sessions already open: the
+                # client sees the end of its connection at once, not a wait
+                conn.close()
+                self._over += 1
+                if self._over == 1 or self._over % 1000 == 0:
+                    log.warning("refused a local session of pid %d: %s (%d refused so far)", pid, why, self._over)
+                continue
             sid = f"session-{next(self._ids)}"
             try:
-                self.sessions[sid] = Session(self, sid, conn)
+                self.sessions[sid] = Session(self, sid, conn, pid, uid)
             except OSError as exc:
                 conn.close()
                 log.warning("cannot start a local session: %s", exc)
+                continue
+            self._per_pid[pid] += 1
+
+    def _too_many(self, pid: int) -> str:
+        """Why a new session of ``pid`` is refused, or ''."""
+        if len(self.sessions) >= self.max_sessions:
+            return f"{len(self.sessions)} sessions are open, the most this daemon's descriptor limit allows"
+        if self._per_pid[pid] >= MAX_SESSIONS_PER_PROCESS:
+            return f"that process already has {MAX_SESSIONS_PER_PROCESS} sessions open"
+        return ""
+
+    def ended(self, session: "Session") -> None:
+        """A session ended: forget it."""
+        if self.sessions.pop(session.id, None) is not None:
+            left = self._per_pid[session.pid] - 1
+            if left > 0:
+                self._per_pid[session.pid] = left
+            else:
+                self._per_pid.pop(session.pid, None)
+
+    def _back_off(self, exc: OSError) -> None:
+        """Out of descriptors (or kernel memory): the listening socket stays readable,
+        so accepting again at once would spin. Stop watching it for a while
+        (doubling, up to a second); connections wait in its backlog meanwhile.
+        Logged once when it starts, and once with a count when it ends."""
+        if not self._refused:
+            self._refused_since = time.monotonic()
+            log.warning("cannot accept local sessions: %s; pausing accepts until descriptors are free", exc)
+        self._refused += 1
+        self._pause = min(1.0, max(0.01, self._pause * 2))
+        assert self._loop is not None and self._sock is not None
+        self._loop.remove_reader(self._sock.fileno())
+        self._resume = self._loop.call_later(self._pause, self._listen_again)
+
+    def _listen_again(self) -> None:
+        self._resume = None
+        if self._sock is not None and self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
 
     def _retired(self, seg_id: int, sessions: set[str]) -> None:
         """The pool closed a segment these sessions have mapped (any thread)."""
@@ -182,6 +273,9 @@ class SessionServer:
 
     def close(self) -> None:
         """Stop accepting, end every session, remove the socket file (if still ours)."""
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         if self._sock is not None:
             if self._loop is not None:
                 self._loop.remove_reader(self._sock.fileno())
@@ -195,20 +289,28 @@ class SessionServer:
 class Session:
     """One client's connection."""
 
-    def __init__(self, server: SessionServer, sid: str, sock: socket.socket) -> None:
+    def __init__(self, server: SessionServer, sid: str, sock: socket.socket, pid: int, uid: int) -> None:
         self.server = server
         self.servicer = server.servicer
         self.pool = server.pool
         self.id = sid
-        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        self.pid, self.uid = pid, uid
+        self.pid, self.uid = pid, uid  # the kernel's word (SO_PEERCRED)
         self.client_id = ""
         self.hello = False
         self.recvs: dict[int, asyncio.Task] = {}
-        self.lent = 0
         self.bad = 0
-        self.conn = localwire.Connection(sock, limit=server.frame_limit, on_frames=self._frames,
-                                         on_close=self._closed)
+        # A tensor's bytes come only in SEND (inline) and RETURN frames; a few frames
+        # are handed over at a time, so a client that reads no replies stops being
+        # read within a few of them (see localwire.Connection).
+        self.conn = localwire.Connection(sock, limit=SMALL_FRAME, on_frames=self._frames, on_close=self._closed,
+                                         limits={Kind.SEND: server.frame_limit, Kind.RETURN: server.frame_limit},
+                                         high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
+                                         farewell=self._farewell)
+
+    @property
+    def lent(self) -> int:
+        """Segments lent to this session and not sent into (tests, diagnostics)."""
+        return sum(1 for seg in list(self.pool._segments.values()) if seg.lent_to == self.id)
 
     # -- frames in --------------------------------------------------------------
 
@@ -239,6 +341,9 @@ class Session:
             req = parse_recv(body)
             if op in self.recvs:
                 raise InvalidArgument(f"operation id {op} is already in flight")
+            if len(self.recvs) >= self.server.recv_share:
+                raise ResourceExhausted(f"this session already has {len(self.recvs)} recvs in flight (at most "
+                                        f"{self.server.recv_share}: 1/{SHARE} of max_waiting_calls)")
             task = asyncio.get_running_loop().create_task(self._recv(op, req))
             self.recvs[op] = task
         elif kind == Kind.CANCEL:
@@ -247,12 +352,8 @@ class Session:
                 task.cancel()
         elif kind == Kind.RELEASE:
             for seg_id in localwire.unpack_ids(body):
-                seg = self.pool.get(seg_id)
-                was_lent = seg is not None and seg.lent_to == self.id
                 if not self.pool.release(seg_id, self.id):
                     self._misuse(f"released segment {seg_id}, which it does not hold")
-                elif was_lent:
-                    self.lent -= 1
         elif kind == Kind.LEND:
             (nbytes,) = struct.unpack("<Q", body) if len(body) == 8 else (-1,)
             if nbytes <= 0:
@@ -269,7 +370,7 @@ class Session:
             self.servicer.server.abort(req.step_id, req.message or "aborted")
             self.conn.write(localwire.frame(Kind.OK, op))
         elif kind == Kind.PENDING:
-            body_out = lpb.PendingResponse(entries=self.servicer.pending()).SerializeToString()
+            body_out = self.servicer.pending_reply(PENDING_BYTES).SerializeToString()
             self.conn.write(localwire.frame(Kind.PENDING_REPLY, op, body_out))
         elif kind == Kind.HELLO:
             raise InvalidArgument("this session already said HELLO")
@@ -290,9 +391,7 @@ class Session:
     # -- send -------------------------------------------------------------------
 
     def _resolve(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
-        value = self.pool.produced(seg_id, self.id, nbytes, meta.dtype, meta.shape)
-        self.lent -= 1
-        return value
+        return self.pool.produced(seg_id, self.id, nbytes, meta.dtype, meta.shape)
 
     def _given_back(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
         return self.pool.given_back(seg_id, self.id, nbytes, meta.dtype, meta.shape)
@@ -316,8 +415,7 @@ class Session:
         try:
             for num, wt, a, b in wire.iter_fields(body):
                 if num == F.SEND_POOLED and wt == wire.LEN:
-                    if self.pool.release(_slot(body, a, b)[0], self.id):
-                        self.lent -= 1
+                    self.pool.release(_slot(body, a, b)[0], self.id)
         except RendezvousError:
             pass
 
@@ -325,18 +423,20 @@ class Session:
         """Answer ``op`` with a segment for ``nbytes`` lent to this session (if the
         pool has room; ``required``: RESOURCE_EXHAUSTED otherwise)."""
         seg = None
-        if self.lent < MAX_LENT:
+        held = self.pool.holds(self.id)
+        share = self.server.segment_share
+        if held < share:
             seg = self.pool.lend(nbytes, self.id)
         elif required:
-            raise ResourceExhausted(f"this session already holds {self.lent} lent segments it has not sent "
-                                    f"(at most {MAX_LENT})")
+            raise ResourceExhausted(
+                f"this session already holds {held} shared-memory segments (lent and not sent, or received and "
+                f"not released); at most {share} (1/{SHARE} of the pool's {self.pool.max_segments})")
         if seg is None:
             if required:
                 raise ResourceExhausted(f"the daemon's shared-memory pool is full ({self.pool.total} of "
                                         f"{self.pool.limit} bytes, shm_pool_bytes): no segment for {nbytes} bytes")
             self.conn.write(localwire.frame(Kind.OK, op))
             return
-        self.lent += 1
         self._introduce(seg)
         self.conn.write(localwire.frame(kind, op, localwire.pack_grants([(seg.id, seg.size)])))
 
@@ -356,6 +456,9 @@ class Session:
         try:
             item, path = await self.servicer.fetch(req)
             try:
+                # a client that reads no replies gets no more written for it: the
+                # tensor waits here (and is kept if the session ends)
+                await self.conn.room()
                 reply, hop, nbytes = await self._reply(item, path)
             except BaseException:
                 self.servicer.give_back(req, item)
@@ -379,7 +482,9 @@ class Session:
         value = item.value
         threshold = self.server.threshold
         if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
-                or value.nbytes == 0 or value.nbytes < threshold):
+                or value.nbytes == 0 or value.nbytes < threshold
+                # a session at its share of segments: the bytes go in the frame
+                or self.pool.holds(self.id) >= self.server.segment_share):
             return frames.unary_response(item) + path_field(path), "inline", payload_nbytes(value)
         seg = self.pool.segment_of(value)
         if seg is None or seg.held_by is not None or value.nbytes > seg.size:
@@ -405,24 +510,34 @@ class Session:
 
     # -- errors and the end -----------------------------------------------------------
 
+    def _farewell(self, exc: localwire.FrameError) -> bytes:
+        """The ERROR frame that tells a client why its session ends (it broke the framing)."""
+        self._misuse(str(exc))
+        code = ResourceExhausted.code if isinstance(exc, localwire.FrameTooLarge) else InvalidArgument.code
+        return localwire.frame(Kind.ERROR, 0, localwire.pack_error(code.value[0], exc.message))
+
     def _error(self, op: int, exc: BaseException) -> None:
         code, message = self.servicer._error(exc)
         self.conn.write(localwire.frame(Kind.ERROR, op, localwire.pack_error(code.value[0], message)))
 
     def _misuse(self, what: str) -> None:
+        """A client broke the protocol: counted, and logged for the first and every
+        thousandth time in the daemon (a client that opens session after session
+        to misbehave in each cannot flood the log)."""
         self.bad += 1
-        if self.bad == 1 or self.bad % 1000 == 0:
-            log.warning("client %s (pid %d) %s (%d such frames in this session)", self.client_id or self.id,
-                        self.pid, what, self.bad)
+        self.server.misused += 1
+        if self.server.misused == 1 or self.server.misused % 1000 == 0:
+            log.warning("client %s (pid %d) %s (%d such frames from local clients so far)",
+                        self.client_id or self.id, self.pid, what, self.server.misused)
         if self.servicer.metrics is not None:
             self.servicer.metrics.error("INVALID_ARGUMENT")
 
     def _closed(self, error: BaseException | None) -> None:
-        self.server.sessions.pop(self.id, None)
+        self.server.ended(self)
         for task in list(self.recvs.values()):
             task.cancel()
         n = self.pool.session_gone(self.id)
-        if error is not None and not isinstance(error, ConnectionError):
+        if error is not None and not isinstance(error, (ConnectionError, localwire.FrameError)):
             log.warning("client %s (pid %d) session ended: %s", self.client_id or self.id, self.pid, error)
         log.debug("client %s (pid %d) closed %s; %d segment hold(s) given back", self.client_id or self.id,
                   self.pid, self.id, n)

@@ -71,6 +71,10 @@ log = logging.getLogger("rendezvous.client")
 
 #: recvs per peer whose request_id is kept after they ended unanswered on a broken stream
 _UNSETTLED = 4096
+#: queued requests packed into one stream message up to about this size (a
+#: request with the longest key, 16,384 characters, still fits once more): below
+#: the 64 KiB that every producer's max_request_bytes allows
+_BATCH_REQUEST_BYTES = 32 << 10
 
 
 class _Broken(Exception):
@@ -151,10 +155,13 @@ class _Stream:
                 if outbox.empty():
                     await self.call.write(first)
                     continue
-                # Everything queued while the last write was in flight goes as one message.
+                # Everything queued while the last write was in flight goes as one
+                # message, up to a size every producer accepts (max_request_bytes >= 64 KiB).
                 queued = [first]
-                while not outbox.empty() and len(queued) < 4096:
+                size = len(first)
+                while not outbox.empty() and size < _BATCH_REQUEST_BYTES:
                     queued.append(outbox.get_nowait())
+                    size += len(queued[-1]) + 4
                 await self.call.write(frames.batch_requests(queued))
         except asyncio.CancelledError:
             raise

@@ -88,10 +88,12 @@ class PendingEntry(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., kind: _Optional[str] = ..., count: _Optional[int] = ..., oldest_age_seconds: _Optional[float] = ..., producer: _Optional[str] = ...) -> None: ...
 
 class PendingResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "omitted")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[PendingEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[PendingEntry, _Mapping]]] = ...) -> None: ...
+    omitted: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[PendingEntry, _Mapping]]] = ..., omitted: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("client_id", "pid")
