@@ -55,11 +55,14 @@ test-quick: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not huge" $(PYTEST_ARGS)
 
 SOAK_OPS ?= 100000
+RACE_TENSORS ?= 20000
 
 # The long reliability run (RELIABILITY.md): SOAK_OPS transfers through two
-# daemons with deadlines racing replies and hostile requests mixed in.
+# daemons with deadlines racing replies and hostile requests mixed in, then
+# the exactly-once races of tests/test_no_loss.py with RACE_TENSORS tensors.
 soak: $(STAMP)
 	RENDEZVOUS_SOAK_OPS=$(SOAK_OPS) $(BIN)/python -m pytest -q -s -p no:randomly tests/test_soak.py
+	RENDEZVOUS_RACE_TENSORS=$(RACE_TENSORS) $(BIN)/python -m pytest -q -p no:randomly tests/test_no_loss.py
 
 protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py

@@ -424,8 +424,70 @@ async def quiet(server) -> None:
 
     while busy():
         if loop.time() > end:
-            raise AssertionError("the traffic did not settle within 60 s")
+            streams = [p.live_stream() for p in server._peers.values()]
+            raise AssertionError(
+                "the traffic did not settle within 60 s: "
+                f"replies {[(len(c.replies), c.writing, len(c.waiting)) for c in server.servicer._streams]}, "
+                f"MPI in flight {server.stats()['mpi']['in_flight']}, "
+                f"streams {[(len(s.pending), len(s.moving)) if s else None for s in streams]}, "
+                f"first {[[(c, p.orphan, p.key[-6:]) for c, p in list(s.pending.items())[:6]] for s in streams if s]}, "
+                f"writer {[(s.writer.done(), s.outbox.qsize(), s.reader.done()) for s in streams if s]}")
         await asyncio.sleep(0.005)
+
+
+def control_order(rounds: str = "50") -> None:
+    """Rank 1 sends rank 0, on one tag, a large message then two small ones,
+    ``rounds`` times; rank 0's engine listens: every message is handed over, in
+    the order sent (receives of a large and a small message complete in any order)."""
+    from rendezvous.mpi.engine import ProgressEngine
+    from rendezvous.mpi.world import import_mpi
+
+    n = int(rounds)
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+
+    async def main() -> list[bytes]:
+        engine = ProgressEngine(comm, poll_min_us=5, poll_max_us=200)
+        engine.start(loop_polls=True)
+        got: list[bytes] = []
+        done = asyncio.Event()
+
+        def deliver(messages):
+            got.extend(body for _, body in messages)
+            if len(got) == 3 * n:
+                done.set()
+
+        try:
+            if rank == 0:
+                engine.listen(comm, 5, deliver)
+                await engine.call(comm.Barrier)
+                await asyncio.wait_for(done.wait(), 60)
+            else:
+                await engine.call(comm.Barrier)
+                sends = []
+                for i in range(n):
+                    sends += [engine.isend(bytes([i % 251]) * (1 << 20), 0, 5, 1 << 30),
+                              engine.isend(b"small-%d" % i, 0, 5, 1 << 30), engine.isend(b"tiny-%d" % i, 0, 5, 1 << 30)]
+                    if i % 4 == 3:
+                        # a pace, not a synchronization: the receiver's loop goes quiet between
+                        # bursts, and its MPI thread and its loop both take messages
+                        await asyncio.sleep(0.003)
+                await asyncio.gather(*sends)
+            await engine.call(comm.Barrier)
+        finally:
+            engine.stop()
+        return got
+
+    got = asyncio.run(main())
+    if rank == 0:
+        order = [("big", len(b), b[0]) if len(b) > 100 else (b.decode(),) for b in got]
+        want = [m for i in range(n) for m in (("big", 1 << 20, i % 251), (f"small-{i}",), (f"tiny-{i}",))]
+        result(rank=rank, in_order=order == want, first_wrong=next(
+            (i for i, (a, b) in enumerate(zip(order, want)) if a != b), None))
+    else:
+        result(rank=rank)
+    comm.Free()
 
 
 def stopped_producer(folder: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rendezvous import aio
+from rendezvous.config import Config
 from rendezvous.errors import DeadlineExceeded, PeerUnavailable
 
 from conftest import run
@@ -24,13 +25,15 @@ pytestmark = pytest.mark.timeout(90)
 KEY = "/job:worker/replica:0/task:1/cpu:0;0000000000000001;/job:worker/replica:0/task:0/cpu:0;x;0:0"
 
 
-async def _with_producer_process(consumer: aio.Server):
+async def _with_producer_process(consumer: aio.Server, keepalive: str | None = "1"):
     """Task 1 of the job as a `rendezvous serve` child process; returns it once it serves."""
     cluster = json.dumps({"worker": [consumer.target, "127.0.0.1:0"]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RENDEZVOUS_KEEPALIVE")}
+    if keepalive is not None:
+        env["RENDEZVOUS_KEEPALIVE_TIME"] = keepalive
     child = subprocess.Popen([sys.executable, "-m", "rendezvous", "serve", "--cluster", cluster,
                               "--job-name", "worker", "--task-index", "1"],
-                             stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "RENDEZVOUS_KEEPALIVE_TIME": "1"})
+                             stdout=subprocess.PIPE, text=True, env=env)
     line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
     assert "serving on" in line, line
     consumer.update_cluster({"worker": [consumer.target, line.split("serving on ")[1].split()[0]]})
@@ -71,6 +74,40 @@ def test_a_hung_peer_is_noticed_within_the_keepalive_bound():
             child.wait()
             await consumer.stop(0)
     run(main(), 80)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_hung_peer_is_noticed_within_the_documented_bound_with_default_keepalive():
+    """The same with every setting at its default (keepalive 20 s + 10 s, three
+    re-sends): a recv with no deadline from a SIGSTOPped producer fails with
+    UNAVAILABLE within the documented bound, two keepalive periods (60 s): the
+    ping that goes unanswered, then one reconnect window."""
+    async def main():
+        spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+        consumer = aio.Server(spec, "worker", 0, config=Config.load(env={}))
+        cfg = consumer.config
+        bound = 2 * (cfg.keepalive_time + cfg.keepalive_timeout)
+        assert (cfg.keepalive_time, cfg.keepalive_timeout, bound) == (20.0, 10.0, 60.0)
+        await consumer.start()
+        child = await _with_producer_process(consumer, keepalive=None)
+        try:
+            with pytest.raises(DeadlineExceeded):  # the connection is up and the recv waits there
+                await consumer.recv(KEY, step_id=1, timeout=0.5)
+            waiting = asyncio.ensure_future(consumer.recv(KEY, step_id=1))  # no deadline
+            await asyncio.sleep(0)
+            os.kill(child.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            with pytest.raises(PeerUnavailable):
+                await asyncio.wait_for(waiting, bound + 30)
+            took = time.monotonic() - stopped
+            assert took <= bound + 5, f"a hung peer took {took:.1f}s to notice (bound {bound:g}s)"
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait()
+            await consumer.stop(0)
+    run(main(), 140)
 
 
 _CONSUMER = r"""

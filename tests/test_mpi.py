@@ -209,6 +209,18 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once(path, api):
         assert consumer["mpi"] > 0  # the path was taken
 
 
+@pytest.mark.timeout(60)
+def test_control_messages_reach_their_listener_in_the_order_they_were_sent():
+    """A large message and two small ones, 200 times, in bursts: the receives of a
+    large and a small message complete in either order, and the MPI thread and
+    the loop both hand messages over; a listener once got them reordered (with
+    requests over MPI, a cancel before the request it cancels: that recv waited
+    forever). Now they come in the order sent."""
+    _, results, out = launch(2, "control_order", "200", timeout=50)
+    consumer = next(r for r in results if r["rank"] == 0)
+    assert consumer["in_order"], f"reordered from message {consumer['first_wrong']}"
+
+
 def _wait_for_files(proc: subprocess.Popen, paths: list, timeout: float) -> None:
     """Until every path exists (a rank's signal to the test), failing at once if
     the job ends first and after ``timeout`` seconds otherwise."""

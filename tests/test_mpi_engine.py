@@ -85,3 +85,64 @@ def test_idle_engine_does_not_poll_and_stop_cancels_unmatched(comm):
         with pytest.raises(Unavailable):
             await pending
     run(main())
+
+
+def test_listened_messages_are_handed_over_in_the_order_they_were_sent(comm):
+    """A large control message (received by MPI's rendezvous protocol) followed by
+    small ones (eager) from the same rank: their receives may complete in the
+    other order, and a listener once got them so (a stream's cancel before the
+    request it cancels: the call then waited forever). They are handed over in
+    the order sent."""
+    async def main():
+        engine = ProgressEngine(comm, poll_min_us=5, poll_max_us=200)
+        engine.start()
+        got: list[bytes] = []
+        arrived = asyncio.Event()
+        rounds = 20
+
+        def deliver(messages):
+            got.extend(body for _, body in messages)
+            if len(got) == 3 * rounds:
+                arrived.set()
+
+        try:
+            engine.listen(comm, 21, deliver)
+            sends = []
+            for i in range(rounds):
+                big = bytes([i % 251]) * (4 << 20)
+                sends += [engine.isend(big, 0, 21, 1 << 30), engine.isend(b"small-%d" % i, 0, 21, 1 << 30),
+                          engine.isend(b"tiny-%d" % i, 0, 21, 1 << 30)]
+            await asyncio.gather(*sends)
+            await asyncio.wait_for(arrived.wait(), 30)
+            for i in range(rounds):
+                big, small, tiny = got[3 * i:3 * i + 3]
+                assert len(big) == 4 << 20 and big[0] == i % 251, (i, len(big))
+                assert (small, tiny) == (b"small-%d" % i, b"tiny-%d" % i)
+        finally:
+            engine.stop()
+    run(main())
+
+
+def test_a_listener_hands_a_sources_messages_over_in_match_order():
+    """The rule on its own: receives completing out of order wait for the earlier
+    ones of the same source; another source's go at once."""
+    from rendezvous.mpi.engine import OpKind, _Listener, _Op
+
+    loop = asyncio.new_event_loop()
+    try:
+        listener = _Listener(None, 1, loop, lambda m: None)
+        ops = {}
+        for name, source in (("a1", 1), ("a2", 1), ("b1", 2)):
+            op = ops[name] = _Op(OpKind.TAKE, loop, None, bytearray(name.encode()), source, 1)
+            op.remaining = 1
+            listener.matched(op)
+        for name in ("a2", "b1"):  # a2 completes before a1; b1 is another source's
+            ops[name].remaining = 0
+            listener.received(ops[name].peer)
+        assert listener.taken == [(2, b"b1")]
+        ops["a1"].remaining = 0
+        listener.received(1)
+        assert listener.taken == [(2, b"b1"), (1, b"a1"), (1, b"a2")]
+        assert not listener.order
+    finally:
+        loop.close()

@@ -721,3 +721,59 @@ def test_an_mpi_transfer_cut_from_its_stream_fails_the_recv_and_lands_for_the_ne
             assert (await r).item.value.tolist() == [4, 2]
             assert (await again.next()).WhichOneof("kind") == "cancel"
     run(main(), 20)
+
+
+class _FailedChannel:
+    """A channel gRPC reports as failed (it was up once) that comes back when asked."""
+
+    def __init__(self) -> None:
+        self.readied = 0
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+    async def channel_ready(self) -> None:
+        self.readied += 1
+
+
+def _probing(monkeypatch, answers: list) -> list:
+    """asyncio.open_connection as the peer client's probe sees it: each call takes
+    the next answer (an exception to raise, or None for a connection)."""
+    calls = []
+
+    class Writer:
+        def close(self) -> None:
+            pass
+
+    async def open_connection(host, port):
+        calls.append((host, port))
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+        return None, Writer()
+
+    monkeypatch.setattr("rendezvous.rpc.peer.asyncio.open_connection", open_connection)
+    return calls
+
+
+def test_no_route_to_the_peer_is_probed_again_within_the_window(monkeypatch):
+    """A link just back (its neighbour entry still failed) answers the probe with
+    EHOSTUNREACH: silent for now, not gone. The probe asks again, and the recv
+    goes on once the peer answers; a refused connection (the process is gone)
+    fails at once."""
+    import errno
+
+    async def main():
+        client = PeerClient(PEER, "127.0.0.1:9", Config.load({"keepalive_time": 1.0, "keepalive_timeout": 1.0},
+                                                              env={}), planes=_inline_planes())
+        client._channel = _FailedChannel()
+        calls = _probing(monkeypatch, [OSError(errno.EHOSTUNREACH, "No route to host"),
+                                       OSError(errno.ENETUNREACH, "Network is unreachable"), None])
+        await client._reconnect(deadline=None)
+        assert len(calls) == 3 and client._channel.readied == 1
+        calls = _probing(monkeypatch, [ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")])
+        with pytest.raises(PeerUnavailable, match="refused"):
+            await client._reconnect(deadline=None)
+        assert len(calls) == 1
+        client._channel = None
+    run(main(), 20)

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rendezvous.errors import Aborted, FailedPrecondition
+from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument
 from rendezvous.table import WaitingTable
 from rendezvous.rpc.retry import RetryCache
 
@@ -152,4 +152,23 @@ def test_a_cut_off_reply_goes_back_only_when_no_retry_of_its_id_carries_the_tens
         assert cache.cut_off(99)  # an id never seen: nothing else carries it
         cache.close()
 
+    run(main())
+
+
+def test_a_request_id_asks_for_one_tensor_only():
+    """A retry asks again for what its id first asked for: the same id for another
+    key or another step is INVALID_ARGUMENT, and takes nothing."""
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        for k in ("a", "b"):
+            table.send(1, k, np.array([1]))
+        table.send(2, "a", np.array([2]))
+        await cache.run(1, 9, lambda: table.recv(1, "a"), "a")
+        with pytest.raises(InvalidArgument, match="first used for key 'a', now for 'b'"):
+            await cache.run(1, 9, lambda: table.recv(1, "b"), "b")
+        with pytest.raises(InvalidArgument, match="first used for step 1, now for step 2"):
+            await cache.run(2, 9, lambda: table.recv(2, "a"), "a")
+        assert table.stats()["tensors"] == 2  # b of step 1 and a of step 2: untouched
+        cache.close()
     run(main())

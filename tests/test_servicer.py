@@ -605,6 +605,29 @@ def test_gpu_tensor_is_copied_to_the_host_and_served():
     run(main(), 20)
 
 
+def test_a_reply_cut_off_while_a_retry_of_its_id_carries_the_tensor_is_not_put_back():
+    """A recv answered on a stream that died (the reply cut off mid-way) and
+    re-sent with the same request_id on a new stream: the retry is answered from
+    the retry cache with the same tensor, so the cut-off reply must not put it
+    back in the table as well (the next recv of the key would get it a second
+    time)."""
+    async def main():
+        async with serving(chunk_bytes=256 << 10) as h:
+            value = np.arange(8 << 20, dtype=np.float32)  # 128 frames: more than flow control lets through
+            h.table.send(1, K("twice"), value)
+            first = h.stream()
+            await first.send(recv(1, K("twice"), request_id=88))
+            started = await first.read()
+            assert started and started[0].head is not None  # the reply is under way, not finished
+            retry = h.stream()
+            await retry.send(recv(1, K("twice"), request_id=88))
+            np.testing.assert_array_equal(await retry.value(1), value)
+            first.call.cancel()  # the first stream's reply is cut off now
+            await until(lambda: h.servicer.open_streams() == 1, what="the first stream to end")
+            assert len(h.table) == 0, "the cut-off reply was put back while its retry carried the tensor"
+    run(main(), 20)
+
+
 def test_a_reply_cut_off_by_the_streams_end_goes_back_to_the_table():
     """The consumer's stream broke (it died, or its connection did) after the
     first frames of a chunked reply: the tensor was lost. Now it goes back to the

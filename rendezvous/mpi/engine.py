@@ -31,6 +31,7 @@ already on the way), so its tag can never catch a later transfer's bytes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -83,7 +84,7 @@ class _Op:
 class _Listener:
     """Messages on (comm, tag) from any rank, for one deliver callback on one loop."""
 
-    __slots__ = ("comm", "tag", "loop", "deliver", "taken")
+    __slots__ = ("comm", "tag", "loop", "deliver", "taken", "order", "ready")
 
     def __init__(self, comm: Any, tag: int, loop: asyncio.AbstractEventLoop,
                  deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
@@ -92,6 +93,40 @@ class _Listener:
         self.loop = loop
         self.deliver = deliver
         self.taken: list[tuple[int, bytes]] = []  # received this turn, handed over at its end
+        #: by source rank, messages matched and being received, in the order they
+        #: were matched. Their receives may complete in another order (a large
+        #: message after a small one); they are handed over in this one, which is
+        #: the order the rank sent them in (MPI does not let one pair's messages on
+        #: a tag overtake each other when they are matched): a stream's cancel
+        #: never reaches the producer before the request it cancels.
+        self.order: dict[int, collections.deque[_Op]] = {}
+        #: batches taken and not handed over yet, in the order they were taken:
+        #: the MPI thread and the home loop both take messages, and hand them over
+        #: differently (a callback scheduled on the loop, or at once), so a later
+        #: batch could otherwise overtake an earlier one
+        self.ready: collections.deque[list[tuple[int, bytes]]] = collections.deque()
+
+    def flush(self) -> None:
+        """Deliver every batch ready, in order (on the listener's loop)."""
+        ready = self.ready
+        while ready:
+            self.deliver(ready.popleft())
+
+    def matched(self, op: _Op) -> None:
+        self.order.setdefault(op.peer, collections.deque()).append(op)
+
+    def received(self, source: int) -> None:
+        """Hand ``source``'s messages fully received at the head of its order to ``taken``."""
+        order = self.order.get(source)
+        while order and order[0].remaining == 0:
+            op = order.popleft()
+            if op.error is None:
+                self.taken.append((op.peer, bytes(op.buf)))
+            else:
+                log.warning("MPI control message from rank %d lost: %s", op.peer, op.error)
+            op.buf = None
+        if order is not None and not order:
+            del self.order[source]
 
 
 def _mpi_error(MPI: Any, exc: BaseException, what: str) -> BaseException:
@@ -343,11 +378,7 @@ class ProgressEngine:
             self.in_flight -= 1
             if op.kind is OpKind.TAKE:
                 listener: _Listener = op.fn  # type: ignore[assignment]
-                if op.error is None:
-                    listener.taken.append((op.peer, bytes(op.buf)))
-                else:
-                    log.warning("MPI control message from rank %d lost: %s", op.peer, op.error)
-                op.buf = None
+                listener.received(op.peer)
                 return
             op.buf = None
             if on_loop and op.loop is self.home:
@@ -382,6 +413,7 @@ class ProgressEngine:
                     continue
                 owners.append(op)
                 op.remaining = 1
+                listener.matched(op)
                 self.in_flight += 1
                 found = True
         return found
@@ -393,8 +425,9 @@ class ProgressEngine:
         taken = []
         for listener in self._listeners:
             if listener.taken:
-                taken.append((listener, listener.taken))
+                listener.ready.append(listener.taken)
                 listener.taken = []
+                taken.append(listener)
         return finished, taken
 
     def _hand_over(self, collected: tuple[dict, list], on_loop: bool = False) -> None:
@@ -404,11 +437,11 @@ class ProgressEngine:
         finished, taken = collected
         for loop, done in finished.items():
             loop.call_soon_threadsafe(_resolve_all, done)
-        for listener, messages in taken:
+        for listener in taken:
             if on_loop and listener.loop is self.home:
-                listener.deliver(messages)
+                listener.flush()
             else:
-                listener.loop.call_soon_threadsafe(listener.deliver, messages)
+                listener.loop.call_soon_threadsafe(listener.flush)
         if taken and not on_loop and self.home is not None:
             # requests came in: their replies (and likely more requests) follow
             self.home.call_soon_threadsafe(self._poll_on_loop)
