@@ -25,9 +25,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/ps_training.py
 
-# The demo across three "hosts" (network namespaces; needs root): tools/netns.py.
+# The demo across three "hosts" (network namespaces; needs root): tests/netns.py.
 demo-hosts: $(STAMP)
-	$(BIN)/python tools/netns.py demo
+	$(BIN)/python tests/netns.py demo
 
 demo-loopback: $(STAMP)
 	$(BIN)/python examples/loopback_demo.py

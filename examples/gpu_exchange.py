@@ -19,7 +19,7 @@ import numpy as np
 
 import rendezvous
 from rendezvous.devices import Devices
-from rendezvous.launch import launcher_rank
+from rendezvous.rank.launch import launcher_rank
 
 
 def main() -> int:
@@ -60,8 +60,11 @@ def main() -> int:
     got = server.recv(key(other, rank, "weights"), step_id=1, timeout=120)  # lands on our GPU
     on_host = server.recv(key(other, rank, "weights"), step_id=2, timeout=120, device="cpu")
     assert float(to_host(got)[0]) == other + 1 and float(on_host[-1]) == (other + 1) * 10
-    print(f"rank {rank}: got a {type(got).__name__} of {args.mib} MiB onto the GPU and a "
-          f"{type(on_host).__name__} onto the host; gpu stats {server.stats()['gpu']}", flush=True)
+    # one write per line: the launcher merges the ranks' output, and a line
+    # printed in two writes could be cut by the other rank's
+    sys.stdout.write(f"rank {rank}: got a {type(got).__name__} of {args.mib} MiB onto the GPU and a "
+                     f"{type(on_host).__name__} onto the host; gpu stats {server.stats()['gpu']}\n")
+    sys.stdout.flush()
     # both ranks have what they came for before either stops serving
     server.send(key(rank, other, "done"), np.ones(1), step_id=3)
     server.recv(key(other, rank, "done"), step_id=3, timeout=120)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from rendezvous.launch import run_local
+from rendezvous.rank.launch import run_local
 
 SIZES = [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 REPS = 3  # the first transfer of a pair also sets up the connection: report the best

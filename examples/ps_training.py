@@ -178,7 +178,7 @@ def _report(totals: np.ndarray, elapsed: float, update: float, steps: int) -> No
 
 def rank_main(args: argparse.Namespace) -> int:
     import rendezvous
-    from rendezvous.launch import launcher_rank
+    from rendezvous.rank.launch import launcher_rank
 
     found = launcher_rank()
     if found is None:

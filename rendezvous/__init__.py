@@ -27,7 +27,7 @@ from .errors import (
     UnsupportedDType,
 )
 from .keys import Key, TaskName, make_key, parse_key
-from .sync import Server
+from .rank.blocking import Server
 from .table import Received
 
 __version__ = "0.1.0"

@@ -194,13 +194,13 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .errors import RendezvousError
     from .lifecycle import run_until_signalled
-    from .daemon import daemon
     from . import aio
+    from .daemon import daemon, setup
 
     command = "rendezvousd" if parser.prog == "rendezvousd" else "rendezvous serve"
     try:
         cfg = _load_config(args)
-        identity = daemon.resolve_identity(cfg) if cfg.cluster and cfg.job_name else None
+        identity = setup.resolve_identity(cfg) if cfg.cluster and cfg.job_name else None
     except RendezvousError as exc:
         print(f"{command}: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 2
@@ -208,7 +208,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{command}: INVALID_ARGUMENT: cluster is not JSON: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        sys.stdout.write(daemon.render_config(cfg, identity))
+        sys.stdout.write(setup.render_config(cfg, identity))
         return 0
     if identity is None:
         parser.error("serve needs --cluster and --job-name (or RENDEZVOUS_CLUSTER and RENDEZVOUS_JOB_NAME, "
@@ -216,7 +216,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     verbose = getattr(args, "verbose", 0)
     level = [None, logging.INFO, logging.DEBUG][min(verbose, 2)]
     if args.daemon:
-        daemon.setup_logging(cfg, level)
+        setup.setup_logging(cfg, level)
         return daemon.run(cfg)
     logging.basicConfig(level=level or logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cluster, job_name, task_index, _ = identity

@@ -270,6 +270,11 @@ class Config:
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must not be negative")
 
+    def uses_mpi(self, protocol: "str | Protocol") -> bool:
+        """Whether a rank with this protocol moves tensors with MPI: ``grpc+mpi``
+        without ``MPI_DISABLED``."""
+        return Protocol.parse(protocol) is Protocol.GRPC_MPI and not self.mpi_disabled
+
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _FIELDS}
 

@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from .errors import FailedPrecondition, InvalidArgument
-from .tensors import TensorMeta, as_array
+from .dtypes import as_array
+from .tensors import TensorMeta
 
 __all__ = [
     "Placement",
@@ -50,7 +51,6 @@ __all__ = [
     "placement_for_device",
     "DeviceTensor",
     "DeviceBackend",
-    "CupyBackend",
     "PinnedPool",
     "Devices",
     "import_host",
@@ -60,10 +60,10 @@ __all__ = [
 log = logging.getLogger("rendezvous.devices")
 
 # DLPack device types (dlpack.h): the ones that mean "a CUDA GPU".
-_KDL_CPU = 1
-_KDL_CUDA = 2
-_KDL_CUDA_HOST = 3
-_KDL_CUDA_MANAGED = 13
+KDL_CPU = 1
+KDL_CUDA = 2
+KDL_CUDA_HOST = 3
+KDL_CUDA_MANAGED = 13
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,120 +280,6 @@ class PinnedPool:
         return len(self._free)
 
 
-# -- cupy -------------------------------------------------------------------------
-
-
-class CupyBackend(DeviceBackend):
-    """CUDA through cupy (the optional extra ``rendezvous[gpu]``), imported on first use."""
-
-    name = "cupy"
-
-    def __init__(self) -> None:
-        self._cp: Any = None
-        self._available: bool | None = None
-        self._streams: dict[int, Any] = {}
-        self._lock = threading.Lock()
-
-    def _cupy(self) -> Any:
-        if self._cp is None:
-            try:
-                import cupy
-            except ImportError:
-                raise FailedPrecondition(
-                    "a GPU tensor needs cupy: pip install 'rendezvous[gpu]'") from None
-            self._cp = cupy
-        return self._cp
-
-    def recognizes(self, obj: Any) -> bool:
-        if hasattr(obj, "__cuda_array_interface__"):
-            return True
-        dev = getattr(obj, "__dlpack_device__", None)
-        if dev is None:
-            return False
-        try:
-            kind = int(dev()[0])
-        except Exception:
-            return False
-        return kind in (_KDL_CUDA, _KDL_CUDA_MANAGED)
-
-    def available(self) -> bool:
-        if self._available is None:
-            try:
-                self._available = self._cupy().cuda.runtime.getDeviceCount() > 0
-            except Exception:
-                self._available = False
-        return self._available
-
-    def _stream(self, device: int) -> Any:
-        with self._lock:
-            s = self._streams.get(device)
-            if s is None:
-                cp = self._cupy()
-                with cp.cuda.Device(device):
-                    s = cp.cuda.Stream(non_blocking=True)
-                self._streams[device] = s
-            return s
-
-    def wrap(self, obj: Any) -> DeviceTensor:
-        cp = self._cupy()
-        if isinstance(obj, cp.ndarray):
-            arr = obj
-        elif hasattr(obj, "__cuda_array_interface__"):
-            arr = cp.asarray(obj)  # honours the exporter's stream (CAI v3)
-        else:
-            arr = cp.from_dlpack(obj)  # the exporter syncs to our current stream
-        with arr.device:
-            if not arr.flags.c_contiguous:
-                arr = cp.ascontiguousarray(arr)  # one device copy, on the current stream
-            ready = cp.cuda.Event(disable_timing=True)
-            ready.record(cp.cuda.get_current_stream())
-        return DeviceTensor(arr, self, arr.device.id, ready)
-
-    def empty(self, meta: TensorMeta, device: int) -> Any:
-        cp = self._cupy()
-        with cp.cuda.Device(device):
-            return cp.empty(meta.shape, dtype=meta.dtype)
-
-    def _copy(self, device: int, dst_ptr: int, src_ptr: int, nbytes: int, kind: int, after: Any) -> Any:
-        cp = self._cupy()
-        stream = self._stream(device)
-        with cp.cuda.Device(device):
-            if after is not None:
-                stream.wait_event(after)
-            if nbytes:
-                cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, kind, stream.ptr)
-            event = cp.cuda.Event(disable_timing=True)
-            event.record(stream)
-        return event
-
-    def d2h_async(self, src: DeviceTensor, start: int, host: np.ndarray) -> Any:
-        cp = self._cupy()
-        return self._copy(src.device, host.ctypes.data, src.array.data.ptr + start, host.nbytes,
-                          cp.cuda.runtime.memcpyDeviceToHost, src.ready)
-
-    def h2d_async(self, host: np.ndarray, dst: Any, device: int, start: int) -> Any:
-        cp = self._cupy()
-        return self._copy(device, dst.data.ptr + start, host.ctypes.data, host.nbytes,
-                          cp.cuda.runtime.memcpyHostToDevice, None)
-
-    def event_done(self, event: Any) -> bool:
-        return bool(event.done)
-
-    def event_wait(self, event: Any) -> None:
-        event.synchronize()
-
-    def pinned(self, nbytes: int) -> np.ndarray:
-        cp = self._cupy()
-        mem = cp.cuda.alloc_pinned_memory(nbytes)
-        return np.frombuffer(mem, dtype=np.uint8, count=nbytes)  # keeps ``mem`` alive
-
-    def user_array(self, array: Any) -> Any:
-        return array
-
-    def mpi_buffer(self, array: Any, start: int, stop: int) -> Any:
-        return array.reshape(-1).view(self._cupy().uint8)[start:stop]
-
-
 # -- the devices a server can use -----------------------------------------------
 
 class Devices:
@@ -404,7 +290,11 @@ class Devices:
     ``Devices([FakeBackend()])``. Used from the loop and from copy threads."""
 
     def __init__(self, backends: list[DeviceBackend] | None = None) -> None:
-        self.backends: tuple[DeviceBackend, ...] = tuple(backends) if backends is not None else (CupyBackend(),)
+        if backends is None:
+            from .cupy_backend import CupyBackend  # cupy itself is imported only when used
+
+            backends = [CupyBackend()]
+        self.backends: tuple[DeviceBackend, ...] = tuple(backends)
         self._pools: dict[tuple[int, int, int], PinnedPool] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
@@ -506,8 +396,8 @@ def import_host(obj: Any) -> np.ndarray:
     view. A DLPack tensor on another device is refused (no backend took it)."""
     if not hasattr(obj, "__array_interface__") and hasattr(obj, "__dlpack__"):
         dev = getattr(obj, "__dlpack_device__", None)
-        kind = int(dev()[0]) if dev is not None else _KDL_CPU
-        if kind in (_KDL_CPU, _KDL_CUDA_HOST):
+        kind = int(dev()[0]) if dev is not None else KDL_CPU
+        if kind in (KDL_CPU, KDL_CUDA_HOST):
             return as_array(np.from_dlpack(obj))
         raise InvalidArgument(f"{type(obj).__name__} lives on DLPack device type {kind}, "
                               "which no installed backend handles (CUDA needs cupy: rendezvous[gpu])")

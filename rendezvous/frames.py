@@ -29,7 +29,8 @@ from . import wire
 from .buffers import RecvBuffers
 from .errors import InvalidArgument, RendezvousError, from_status
 from .table import Received
-from .tensors import TensorMeta, check_announced, decode_meta, decode_tensor, encode_meta, is_memcpyable
+from .dtypes import is_memcpyable
+from .tensors import TensorMeta, check_announced, decode_meta, decode_tensor, encode_meta
 from .v1 import rendezvous_pb2 as pb
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Transfer counters per path ("local", "grpc", "mpi").
+"""Transfer counters per path (:class:`rendezvous.paths.Path`: local, grpc, mpi).
 
 Each path counts, on the consumer side, ``transfers`` completed, their payload
 ``bytes``, ``errors``, and ``fallbacks`` (transfers that took this path because
@@ -8,12 +8,13 @@ a faster one could not be used); on the producer side ``served`` replies and
 
 from __future__ import annotations
 
-import copy
 from typing import Any
+
+from .paths import Path
 
 __all__ = ["Stats", "PATHS", "COUNTERS", "GPU_COUNTERS", "payload_nbytes"]
 
-PATHS = ("local", "grpc", "mpi")
+PATHS = tuple(Path)
 COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes")
 #: GPU tensors: staged (through pinned host buffers) or direct (CUDA-aware MPI)
 #: MPI transfers per direction, and whole-tensor host<->device copies
@@ -24,30 +25,31 @@ GPU_COUNTERS = ("staged_sends", "staged_recvs", "direct_sends", "direct_recvs", 
 
 class Stats:
     def __init__(self) -> None:
-        self._paths: dict[str, dict[str, int]] = {p: dict.fromkeys(COUNTERS, 0) for p in PATHS}
+        self._paths: dict[Path, dict[str, int]] = {p: dict.fromkeys(COUNTERS, 0) for p in PATHS}
         self._gpu: dict[str, int] = dict.fromkeys(GPU_COUNTERS, 0)
 
-    def received(self, path: str, nbytes: int) -> None:
+    def received(self, path: Path, nbytes: int) -> None:
         c = self._paths[path]
         c["transfers"] += 1
         c["bytes"] += nbytes
 
-    def served(self, path: str, nbytes: int) -> None:
+    def served(self, path: Path, nbytes: int) -> None:
         c = self._paths[path]
         c["served"] += 1
         c["served_bytes"] += nbytes
 
-    def error(self, path: str) -> None:
+    def error(self, path: Path) -> None:
         self._paths[path]["errors"] += 1
 
-    def fallback(self, path: str) -> None:
+    def fallback(self, path: Path) -> None:
         self._paths[path]["fallbacks"] += 1
 
     def gpu(self, counter: str, n: int = 1) -> None:
         self._gpu[counter] += n
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        return copy.deepcopy(self._paths)
+        """The counters by path name ("local", "grpc", "mpi")."""
+        return {str(p): dict(c) for p, c in self._paths.items()}
 
     def gpu_snapshot(self) -> dict[str, int]:
         return dict(self._gpu)

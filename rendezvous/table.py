@@ -26,6 +26,11 @@ timeouts included) never loses an item. A waiter still queued is removed; an
 item already handed to it but not yet seen by the cancelled task goes back to
 the front of its queue (or to the next waiter), unless its step was aborted,
 cleaned up or the table closed meanwhile.
+
+One class of about 390 lines: the queues, the tombstones, the items in
+flight to cancelled waiters and the step-end generations are one invariant,
+kept without locks by one loop; split up, each part would reach into the
+others' state.
 """
 
 from __future__ import annotations

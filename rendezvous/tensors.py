@@ -19,213 +19,43 @@ TensorFlow's own RecvTensor sends for DT_STRING).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import fields as F
 from . import wire
+from .dtypes import (
+    DT_BFLOAT16,
+    DT_BOOL,
+    DT_COMPLEX64,
+    DT_COMPLEX128,
+    DT_DOUBLE,
+    DT_FLOAT,
+    DT_HALF,
+    DT_INT8,
+    DT_INT16,
+    DT_INT32,
+    DT_INT64,
+    DT_STRING,
+    DT_UINT8,
+    DT_UINT16,
+    DT_UINT32,
+    DT_UINT64,
+    OBJECT,
+    as_array,
+    dt_name,
+    dtype_to_proto,
+    proto_to_dtype,
+)
 from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 
-__all__ = [
-    "SUPPORTED_DTYPES",
-    "DT_INVALID",
-    "DT_FLOAT",
-    "DT_DOUBLE",
-    "DT_INT32",
-    "DT_UINT8",
-    "DT_INT16",
-    "DT_INT8",
-    "DT_STRING",
-    "DT_COMPLEX64",
-    "DT_INT64",
-    "DT_BOOL",
-    "DT_BFLOAT16",
-    "DT_UINT16",
-    "DT_COMPLEX128",
-    "DT_HALF",
-    "DT_UINT32",
-    "DT_UINT64",
-    "MAX_TYPED_FIELD_BYTES",
-    "dtype_to_proto",
-    "proto_to_dtype",
-    "as_array",
-    "is_memcpyable",
-    "TensorMeta",
-    "encode_meta",
-    "encode_header",
-    "encode_tensor",
-    "decode_tensor",
-    "decode_meta",
-    "empty_like_meta",
-]
-
-# TensorFlow's DataType values (tensorflow/core/framework/types.proto).
-DT_INVALID = 0
-DT_FLOAT = 1
-DT_DOUBLE = 2
-DT_INT32 = 3
-DT_UINT8 = 4
-DT_INT16 = 5
-DT_INT8 = 6
-DT_STRING = 7
-DT_COMPLEX64 = 8
-DT_INT64 = 9
-DT_BOOL = 10
-DT_BFLOAT16 = 14
-DT_UINT16 = 17
-DT_COMPLEX128 = 18
-DT_HALF = 19
-DT_UINT32 = 22
-DT_UINT64 = 23
-
-_DT_NAMES = {
-    DT_INVALID: "DT_INVALID", DT_FLOAT: "DT_FLOAT", DT_DOUBLE: "DT_DOUBLE", DT_INT32: "DT_INT32",
-    DT_UINT8: "DT_UINT8", DT_INT16: "DT_INT16", DT_INT8: "DT_INT8", DT_STRING: "DT_STRING",
-    DT_COMPLEX64: "DT_COMPLEX64", DT_INT64: "DT_INT64", DT_BOOL: "DT_BOOL",
-    DT_BFLOAT16: "DT_BFLOAT16", DT_UINT16: "DT_UINT16", DT_COMPLEX128: "DT_COMPLEX128",
-    DT_HALF: "DT_HALF", DT_UINT32: "DT_UINT32", DT_UINT64: "DT_UINT64",
-}
+__all__ = ["MAX_TYPED_FIELD_BYTES", "TensorMeta", "encode_meta", "encode_header", "encode_tensor", "decode_tensor",
+           "decode_meta", "empty_like_meta", "announced_bytes", "check_announced"]
 
 # Decoding TensorFlow's typed fields expands them (a splat of one value fills
 # the whole shape). Refuse to expand a message into more than this.
 MAX_TYPED_FIELD_BYTES = 1 << 31
-
-_OBJECT = np.dtype(object)
-_FIXED: dict[np.dtype, int] = {
-    np.dtype(np.float16): DT_HALF,
-    np.dtype(np.float32): DT_FLOAT,
-    np.dtype(np.float64): DT_DOUBLE,
-    np.dtype(np.int8): DT_INT8,
-    np.dtype(np.int16): DT_INT16,
-    np.dtype(np.int32): DT_INT32,
-    np.dtype(np.int64): DT_INT64,
-    np.dtype(np.uint8): DT_UINT8,
-    np.dtype(np.uint16): DT_UINT16,
-    np.dtype(np.uint32): DT_UINT32,
-    np.dtype(np.uint64): DT_UINT64,
-    np.dtype(np.bool_): DT_BOOL,
-    np.dtype(np.complex64): DT_COMPLEX64,
-    np.dtype(np.complex128): DT_COMPLEX128,
-}
-_SUPPORTED_NAMES = (
-    "float16, float32, float64, bfloat16 (with ml_dtypes), int8, int16, int32, int64, "
-    "uint8, uint16, uint32, uint64, bool, complex64, complex128, "
-    "bytes (object arrays of bytes, or 'S' arrays)"
-)
-
-_bf16_loaded = False
-_BFLOAT16: np.dtype | None = None
-
-
-def _bfloat16() -> np.dtype | None:
-    """ml_dtypes' bfloat16, imported on first need; None without ml_dtypes."""
-    global _bf16_loaded, _BFLOAT16
-    if not _bf16_loaded:
-        try:
-            import ml_dtypes
-        except ImportError:
-            _BFLOAT16 = None
-        else:
-            _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-            _FIXED[_BFLOAT16] = DT_BFLOAT16
-        _bf16_loaded = True
-    return _BFLOAT16
-
-
-class _SupportedDTypes(Mapping):
-    """np.dtype -> DataType value; bfloat16 appears once ml_dtypes is importable."""
-
-    def _table(self) -> dict[np.dtype, int]:
-        _bfloat16()
-        return {**_FIXED, _OBJECT: DT_STRING, np.dtype("S"): DT_STRING}
-
-    def __getitem__(self, key) -> int:
-        try:
-            dt = np.dtype(key)
-        except TypeError:
-            raise KeyError(key) from None
-        return self._table()[dt]
-
-    def __iter__(self) -> Iterator[np.dtype]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-    def __repr__(self) -> str:
-        return f"SUPPORTED_DTYPES({self._table()!r})"
-
-
-SUPPORTED_DTYPES: Mapping = _SupportedDTypes()
-
-
-def _fixed_lookup(dt: np.dtype) -> int | None:
-    v = _FIXED.get(dt)
-    if v is None and not _bf16_loaded:
-        _bfloat16()
-        v = _FIXED.get(dt)
-    return v
-
-
-def _native(dt: np.dtype) -> np.dtype:
-    return dt.newbyteorder("=") if dt.byteorder not in "=|" else dt
-
-
-def dtype_to_proto(dtype) -> int:
-    """The TensorFlow DataType value for a numpy dtype (any byte order)."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise UnsupportedDType(f"{dtype!r} is not a numpy dtype; supported: {_SUPPORTED_NAMES}") from None
-    if dt.kind == "S" or dt == _OBJECT:
-        return DT_STRING
-    v = _fixed_lookup(_native(dt)) if dt.fields is None else None
-    if v is None:
-        raise UnsupportedDType(f"dtype {dt} has no TensorFlow DataType; supported: {_SUPPORTED_NAMES}")
-    return v
-
-
-_BY_PROTO: dict[int, np.dtype] = {v: k for k, v in _FIXED.items()}
-_BY_PROTO[DT_STRING] = _OBJECT
-
-
-def _dt_name(value: int) -> str:
-    return _DT_NAMES.get(value, f"DataType {value}")
-
-
-def proto_to_dtype(value: int) -> np.dtype:
-    """The numpy dtype for a DataType value (DT_STRING: object arrays of bytes)."""
-    dt = _BY_PROTO.get(value)
-    if dt is not None:
-        return dt
-    if value == DT_BFLOAT16:
-        bf = _bfloat16()
-        if bf is None:
-            raise UnsupportedDType("DT_BFLOAT16 needs ml_dtypes (pip install ml_dtypes)")
-        _BY_PROTO[DT_BFLOAT16] = bf
-        return bf
-    raise UnsupportedDType(f"{_dt_name(value)} has no supported numpy dtype; supported: {_SUPPORTED_NAMES}")
-
-
-def as_array(obj) -> np.ndarray:
-    """``obj`` as an ndarray in little-endian layout (arrays pass through uncopied
-    unless big-endian; scalars, lists, bytes and buffer exporters via np.asarray)."""
-    arr = obj if type(obj) is np.ndarray else np.asarray(obj)
-    dt = arr.dtype
-    if dt.byteorder == ">" or (dt.byteorder == "=" and np.little_endian is False):
-        arr = arr.astype(dt.newbyteorder("<"))
-    return arr
-
-
-def is_memcpyable(arr) -> bool:
-    """True for arrays (or dtypes) of a fixed-size supported dtype in little-endian
-    byte order: their bytes are the wire content as they are."""
-    dt = arr if isinstance(arr, np.dtype) else arr.dtype
-    if dt.kind in "OSU" or dt.byteorder == ">" or (dt.byteorder == "=" and not np.little_endian):
-        return False
-    return _fixed_lookup(_native(dt)) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +72,7 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         """Bytes of content: elements x itemsize; 0 for strings (not known up front)."""
-        if self.dtype == _OBJECT or self.dtype.kind == "S":
+        if self.dtype == OBJECT or self.dtype.kind == "S":
             return 0
         return math.prod(self.shape) * self.dtype.itemsize
 
@@ -273,7 +103,7 @@ def encode_meta(meta: TensorMeta) -> bytes:
 
 def _string_items(arr: np.ndarray) -> list[bytes]:
     items = arr.reshape(-1).tolist()
-    if arr.dtype == _OBJECT:
+    if arr.dtype == OBJECT:
         for x in items:
             if not isinstance(x, bytes):
                 raise UnsupportedDType(
@@ -428,7 +258,7 @@ def _decode_string_list(buf, cs: int, ce: int, n: int) -> list[bytes]:
 
 
 def _object_array(items: list, shape: tuple[int, ...]) -> np.ndarray:
-    arr = np.empty(len(items), dtype=_OBJECT)
+    arr = np.empty(len(items), dtype=OBJECT)
     arr[:] = items
     return arr.reshape(shape)
 
@@ -465,7 +295,7 @@ def _typed_values(msg, proto_dtype: int, dtype: np.dtype) -> np.ndarray | list:
     if proto_dtype == DT_COMPLEX128:
         parts = np.array(msg.dcomplex_val, dtype=np.float64)
         return parts[: len(parts) // 2 * 2].view(np.complex128)
-    raise UnsupportedDType(f"{_dt_name(proto_dtype)} has no typed field")  # pragma: no cover
+    raise UnsupportedDType(f"{dt_name(proto_dtype)} has no typed field")  # pragma: no cover
 
 
 def _from_typed_fields(buf, start: int, end: int, meta: TensorMeta, proto_dtype: int) -> np.ndarray:

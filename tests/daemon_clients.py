@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from rendezvous import shm
+from rendezvous.client.core import Op
+from rendezvous.local import segments as shm
 from rendezvous.client import Client
 from rendezvous.errors import RendezvousError
 
@@ -92,11 +93,11 @@ def hold(address: str, key: str) -> None:
     then wait to be killed holding both."""
     import struct
 
-    from rendezvous.localwire import Kind
+    from rendezvous.local.frames import Kind
 
     with Client(address) as c:
         value = c.recv(key, step_id=1, timeout=30)
-        c._link.call(Kind.LEND, struct.pack("<Q", 1 << 16))
+        c._link.call(Op(Kind.LEND, struct.pack("<Q", 1 << 16)))
         sys.stdout.write(f"HOLDING {value.nbytes}\n")
         sys.stdout.flush()
         sys.stdin.read()  # until killed (or stdin closes)

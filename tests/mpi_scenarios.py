@@ -18,7 +18,7 @@ import traceback
 import numpy as np
 
 import rendezvous
-from rendezvous.launch import launcher_rank
+from rendezvous.rank.launch import launcher_rank
 
 
 def _abort_job(exc_type, exc, tb):
@@ -163,7 +163,7 @@ def abort() -> None:
     # arrived, and its receive is posted only once the gate opens (after the
     # abort). Like any receive whose recv gave up, it is still posted and
     # completes into its own buffer, so its bytes cannot match a later transfer.
-    engine = aio._engine
+    engine = aio.mpi.engine
     real_irecv = engine.irecv
     held, gate, received = threading.Event(), threading.Event(), threading.Event()
 
@@ -213,8 +213,10 @@ def idle(seconds: str = "2") -> None:
         server.send(key(worker(me), worker(other), f"b{i}"), np.ones(1 << 18), step_id=i)
     for i in range(20):
         server.recv(key(worker(other), worker(me), f"b{i}"), step_id=i, timeout=60)
-    finish(server, step_id=998)  # both ranks have everything: no MPI operation is left
-    engine = server.aio._engine
+    finish(server, step_id=998)  # both ranks have everything
+    engine = server.aio.mpi.engine
+    # a send's completion is noticed by the engine after its consumer has the bytes
+    wait_for(lambda: engine.in_flight == 0, "the last sends' completions")
     polls0 = engine.polls
     wall0, cpu0 = time.monotonic(), time.process_time()
     # measuring idleness itself, not synchronizing: the first half includes the
@@ -390,8 +392,8 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
             await on_server(lambda: quiet(server))
             await ask_again(lambda i, t: recv(name(i), 1, t), tally)
             await on_server(lambda: quiet(server))
-            kept = await on_server(lambda: sum(len(q) for q in server._undelivered.values()))
-            unsettled = await on_server(lambda: sum(len(p._unsettled) for p in server._peers.values()))
+            kept = await on_server(lambda: sum(len(q) for q in server.kept.values()))
+            unsettled = await on_server(lambda: sum(len(p._unsettled) for p in server.peers.values()))
             stats = server.stats()
             result(rank=rank, n=n, timed_out=tally.timed_out, wrong=tally.wrong, twice=tally.twice,
                    kept=kept, unsettled=unsettled, mpi=stats["mpi"]["transfers"], grpc=stats["grpc"]["transfers"])
@@ -417,14 +419,14 @@ async def quiet(server) -> None:
     end = loop.time() + 60
 
     def busy() -> bool:
-        streams = [p.live_stream() for p in server._peers.values()]
+        streams = [p.live_stream() for p in server.peers.values()]
         replying = any(c.replies or c.writing for c in server.servicer._streams)
         return (replying or server.stats()["mpi"]["in_flight"] > 0
                 or any(s is not None and (s.pending or s.moving) for s in streams))
 
     while busy():
         if loop.time() > end:
-            streams = [p.live_stream() for p in server._peers.values()]
+            streams = [p.live_stream() for p in server.peers.values()]
             raise AssertionError(
                 "the traffic did not settle within 60 s: "
                 f"replies {[(len(c.replies), c.writing, len(c.waiting)) for c in server.servicer._streams]}, "
@@ -433,6 +435,55 @@ async def quiet(server) -> None:
                 f"first {[[(c, p.orphan, p.key[-6:]) for c, p in list(s.pending.items())[:6]] for s in streams if s]}, "
                 f"writer {[(s.writer.done(), s.outbox.qsize(), s.reader.done()) for s in streams if s]}")
         await asyncio.sleep(0.005)
+
+
+def stats_paths() -> None:
+    """Each transfer and each failed recv counted under the path it took, on both
+    ranks: rank 1 produces a small tensor (inside the reply) and a large one (the
+    optimal path), and aborts a step while rank 0 waits on it; rank 0 receives."""
+    server = start(2)
+    me = server.task.task
+    other = 1 - me
+    small, large = np.arange(8, dtype=np.int64), np.arange(1 << 16, dtype=np.float32)
+    if me == 1:
+        server.send(key(worker(1), worker(0), "small"), small, step_id=1)
+        server.send(key(worker(1), worker(0), "large"), large, step_id=1)
+        server.recv(key(worker(0), worker(1), "waiting"), step_id=3, timeout=60)  # rank 0's recv of step 2 waits
+        server.abort(2, "the step is over")
+        finish(server)
+    else:
+        assert np.array_equal(server.recv(key(worker(1), worker(0), "small"), step_id=1, timeout=60), small)
+        assert np.array_equal(server.recv(key(worker(1), worker(0), "large"), step_id=1, timeout=60), large)
+        import threading
+
+        failed: list[str] = []
+
+        def doomed() -> None:
+            try:
+                server.recv(key(worker(1), worker(0), "never"), step_id=2, timeout=60)
+            except rendezvous.RendezvousError as exc:
+                failed.append(exc.code.name)
+
+        t = threading.Thread(target=doomed)
+        t.start()
+        wait_for(lambda: any(e.step_id == 2 for e in _remote_pending(server, other)), "the recv to wait")
+        server.send(key(worker(0), worker(1), "waiting"), np.zeros(1), step_id=3)
+        t.join(60)
+        assert failed == ["ABORTED"], failed
+        finish(server)
+    server.stop(5)  # its tensors served first (the handshake's last one may still be asked for)
+    result(rank=me, stats=server.stats(), requests="mpi" if server.config.mpi_requests else "grpc")
+
+
+def _remote_pending(server, other: int) -> list:
+    """What waits at the other rank's table for this one (asked through its stats-free pending)."""
+    import asyncio as _asyncio
+
+    async def ask():
+        streams = [p.live_stream() for p in server.aio.peers.values()]
+        return [p for s in streams if s is not None for p in s.pending.values()]
+
+    return _asyncio.run_coroutine_threadsafe(ask(), server.loop).result(10)
 
 
 def control_order(rounds: str = "50") -> None:

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rendezvous.bench import report, rss, stats
-from rendezvous.bench.cli import JSON_NAME, PLOT_NAME, Progress, add_arguments
+from rendezvous.bench import report, results, rss, stats
+from rendezvous.bench.cli import JSON_NAME, PLOT_NAME, add_arguments
+from rendezvous.bench.report import Progress
 from rendezvous.bench.contenders import check, pattern
 
 HERE = Path(__file__).resolve()
@@ -166,7 +167,7 @@ NOW = datetime.datetime(2030, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
 
 
 def _doc(**kw) -> dict:
-    return report.build(_raw(**kw), quick=True, args={"sizes": "x"}, now=NOW)
+    return results.build(_raw(**kw), quick=True, args={"sizes": "x"}, now=NOW)
 
 
 def _target(doc, tid):
@@ -176,8 +177,8 @@ def _target(doc, tid):
 @pytest.mark.timeout(10)
 def test_build_computes_ratios_from_the_same_run():
     doc = _doc()
-    report.validate(doc)
-    assert doc["schema"] == report.SCHEMA and doc["created"] == "2030-01-02T03:04:05+00:00"
+    results.validate(doc)
+    assert doc["schema"] == results.SCHEMA and doc["created"] == "2030-01-02T03:04:05+00:00"
     assert doc["sizes"] == SIZES
     cell = next(t for t in doc["transfers"] if t["contender"] == "optimal" and t["size"] == 16 * MiB)
     assert cell["vs_mpi"]["gbps"] == pytest.approx(0.8)
@@ -228,7 +229,7 @@ def test_targets_without_gloo_are_not_judged():
     t = _target(doc, f"optimal_vs_gloo_{MiB}")
     assert t["ok"] is None and t["measured"] is None and "not measured" in t["note"]
     assert "gloo" not in doc["contenders"]
-    report.validate(doc)
+    results.validate(doc)
 
 
 @pytest.mark.timeout(10)
@@ -248,11 +249,11 @@ def test_validate_names_the_bad_field():
     for change, message in cases:
         doc = copy.deepcopy(good)
         change(doc)
-        with pytest.raises(report.SchemaError, match=message):
-            report.validate(doc)
+        with pytest.raises(results.SchemaError, match=message):
+            results.validate(doc)
     relaxed = copy.deepcopy(good)
     relaxed["rate"] = relaxed["rss"] = None  # phases that may be skipped
-    report.validate(relaxed)
+    results.validate(relaxed)
 
 
 @pytest.mark.timeout(10)
@@ -262,7 +263,7 @@ def test_json_round_trip(tmp_path):
     report.write_json(doc, path)
     assert report.load(path) == json.loads(json.dumps(doc))
     path.write_text(json.dumps({**doc, "idle": "none"}))
-    with pytest.raises(report.SchemaError):
+    with pytest.raises(results.SchemaError):
         report.load(path)
 
 
@@ -426,9 +427,9 @@ def test_a_failing_rank_ends_the_job(tmp_path):
     """Rank 1 raises in the middle of the run; rank 0, waiting for it, must not
     hang: the job is aborted and the command fails, naming the error."""
     _needs_mpiexec()
-    from rendezvous.bench.cli import _mpiexec
+    from rendezvous.bench.procs import mpiexec
 
-    cmd = [*_mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(HERE), "fail", str(tmp_path)]
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(HERE), "fail", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -478,8 +479,8 @@ def test_gpu_target_against_the_slower_of_its_two_bounds():
         raw["samples"].setdefault("gpu_serial", {})[size] = [int(mpi_us * 4000)] * 5  # 0.25x
         raw["samples"].setdefault("d2h", {})[size] = [int(mpi_us * 500)] * 5  # 2x raw MPI: MPI is the bound
     raw["contenders"].update(gpu_staged="rendezvous GPU->GPU", gpu_serial="1 chunk", d2h="device -> host")
-    doc = report.build(raw, quick=True, args={}, now=NOW)
-    report.validate(doc)
+    doc = results.build(raw, quick=True, args={}, now=NOW)
+    results.validate(doc)
     t = _target(doc, f"gpu_staged_{16 * MiB}")
     assert t["measured"] == pytest.approx(0.5) and t["ok"] is False
     assert "2.00x the bandwidth with one chunk in flight" in t["note"]

@@ -13,7 +13,9 @@ import sys
 
 import pytest
 
-from rendezvous.bench.daemon import CONTENDERS, render, targets
+from rendezvous.bench.daemon import CONTENDERS
+from rendezvous.bench.report import daemon_markdown
+from rendezvous.bench.results import daemon_targets
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -85,7 +87,7 @@ def test_a_tiny_daemon_bench_run_has_every_contender(tmp_path):
     assert ids["cross_mpi_64MiB"]["met"] is None and ids["local_hop_large_blocking"]["met"] is None
 
     table = (tmp_path / "daemon.md").read_text()
-    assert table == render(doc) and targets(doc) == doc["targets"]
+    assert table == daemon_markdown(doc) and daemon_targets(doc) == doc["targets"]
     assert "## Targets" in table
     for t in doc["targets"]:
         assert t["what"] in table

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from rendezvous.bench import scale
+from rendezvous.bench import footprint, scale
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -73,9 +73,9 @@ def test_a_two_rank_grpc_job_measures_real_connections(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_a_two_rank_grpc_mpi_job_builds_its_rank_map_and_moves_the_big_tensor_over_mpi(tmp_path):
-    from rendezvous.bench.cli import _mpiexec
+    from rendezvous.bench.procs import mpiexec
 
-    if _mpiexec() is None:
+    if mpiexec() is None:
         pytest.skip("no mpiexec (pip install 'rendezvous[mpi]')")
     doc = _bench(tmp_path, "grpc+mpi")
     (run,) = doc["runs"]
@@ -98,7 +98,7 @@ def test_snapshot_tells_connections_to_peers_from_connections_of_peers():
             accepted_out, _ = peer.accept()
             accepted_in, _ = server.accept()
             with accepted_out, accepted_in:
-                snap = scale.snapshot(own, {("127.0.0.1", peer.getsockname()[1])},
+                snap = footprint.snapshot(own, {("127.0.0.1", peer.getsockname()[1])},
                                       exclude_fds={accepted_out.fileno(), other.fileno()})
     # ours: `out` (to the peer's server) and `accepted_in` (into our server); the
     # peer's side of `out` and the client `other` stand for other processes and are
@@ -113,8 +113,8 @@ def test_snapshot_tells_connections_to_peers_from_connections_of_peers():
 def test_proc_net_tcp_addresses_are_decoded():
     if sys.byteorder != "little":
         pytest.skip("the sample is a little-endian machine's /proc/net/tcp")
-    assert scale._address("0100007F:1F90") == ("127.0.0.1", 8080)
-    assert scale._address("0000000000000000FFFF00000100007F:0050") == ("127.0.0.1", 80)
+    assert footprint._address("0100007F:1F90") == ("127.0.0.1", 8080)
+    assert footprint._address("0000000000000000FFFF00000100007F:0050") == ("127.0.0.1", 80)
 
 
 @pytest.mark.timeout(30)

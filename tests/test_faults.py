@@ -206,9 +206,9 @@ def test_a_producer_killed_mid_reply_fails_the_recv_promptly():
             deadline = time.monotonic() + 30
 
             def assembling() -> bool:
-                stream = consumer._peers[next(iter(consumer._peers))]._stream if consumer._peers else None
+                stream = consumer.peers[next(iter(consumer.peers))]._stream if consumer.peers else None
                 return stream is not None and any(p.assembly is not None for p in stream.pending.values())
-            while not consumer._peers:
+            while not consumer.peers:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             child.stdin.write("go\n")

@@ -42,11 +42,14 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from rendezvous.client.core import GRPC_METHODS, Op
 from rendezvous import fields as F
-from rendezvous import frames, keys, localwire, shm, tensors, wire
+from rendezvous import dtypes, frames, keys, tensors, wire
+from rendezvous.local import frames as localwire
+from rendezvous.local import segments as shm
 from rendezvous.buffers import RecvBuffers
 from rendezvous.client.aio import Client
-from rendezvous.client.local import parse_reply
+from rendezvous.local.messages import parse_reply
 from rendezvous.config import _FIELDS as CONFIG_FIELDS
 from rendezvous.config import Config
 from rendezvous.daemon.daemon import Daemon
@@ -65,7 +68,7 @@ from rendezvous.errors import (
     from_status,
 )
 from rendezvous.keys import TaskName
-from rendezvous.localwire import Kind
+from rendezvous.local.frames import Kind
 from rendezvous.rpc import servicer as servicer_module
 from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
@@ -289,7 +292,7 @@ def test_fuzz_keys_longer_than_the_limit_always_raise(length, as_name, ch, junk)
 _FIXED = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
           np.uint32, np.uint64, np.bool_, np.complex64, np.complex128]
 _SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
-_DTYPE_VALUES = st.one_of(st.sampled_from(sorted(tensors._DT_NAMES)),
+_DTYPE_VALUES = st.one_of(st.sampled_from(sorted(dtypes._DT_NAMES)),
                           st.sampled_from([11, 12, 13, 15, 16, 20, 21, 24, 101, 119]),
                           st.integers(-2**31, 2**31 - 1))
 _DIMS = st.one_of(st.integers(-2, 6), st.sampled_from([2**10, 2**17, 2**20, 2**31, 2**40, 2**62, 2**63 - 1, -2**63]))
@@ -382,7 +385,7 @@ def _check_decode(buf, start: int = 0, end: int | None = None) -> np.ndarray | N
         assert all(type(x) is bytes for x in out.reshape(-1))
     else:
         assert out.nbytes <= LIMIT
-        assert tensors.is_memcpyable(out)
+        assert dtypes.is_memcpyable(out)
     return out
 
 
@@ -524,7 +527,7 @@ def _check_inline(buf: bytes, span: tuple[int, int]) -> None:
         assert isinstance(exc, InvalidArgument), repr(exc)
         return
     if isinstance(out, frames.Assembly):
-        assert out.meta == meta and tensors.is_memcpyable(meta.dtype)
+        assert out.meta == meta and dtypes.is_memcpyable(meta.dtype)
         assert out.dest.nbytes == meta.nbytes and out.filled == ce - cs < meta.nbytes
         assert out.dest[:out.filled].tobytes() == bytes(buf[cs:ce])
     else:
@@ -658,7 +661,7 @@ _ANNOUNCES_32_PIB = b'\x08\x01\x12\x0b\x12\t\x08\x80\x80\x80\x80\x80\x80\x80\x10
 
 @pytest.mark.parametrize("buf", [_ANNOUNCES_2_63, _ANNOUNCES_32_PIB], ids=["2**63 bytes", "32 PiB"])
 def test_decode_inline_without_decoded_meta_refuses_an_impossible_size(buf):
-    assert buf in (_proto(tensors.DT_FLOAT, [1 << 61], bytes(4)), _proto(tensors.DT_FLOAT, [1 << 53], bytes(4)))
+    assert buf in (_proto(dtypes.DT_FLOAT, [1 << 61], bytes(4)), _proto(dtypes.DT_FLOAT, [1 << 53], bytes(4)))
     with pytest.raises(RendezvousError):
         frames.decode_inline(buf, (0, len(buf)))
 
@@ -668,7 +671,7 @@ _ZERO_BUT_HUGE = b"\x08\x01\x12\x0e\x12\x00\x12\n\x08\x80\x80\x80\x80\x80\x80\x8
 
 
 def test_a_zero_element_tensor_numpy_cannot_shape_is_invalid_argument():
-    assert _ZERO_BUT_HUGE == _proto(tensors.DT_FLOAT, [0, 1 << 61], b"")
+    assert _ZERO_BUT_HUGE == _proto(dtypes.DT_FLOAT, [0, 1 << 61], b"")
     with pytest.raises(InvalidArgument):
         tensors.decode_tensor(_ZERO_BUT_HUGE, max_bytes=LIMIT)
 
@@ -1006,7 +1009,7 @@ async def _session_call(c: Client, kind: int, raw: bytes, timeout: float) -> byt
     """One frame on ``c``'s session: its reply's body, or the error of its ERROR frame
     (DeadlineExceeded if none came within ``timeout``: a recv is cancelled then)."""
     try:
-        return bytes(await c._link.call(kind, raw, timeout=timeout))
+        return bytes(await c._link.call(Op(kind, raw, timeout)))
     except RendezvousError as exc:
         return exc
     except TimeoutError:
@@ -1014,8 +1017,9 @@ async def _session_call(c: Client, kind: int, raw: bytes, timeout: float) -> byt
 
 
 async def _rpc_call(c: Client, method: str, raw: bytes, timeout: float) -> bytes | RendezvousError:
+    kind = next(k for k, name in GRPC_METHODS.items() if name == method)
     try:
-        return await c._call(method, raw, timeout=timeout)
+        return await c._do(Op(kind, raw, timeout))
     except RendezvousError as exc:
         return exc
 
@@ -1056,7 +1060,7 @@ def _waiting(d: Daemon) -> collections.Counter:
     for e in d.server.pending():
         if e.kind == "tensor":
             out[(e.step_id, str(e.key))] += e.count
-    for (step_id, k), kept in d.server._undelivered.items():
+    for (step_id, k), kept in d.server.kept.items():
         out[(step_id, k)] += len(kept)
     return out
 
@@ -1099,7 +1103,7 @@ async def _settled(n: _Node, lent: int = 0) -> None:
         assert s["free_bytes"] == s["bytes"] <= POOL_BYTES, s
     assert n.sid in d.sessions.sessions and n.other_sid in d.sessions.sessions, "a fixture session ended"
     assert not n.client._link.conn.closed and not n.other._link.conn.closed
-    assert n.rpc.client_id in d.local.sessions
+    assert n.rpc.client_id in d.local.attached
 
 
 def test_fuzz_daemon_local_service(node):
@@ -1176,7 +1180,7 @@ def test_fuzz_daemon_local_service(node):
         out = lt.run(call(via, Kind.RECV, "Recv", raw, 5.0 if own_deadline or not may_wait else LOCAL_WAIT_S))
         _check_local_outcome(f"Recv/{via}", out, may_wait)
         if isinstance(out, bytes):  # a tensor some fuzzed send left: take it as the client would
-            item, _, hop = parse_reply(out, n.client._link.segments if via == "session" else None)
+            item, _, hop = parse_reply(out, n.client._link.segments.view if via == "session" else None)
             assert item.is_dead or isinstance(item.value, np.ndarray)
             if hop == "shm":  # a view on a pool segment, held by the session until it is dropped
                 assert via == "session" and item.value.nbytes >= SHM_THRESHOLD
@@ -1249,7 +1253,7 @@ def test_fuzz_pooled_sends(node):
         owner = Client(d.local_target)
         await owner.connect()
         sid = _session_of(d, owner)
-        grant = await owner._link.call(Kind.LEND, struct.pack("<Q", value.nbytes), timeout=5)
+        grant = await owner._link.call(Op(Kind.LEND, struct.pack("<Q", value.nbytes), 5))
         [(granted, size)] = localwire.unpack_grants(grant)
         seg_id = owner._link.segments.take(value.nbytes)
         assert seg_id == granted and size == shm.size_class(value.nbytes)

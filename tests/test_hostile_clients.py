@@ -28,13 +28,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rendezvous import localwire
+from rendezvous.client.core import Op
+from rendezvous.local import frames as localwire
 from rendezvous.client import Client as BlockingClient
 from rendezvous.client.aio import Client
 from rendezvous.daemon.service import PENDING_BYTES
 from rendezvous.errors import ResourceExhausted
 from rendezvous.daemon.sessions import SESSION_HIGH_WATER, SMALL_FRAME
-from rendezvous.localwire import HEADER, FrameReader, Kind
+from rendezvous.local.frames import HEADER, FrameReader, Kind
 from rendezvous.v1 import local_pb2 as lpb
 
 from conftest import run, until
@@ -346,9 +347,9 @@ def test_a_session_holds_at_most_its_share_of_segments(sockdir):  # noqa: F811
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
             share = d.sessions.segment_share
             for _ in range(share):
-                await a._link.call(Kind.LEND, struct.pack("<Q", 1 << 16), timeout=10)
+                await a._link.call(Op(Kind.LEND, struct.pack("<Q", 1 << 16), 10))
             with pytest.raises(ResourceExhausted, match=f"at most {share}"):
-                await a._link.call(Kind.LEND, struct.pack("<Q", 1 << 16), timeout=10)
+                await a._link.call(Op(Kind.LEND, struct.pack("<Q", 1 << 16), 10))
             (sa,) = [s for s in d.sessions.sessions.values() if d.pool.holds(s.id)]
             assert d.pool.holds(sa.id) == share
             # another client is served as ever: a large send and recv through the pool

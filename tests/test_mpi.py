@@ -209,6 +209,27 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once(path, api):
         assert consumer["mpi"] > 0  # the path was taken
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
+def test_each_transfer_and_error_is_counted_under_the_path_it_took(requests):
+    """A small tensor (inside the reply), a large one (the optimal path) and a
+    recv that fails (its step aborted at the producer): counted on both ranks
+    under the path each took. With requests over MPI the reply carrying the
+    small tensor travelled by MPI too: it was counted under grpc by its
+    producer, and every remote error under grpc whatever the path."""
+    _, results, out = launch(2, "stats_paths", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": requests},
+                             timeout=110)
+    consumer = next(r for r in results if r["rank"] == 0)["stats"]
+    producer = next(r for r in results if r["rank"] == 1)["stats"]
+    small_path = "mpi" if requests == "1" else "grpc"
+    # the finish handshake's 1-element tensors travel like the small one, each way
+    expected = {"grpc": 0, "mpi": 1}
+    expected[small_path] += 2  # "small" and the handshake's "finished"
+    assert {p: consumer[p]["transfers"] for p in ("grpc", "mpi")} == expected, consumer
+    assert {p: producer[p]["served"] for p in ("grpc", "mpi")} == expected, producer
+    assert consumer[small_path]["errors"] == 1 and sum(consumer[p]["errors"] for p in ("grpc", "mpi")) == 1, consumer
+
+
 @pytest.mark.timeout(60)
 def test_control_messages_reach_their_listener_in_the_order_they_were_sent():
     """A large message and two small ones, 200 times, in bursts: the receives of a

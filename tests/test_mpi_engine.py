@@ -126,14 +126,14 @@ def test_listened_messages_are_handed_over_in_the_order_they_were_sent(comm):
 def test_a_listener_hands_a_sources_messages_over_in_match_order():
     """The rule on its own: receives completing out of order wait for the earlier
     ones of the same source; another source's go at once."""
-    from rendezvous.mpi.engine import OpKind, _Listener, _Op
+    from rendezvous.mpi.ops import Listener, Op, OpKind
 
     loop = asyncio.new_event_loop()
     try:
-        listener = _Listener(None, 1, loop, lambda m: None)
+        listener = Listener(None, 1, loop, lambda m: None)
         ops = {}
         for name, source in (("a1", 1), ("a2", 1), ("b1", 2)):
-            op = ops[name] = _Op(OpKind.TAKE, loop, None, bytearray(name.encode()), source, 1)
+            op = ops[name] = Op(OpKind.TAKE, loop, None, bytearray(name.encode()), source, 1)
             op.remaining = 1
             listener.matched(op)
         for name in ("a2", "b1"):  # a2 completes before a1; b1 is another source's

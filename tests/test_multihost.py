@@ -1,4 +1,4 @@
-"""Across hosts: three network namespaces on one bridge (tools/netns.py) stand
+"""Across hosts: three network namespaces on one bridge (tests/netns.py) stand
 in for three machines. The demo runs across them with gRPC only and with MPI
 on its network path; a rendezvousd per host serves local clients; cables are
 pulled during waits and during a large transfer, and a whole host is lost.
@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
+import netns
 from mpi_scenarios import wait_for
 from netns_agent import digest, payload
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import netns  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow, pytest.mark.multihost]
 

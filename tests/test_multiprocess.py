@@ -1,4 +1,4 @@
-"""Ranks as separate OS processes on loopback (rendezvous.launch.run_local)."""
+"""Ranks as separate OS processes on loopback (rendezvous.rank.launch.run_local)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rendezvous import errors
-from rendezvous.launch import RankFailed, run_local
+from rendezvous.rank.launch import RankFailed, run_local
 
 SIZES = [0, 1, 1000, 1 << 16, (1 << 20) + 7, 16 << 20, 256 << 20]
 

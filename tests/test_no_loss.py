@@ -49,7 +49,7 @@ def nothing_in_flight(*servers) -> bool:
     for server in servers:
         if any(c.replies or c.writing or c.flushing for c in server.servicer._streams):
             return False
-        for peer in server._peers.values():
+        for peer in server.peers.values():
             stream = peer.live_stream()
             if stream is not None and (stream.pending or stream.moving):
                 return False
@@ -60,7 +60,7 @@ def left_anywhere(*servers) -> list:
     """What the servers still hold of a race: produced tensors and waiters in
     their tables, and tensors kept for a next recv."""
     return [entry for s in servers for entry in s.pending()] + \
-        [k for s in servers for k, q in s._undelivered.items() if q]
+        [k for s in servers for k, q in s.kept.items() if q]
 
 
 def test_racing_deadlines_deliver_every_tensor_exactly_once():
@@ -80,7 +80,7 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once():
             await until(lambda: nothing_in_flight(consumer, producer), what="the withdrawn requests")
             assert not left_anywhere(consumer, producer)
             # unanswered request ids are remembered only for streams that broke
-            assert not any(p._unsettled for p in consumer._peers.values())
+            assert not any(p._unsettled for p in consumer.peers.values())
     run(main(), LIMIT)
 
 
@@ -178,7 +178,7 @@ def test_a_large_tensor_whose_recvs_time_out_mid_reply_is_not_lost(chunk):
             np.testing.assert_array_equal(got, value)
             # the recvs that gave up withdraw their requests: nothing is left anywhere
             await until(lambda: not producer.pending(), what="the withdrawn requests")
-            assert not consumer._undelivered
+            assert not consumer.kept
     run(main(), 110)
 
 
@@ -200,9 +200,9 @@ def test_a_cancelled_recv_whose_reply_was_on_its_way_leaves_the_tensor_for_the_n
         async with cluster(2, chunk_bytes=64 << 10) as (consumer, producer):
             value = np.arange(4 << 20, dtype=np.float32)
             await _cancel_mid_reply(consumer, producer, "c", 3, value)
-            await until(lambda: consumer._undelivered, what="the reply to be received and kept")
+            await until(lambda: consumer.kept, what="the reply to be received and kept")
             np.testing.assert_array_equal(await consumer.recv(key("c"), step_id=3, timeout=10), value)
-            assert not consumer._undelivered and not producer.pending()
+            assert not consumer.kept and not producer.pending()
     run(main(), 60)
 
 
@@ -210,8 +210,8 @@ def test_a_kept_tensor_is_dropped_with_its_step():
     async def main():
         async with cluster(2, chunk_bytes=64 << 10) as (consumer, producer):
             await _cancel_mid_reply(consumer, producer, "gone", 4, np.arange(4 << 20, dtype=np.float32))
-            await until(lambda: consumer._undelivered, what="the reply to be received and kept")
+            await until(lambda: consumer.kept, what="the reply to be received and kept")
             consumer.cleanup(4)
             producer.cleanup(4)
-            assert not consumer._undelivered and not producer.pending()
+            assert not consumer.kept and not producer.pending()
     run(main(), 60)

@@ -29,11 +29,10 @@ import numpy as np
 import pytest
 
 from rendezvous import aio as rank_aio
-from rendezvous import errors, shm
-from rendezvous.client import local as client_local
+from rendezvous import errors
+from rendezvous.local import address as local_address
 from rendezvous.client.aio import Client
 from rendezvous.config import Config
-from rendezvous.daemon import daemon as daemon_mod
 from rendezvous.daemon.daemon import Daemon
 from rendezvous.devices import Devices
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -215,7 +214,7 @@ def test_the_clients_default_address(env, expected):
 
     Checked to fail: with ``default_address`` ignoring the variable, and with it
     ignoring ``XDG_RUNTIME_DIR``."""
-    assert client_local.default_address(env) == expected
+    assert local_address.default_address(env) == expected
 
 
 @pytest.mark.parametrize("env,expected", [
@@ -229,9 +228,9 @@ def test_the_clients_default_address(env, expected):
 def test_the_daemons_default_local_address(env, expected):
     """The daemon's fallback is the client's default without the variable.
 
-    Checked to fail: with ``default_local_address`` returning ``/run/...`` whatever
+    Checked to fail: with ``default_daemon_address`` returning ``/run/...`` whatever
     ``XDG_RUNTIME_DIR`` says."""
-    assert daemon_mod.default_local_address(env) == expected
+    assert local_address.default_daemon_address(env) == expected
 
 
 def test_a_daemon_without_local_address_listens_where_a_default_client_looks(monkeypatch):
@@ -240,9 +239,9 @@ def test_a_daemon_without_local_address_listens_where_a_default_client_looks(mon
     it; with ``RENDEZVOUS_LOCAL_ADDRESS`` set, daemon (through its config) and client
     both follow the variable instead.
 
-    Checked to fail: with ``Daemon`` reading ``default_local_address`` that ignores
+    Checked to fail: with ``Daemon`` reading ``default_daemon_address`` that ignores
     ``XDG_RUNTIME_DIR`` (it tries /run/rendezvous, not ours), and with
-    ``client.local.default_address`` ignoring the variable (Client() finds no daemon)."""
+    ``local.address.default_address`` ignoring the variable (Client() finds no daemon)."""
     xdg = Path(tempfile.mkdtemp(prefix="rdv", dir="/tmp"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     monkeypatch.delenv("RENDEZVOUS_LOCAL_ADDRESS", raising=False)

@@ -646,7 +646,7 @@ def test_remote_recvs_whose_deadline_is_the_send_get_each_tensor_once_or_leave_i
                 return [p.key for p in producer.pending() if p.kind == "tensor" for _ in range(p.count)]
 
             def kept() -> list[str]:
-                return [k for (_, k), items in consumer._undelivered.items() for _ in items]
+                return [k for (_, k), items in consumer.kept.items() for _ in items]
 
             await until(lambda: len(at_producer()) + len(kept()) == len(missed), timeout=10,
                         what="every tensor not received to be back in a table (none lost)")
@@ -654,7 +654,7 @@ def test_remote_recvs_whose_deadline_is_the_send_get_each_tensor_once_or_leave_i
             assert sorted(held) == sorted(_race_key(1, i) for i in missed)  # each once, none received twice
             for i in sorted(missed):
                 assert (await consumer.recv(_race_key(1, i), step_id=1, timeout=5))[0] == i
-            assert producer.pending() == [] and not consumer._undelivered
+            assert producer.pending() == [] and not consumer.kept
     run(main())
 
 

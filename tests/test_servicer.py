@@ -628,6 +628,68 @@ def test_a_reply_cut_off_while_a_retry_of_its_id_carries_the_tensor_is_not_put_b
     run(main(), 20)
 
 
+class _HeldContext:
+    """A stream's context whose writes are held until the test lets them go:
+    what the handler has handed over is in ``written``."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+
+    async def write(self, message: bytes) -> None:
+        self.written.append(message)
+        self.holding.set()
+        await self.release.wait()
+
+    async def abort(self, code, details) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+def test_a_reply_whose_last_frame_was_handed_over_is_not_put_back_when_the_stream_ends():
+    """A consumer received its reply and closed its stream before the producer
+    saw the write of that reply complete: the producer's handler is cancelled
+    mid-write. The reply was handed to the transport whole, so its tensor is
+    not put back in the table (it was: a ghost the next recv took a second
+    time); a retry of its request_id, had the connection died with the
+    reply, is answered from the retry cache."""
+    async def main():
+        table, stats = WaitingTable(), Stats()
+        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                             staging=(4096, 2), stats=stats)
+        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]), retry=RetryCache(30, 1 << 30))
+        table.send(1, K("done"), np.arange(4), False)
+        context = _HeldContext()
+        requests: asyncio.Queue = asyncio.Queue()
+        requests.put_nowait(recv(1, K("done"), request_id=41))
+
+        async def incoming():
+            while True:
+                yield await requests.get()
+
+        handler = asyncio.ensure_future(servicer.serve_stream(incoming(), context))
+        await asyncio.wait_for(context.holding.wait(), 10)  # the whole reply is being written
+        handler.cancel()  # the consumer has gone: gRPC cancels the handler
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        assert len(table) == 0, "the reply handed over whole went back to the table"
+        # the same id asked again (its connection died with the reply): the same tensor, once
+        again = _HeldContext()
+        again.release.set()
+        retry: asyncio.Queue = asyncio.Queue()
+        retry.put_nowait(recv(1, K("done"), request_id=41))
+
+        async def retried():
+            yield await retry.get()
+
+        await asyncio.wait_for(servicer.serve_stream(retried(), again), 10)
+        [(call_id, value)] = [(f.call_id, frames.decode_inline(m, f.head.tensor)) for m in again.written
+                              for f in frames.iter_stream_frames(m) if f.head is not None]
+        assert call_id == 1 and value.tolist() == [0, 1, 2, 3]
+        assert len(table) == 0
+    run(main(), 20)
+
+
 def test_a_reply_cut_off_by_the_streams_end_goes_back_to_the_table():
     """The consumer's stream broke (it died, or its connection did) after the
     first frames of a chunked reply: the tensor was lost. Now it goes back to the

@@ -18,8 +18,9 @@ import time
 import numpy as np
 import pytest
 
+from rendezvous.client.core import Op
 from rendezvous import errors
-from rendezvous.localwire import Kind
+from rendezvous.local.frames import Kind
 from rendezvous.client.aio import Client
 from rendezvous.v1 import local_pb2 as lpb
 from rendezvous.v1 import tensor_pb2 as tpb
@@ -60,7 +61,7 @@ async def _hostile(client: Client, i: int) -> str:
         raw = lpb.SendRequest(step_id=1, rendezvous_key=key(1, 0, f"h{i}"),
                               tensor=tpb.TensorProto(dtype=9)).SerializeToString()
     try:
-        await client._link.call(Kind.SEND, raw, timeout=10)
+        await client._link.call(Op(Kind.SEND, raw, 10))
     except errors.RendezvousError as exc:
         return exc.code.name
     return "OK"
@@ -109,7 +110,7 @@ def test_soak_every_tensor_arrives_once_and_memory_stays_bounded(tmp_path):
             grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
             assert len(seen) == OPS and set(seen.values()) == {1}  # each exactly once
             for d in (d0, d1):  # nothing left anywhere (withdrawn recvs' cancels may be in flight)
-                await until(lambda d=d: not d.server.pending() and not d.server._undelivered,
+                await until(lambda d=d: not d.server.pending() and not d.server.kept,
                             what="the daemons' tables to empty")
             gc.collect()
             # every segment back: none held by a client; on the producer's node only

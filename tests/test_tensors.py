@@ -14,20 +14,17 @@ from tensorboard.compat.proto import tensor_shape_pb2 as tf_shape_pb2
 from tensorboard.compat.proto import types_pb2 as tf_types_pb2
 from tensorboard.util import tensor_util as tf_tensor_util
 
-from rendezvous import tensors, wire
+from rendezvous import dtypes, wire
+from rendezvous.dtypes import as_array, dtype_to_proto, is_memcpyable, proto_to_dtype
 from rendezvous.errors import InvalidArgument, UnsupportedDType
 from rendezvous.tensors import (
     TensorMeta,
-    as_array,
     decode_meta,
     decode_tensor,
-    dtype_to_proto,
     empty_like_meta,
     encode_header,
     encode_meta,
     encode_tensor,
-    is_memcpyable,
-    proto_to_dtype,
 )
 from rendezvous.v1 import rendezvous_pb2
 from rendezvous.v1 import tensor_pb2
@@ -118,15 +115,15 @@ def test_dtype_mapping(name, enum):
     dt = _dtype(name)
     assert dtype_to_proto(dt) == enum
     assert proto_to_dtype(enum) == dt
-    assert tensors.SUPPORTED_DTYPES[dt] == enum
-    assert dt in tensors.SUPPORTED_DTYPES
+    assert dtypes.SUPPORTED_DTYPES[dt] == enum
+    assert dt in dtypes.SUPPORTED_DTYPES
 
 
 def test_string_dtype_mapping():
     assert dtype_to_proto(np.dtype(object)) == tf_types_pb2.DT_STRING
     assert dtype_to_proto(np.dtype("S7")) == tf_types_pb2.DT_STRING
     assert proto_to_dtype(tf_types_pb2.DT_STRING) == np.dtype(object)
-    assert tensors.SUPPORTED_DTYPES[np.dtype(object)] == tf_types_pb2.DT_STRING
+    assert dtypes.SUPPORTED_DTYPES[np.dtype(object)] == tf_types_pb2.DT_STRING
 
 
 def test_dtype_aliases_and_byte_order():
@@ -142,7 +139,7 @@ def test_enum_values_match_tensorflow():
         if name == "DT_INVALID":
             continue
         value = tf_types_pb2.DataType.Value(name)
-        assert getattr(tensors, name) == value
+        assert getattr(dtypes, name) == value
         assert dtype_to_proto(proto_to_dtype(value)) == value
 
 

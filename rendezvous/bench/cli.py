@@ -14,15 +14,8 @@ waiting; ``--timeout`` bounds the whole run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _gpu_kind(choice: str) -> str:
     if choice != "auto":
         return choice
-    from rendezvous.devices import CupyBackend
+    from rendezvous.cupy_backend import CupyBackend
 
     return "cupy" if CupyBackend().available() else "off"
 
@@ -116,7 +109,7 @@ def _record(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rendezvous.launch import launcher_rank
+    from rendezvous.rank.launch import launcher_rank
 
     opts = _options(args)  # fail on bad flags before launching anything
     where = launcher_rank()
@@ -131,15 +124,15 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
     from rendezvous.config import Config
     from rendezvous.lifecycle import new_event_loop
 
-    from . import report
+    from . import report, results
+    from .procs import emit
     from .worker import run_rank
 
     if child:
         def progress(done: int, total: int, label: str) -> None:
-            sys.stdout.write(_PROGRESS + json.dumps([done, total, label]) + "\n")
-            sys.stdout.flush()
+            emit(_PROGRESS, [done, total, label])
     else:
-        bar = Progress(sys.stderr)
+        bar = report.Progress(sys.stderr)
         progress = bar.update
 
     loop = new_event_loop(Config.load().uvloop)
@@ -151,7 +144,7 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
     if raw is None:
         return 0
     raw.update(outstanding=opts.outstanding, rate_bytes=opts.rate_bytes)
-    doc = report.build(raw, quick=opts.quick, args=_record(args))
+    doc = results.build(raw, quick=opts.quick, args=_record(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(doc, out / JSON_NAME)
@@ -175,22 +168,12 @@ def _show(doc: dict[str, Any], out: Path) -> None:
 
 # -- the launcher -----------------------------------------------------------------
 
-def _mpiexec() -> list[str] | None:
-    custom = os.environ.get("RENDEZVOUS_MPIEXEC")
-    if custom:
-        return shlex.split(custom)
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    return [found] if found else None
-
-
 def _launch(args: argparse.Namespace) -> int:
-    from . import report
+    from . import procs, report
 
-    launcher = _mpiexec()
+    launcher = procs.mpiexec()
     if launcher is None:
-        print("rendezvous bench: no mpiexec found (pip install 'rendezvous[mpi]', or set RENDEZVOUS_MPIEXEC)",
-              file=sys.stderr)
+        print(f"rendezvous bench: {procs.NO_MPIEXEC}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,90 +181,23 @@ def _launch(args: argparse.Namespace) -> int:
     if result.exists():
         result.unlink()  # never show a previous run's results as this one's
     cmd = [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous", "bench", *_argv(args)]
-    env = {**os.environ, _CHILD_ENV: "1"}
-    bar = Progress(sys.stderr)
-    with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
-                                start_new_session=True)
-        deadline = time.monotonic() + args.timeout
-        timed_out = False
-        try:
-            import selectors
+    bar = report.Progress(sys.stderr)
 
-            sel = selectors.DefaultSelector()
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
-                    break
-                if not sel.select(min(left, 1.0)):
-                    continue
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                if line.startswith(_PROGRESS):
-                    bar.update(*json.loads(line[len(_PROGRESS):]))
-                else:
-                    bar.clear()
-                    sys.stdout.write(line)
-            sel.close()
-        finally:
-            if timed_out:
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                code = proc.wait(timeout=max(5.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                code = proc.wait()
-                timed_out = True
-            bar.close()
-        if timed_out or code != 0 or not result.exists():
-            errors.seek(0)
-            tail = errors.read()[-6000:]
-            why = f"ran past --timeout {args.timeout:g}s" if timed_out else f"exited with status {code}"
-            print(f"rendezvous bench: the benchmark job {why}\n{tail}", file=sys.stderr)
-            return 1
+    def line(text: str) -> None:
+        done = procs.parse(text, _PROGRESS)
+        if done is not None:
+            bar.update(*done)
+        else:
+            bar.clear()
+            sys.stdout.write(text)
+
+    try:
+        job = procs.run("the benchmark job", cmd, args.timeout, env={**os.environ, _CHILD_ENV: "1"}, on_line=line)
+    finally:
+        bar.close()
+    if job.timed_out or job.code != 0 or not result.exists():
+        why = f"ran past --timeout {args.timeout:g}s" if job.timed_out else f"exited with status {job.code}"
+        print(f"rendezvous bench: the benchmark job {why}\n{job.stderr[-6000:]}", file=sys.stderr)
+        return 1
     _show(report.load(result), out)
     return 0
-
-
-class Progress:
-    """A one-line progress bar on a terminal; occasional plain lines otherwise."""
-
-    def __init__(self, stream: Any, width: int = 28) -> None:
-        self.stream = stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.width = width
-        self.start = time.monotonic()
-        self.shown = False
-        self.last_tenth = -1
-
-    def update(self, done: int, total: int, label: str) -> None:
-        total = max(total, 1)
-        frac = min(1.0, done / total)
-        elapsed = time.monotonic() - self.start
-        if self.tty:
-            filled = int(frac * self.width)
-            bar = "#" * filled + "." * (self.width - filled)
-            text = f"\r[{bar}] {frac:4.0%} {elapsed:5.0f}s  {label}"
-            self.stream.write(text[:120].ljust(100))
-            self.shown = True
-        else:
-            tenth = int(frac * 10)
-            if tenth == self.last_tenth:
-                return
-            self.last_tenth = tenth
-            self.stream.write(f"bench: {frac:4.0%} after {elapsed:.0f}s ({label})\n")
-        self.stream.flush()
-
-    def clear(self) -> None:
-        if self.tty and self.shown:
-            self.stream.write("\r" + " " * 100 + "\r")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty and self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.shown = False

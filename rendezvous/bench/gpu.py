@@ -33,13 +33,13 @@ GPU_CONTENDERS = ("gpu_staged", "gpu_serial", "d2h")
 
 def gpu_backend(kind: str) -> tuple[Any, str]:
     """(backend, note) for ``--gpu fake|cupy``; the GPU contenders' servers use it."""
-    from rendezvous import devices
-
     if kind == "fake":
         from rendezvous.fakegpu import FakeBackend
 
         return FakeBackend(), "GPU contenders on the fake GPU (host memory, copy threads): pipeline overlap only"
-    backend = devices.CupyBackend()
+    from rendezvous.cupy_backend import CupyBackend
+
+    backend = CupyBackend()
     if not backend.available():
         raise SystemExit("--gpu cupy needs cupy and a CUDA device")
     import cupy

@@ -1,338 +1,47 @@
-"""The results document: built from rank 0's raw measurements, checked
-against its schema, judged against the targets, rendered as a terminal table,
-written as JSON and plotted as a PNG.
+"""Every table, page and results file the bench commands write, and their progress bar.
 
-Every figure is put next to the same figure of raw MPI (``vs_mpi``) and raw
-gRPC (``vs_grpc``) from the same run: on a shared, noisy machine only those
-ratios are comparable between runs, not absolute times.
+This module is longer than the others on purpose: the four commands'
+tables share its number formats and table writers, and BENCHMARKS.md
+quotes what they write byte for byte, so how each figure and table looks is
+decided here and nowhere else.
+
+* figures: :func:`figure` (precision by magnitude: ``rendezvous bench``,
+  ``bench-scale``), :func:`decimals` (fixed decimals below 100:
+  ``bench-daemon``), :func:`whole` (counts);
+* tables: :func:`text_table` (the terminal), :func:`markdown_table`;
+* files: :func:`write_json` and :func:`load` (``bench.json``, checked
+  against its schema), :func:`save` (the other commands' JSON and Markdown,
+  printed too), :func:`write_plot` (``bench.png``);
+* the pages: :func:`render` and :func:`markdown` (``rendezvous bench``),
+  :func:`steps_markdown`, :func:`daemon_markdown`, :func:`scale_markdown`;
+* :class:`Progress`: the progress bar of ``bench`` and ``bench-daemon``.
+
+The documents themselves (what is measured, the ratios, the targets) are
+built by :mod:`rendezvous.bench.results`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import math
+import statistics
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .stats import format_size, percentile, ratio, summarize
+from .stats import format_size
 
-__all__ = ["SCHEMA", "SchemaError", "build", "validate", "targets", "render", "markdown", "write_json",
-           "write_plot", "load"]
+__all__ = ["figure", "decimals", "whole", "text_table", "markdown_table", "write_json", "load", "save", "render",
+           "markdown", "write_plot", "steps_markdown", "daemon_markdown", "scale_markdown", "Progress"]
 
-SCHEMA = "rendezvous-bench/1"
-REFERENCES = ("mpi", "grpc")
 MiB = 1 << 20
 
 
-class SchemaError(ValueError):
-    """A results document does not have the shape this module writes."""
+# -- figures and tables -----------------------------------------------------------------
 
-
-# -- building -----------------------------------------------------------------
-
-def _vs(value: float | None, ref: Mapping[str, Any] | None, key: str) -> float | None:
-    return ratio(value, None if ref is None else ref.get(key))
-
-
-def build(raw: Mapping[str, Any], *, quick: bool, args: Mapping[str, Any] | None = None,
-          now: datetime.datetime | None = None) -> dict[str, Any]:
-    """The results document from what :func:`rendezvous.bench.worker.run_rank` returned."""
-    contenders = dict(raw["contenders"])
-    cells: dict[tuple[str, int], dict[str, Any]] = {}
-    sizes: set[int] = set()
-    cpu = raw.get("cpu", {})
-    for name, by_size in raw["samples"].items():
-        for size, samples in by_size.items():
-            size = int(size)
-            sizes.add(size)
-            cells[(name, size)] = {"contender": name, "size": size, **summarize(samples, size)}
-            spent = cpu.get(name, {}).get(size) or cpu.get(name, {}).get(str(size))
-            per = (lambda s: s * 1e6 / spent[2]) if spent and spent[2] else (lambda s: None)
-            cells[(name, size)]["cpu_us"] = {"consumer": per(spent[0]) if spent else None,
-                                             "producer": per(spent[1]) if spent else None}
-    transfers = []
-    for size in sorted(sizes):
-        for name in contenders:
-            cell = cells.get((name, size))
-            if cell is None:
-                continue
-            for refname in REFERENCES:
-                ref = cells.get((refname, size))
-                vs = {k: _vs(cell[k], ref, k) for k in ("gbps", "median_us", "p99_us")}
-                for side in ("consumer", "producer"):
-                    vs[f"cpu_{side}"] = ratio(cell["cpu_us"][side], ref["cpu_us"][side] if ref else None)
-                cell[f"vs_{refname}"] = vs
-            transfers.append(cell)
-
-    rate = None
-    if raw.get("rates"):
-        results = []
-        for name, rounds in raw["rates"].items():
-            if not rounds:
-                continue
-            per_s = sorted(raw["outstanding"] / (r["elapsed_ns"] / 1e9) * (1 - r["errors"] / raw["outstanding"])
-                           for r in rounds)
-            results.append({"contender": name, "rounds": len(rounds), "per_s": percentile(per_s, 50),
-                            "best_per_s": per_s[-1], "errors": sum(r["errors"] for r in rounds)})
-        by_name = {r["contender"]: r for r in results}
-        for r in results:
-            for refname in REFERENCES:
-                ref = by_name.get(refname)
-                r[f"vs_{refname}"] = ratio(r["per_s"], ref["per_s"] if ref else None)
-        rate = {"bytes": raw["rate_bytes"], "outstanding": raw["outstanding"], "results": results}
-
-    rss = None
-    if raw.get("rss"):
-        size = raw["rss"]["size"]
-        results = []
-        for name, ranks in raw["rss"]["by_contender"].items():
-            rows = []
-            for r in ranks:
-                added = max(0, r["peak_bytes"] - r["baseline_bytes"])
-                rows.append({**r, "transfer_bytes": added, "x_size": added / size})
-            results.append({"contender": name, "ranks": rows})
-        by_name = {r["contender"]: r for r in results}
-        for r in results:
-            ref = by_name.get("mpi")
-            r["vs_mpi"] = [ratio(row["transfer_bytes"], ref["ranks"][i]["transfer_bytes"]) if ref else None
-                           for i, row in enumerate(r["ranks"])]
-        rss = {"size": size, "results": results}
-
-    doc = {
-        "schema": SCHEMA,
-        "created": (now or datetime.datetime.now(datetime.timezone.utc)).isoformat(timespec="seconds"),
-        "quick": quick,
-        "args": dict(args or {}),
-        "environment": dict(raw.get("environment", {})),
-        "notes": list(raw.get("notes", [])),
-        "contenders": contenders,
-        "sizes": sorted(sizes),
-        "transfers": transfers,
-        "rate": rate,
-        "rss": rss,
-        "idle": list(raw.get("idle", [])),
-    }
-    doc["targets"] = targets(doc)
-    return doc
-
-
-# -- targets --------------------------------------------------------------------
-
-def _cell(doc: Mapping[str, Any], name: str, size: int) -> Mapping[str, Any] | None:
-    for t in doc["transfers"]:
-        if t["contender"] == name and t["size"] == size:
-            return t
-    return None
-
-
-def _target(tid: str, what: str, measured: float | None, op: str, limit: float, note: str = "") -> dict[str, Any]:
-    ok = None
-    if measured is not None and not math.isnan(measured):
-        ok = {">=": measured >= limit, "<=": measured <= limit, "<": measured < limit}[op]
-    return {"id": tid, "what": what, "measured": measured, "op": op, "limit": limit, "ok": ok, "note": note}
-
-
-def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each target with the ratio measured in this run; ``ok`` is None where the
-    run did not measure what the target needs."""
-    out = []
-    sizes = doc["sizes"]
-    for size in [s for s in sizes if s >= MiB]:
-        opt, mpi, gloo = _cell(doc, "optimal", size), _cell(doc, "mpi", size), _cell(doc, "gloo", size)
-        out.append(_target(f"optimal_vs_mpi_{size}", f"optimal path bandwidth at {format_size(size)} vs raw MPI",
-                           ratio(opt and opt["gbps"], mpi and mpi["gbps"]), ">=", 0.90))
-        out.append(_target(f"optimal_vs_gloo_{size}", f"optimal path bandwidth at {format_size(size)} vs gloo",
-                           ratio(opt and opt["gbps"], gloo and gloo["gbps"]), ">=", 2.0,
-                           "" if gloo else "gloo not measured"))
-    for size, limit in ((MiB, 1.0), (16 * MiB, 1.0), (128 * MiB, 2.0)):
-        if size not in sizes:
-            continue
-        d, g = _cell(doc, "default", size), _cell(doc, "grpc", size)
-        out.append(_target(f"default_vs_grpc_{size}", f"default path bandwidth at {format_size(size)} vs raw gRPC unary",
-                           ratio(d and d["gbps"], g and g["gbps"]), ">=", limit))
-    if 1024 in sizes:
-        g = _cell(doc, "grpc", 1024)
-        for name in ("default", "optimal"):
-            c = _cell(doc, name, 1024)
-            out.append(_target(f"latency_1k_{name}", f"{name} path 1 KiB round trip (median) vs raw gRPC unary",
-                               ratio(c and c["median_us"], g and g["median_us"]), "<=", 1.2))
-    if doc.get("rate"):
-        by_name = {r["contender"]: r for r in doc["rate"]["results"]}
-        g = by_name.get("grpc")
-        for name in ("default", "optimal"):
-            r = by_name.get(name)
-            out.append(_target(f"rate_{name}",
-                               f"{name} path recvs/s with {doc['rate']['outstanding']} outstanding vs raw gRPC unary",
-                               ratio(r and r["per_s"], g and g["per_s"]), ">=", 2.0))
-    out.extend(_mpi_request_targets(doc))
-    if doc.get("rss"):
-        size = doc["rss"]["size"]
-        by_name = {r["contender"]: r for r in doc["rss"]["results"]}
-        for name, limit in (("default", 3.0), ("optimal", 1.5)):
-            r = by_name.get(name)
-            worst = max(row["x_size"] for row in r["ranks"]) if r else None
-            out.append(_target(f"rss_{name}", f"{name} path RSS a {format_size(size)} transfer adds, worst rank,"
-                                              " in tensor sizes", worst, "<=", limit))
-    for size in [s for s in sizes if s >= 16 * MiB]:
-        staged, d2h, mpi = _cell(doc, "gpu_staged", size), _cell(doc, "d2h", size), _cell(doc, "mpi", size)
-        if staged is None:
-            continue  # GPU contenders not measured in this run
-        bound = min(d2h["gbps"], mpi["gbps"]) if d2h and mpi else None
-        serial = _cell(doc, "gpu_serial", size)
-        overlap = ratio(staged["gbps"], serial["gbps"]) if serial else None
-        note = f"{overlap:.2f}x the bandwidth with one chunk in flight" if overlap else ""
-        out.append(_target(f"gpu_staged_{size}", f"staged GPU->GPU bandwidth at {format_size(size)} vs "
-                                                 "min(device->host copy, raw MPI)",
-                           ratio(staged["gbps"], bound), ">=", 0.8, note))
-    if doc.get("idle"):
-        worst = max(r["cpu_fraction"] for r in doc["idle"])
-        out.append(_target("idle_cpu", "idle rank CPU, worst rank, fraction of one core", worst, "<", 0.02))
-    return out
-
-
-def _mpi_request_targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Requests over MPI (``optimal_mr``): 1 KiB latency against raw unary and
-    gloo, bandwidth against raw MPI, the rate with many recvs outstanding."""
-    out = []
-    sizes = doc["sizes"]
-    if not any(t["contender"] == "optimal_mr" for t in doc["transfers"]):
-        return out
-    if 1024 in sizes:
-        c, g, gloo = _cell(doc, "optimal_mr", 1024), _cell(doc, "grpc", 1024), _cell(doc, "gloo", 1024)
-        out.append(_target("latency_1k_optimal_mr", "1 KiB round trip (median), requests over MPI, vs raw gRPC unary",
-                           ratio(c and c["median_us"], g and g["median_us"]), "<=", 1 / 3))
-        out.append(_target("latency_1k_optimal_mr_gloo", "1 KiB round trip (median), requests over MPI, vs gloo",
-                           ratio(c and c["median_us"], gloo and gloo["median_us"]), "<=", 1.0,
-                           "" if gloo else "gloo not measured"))
-    for size in [s for s in sizes if s >= MiB]:
-        c, mpi = _cell(doc, "optimal_mr", size), _cell(doc, "mpi", size)
-        out.append(_target(f"optimal_mr_vs_mpi_{size}",
-                           f"optimal path, requests over MPI, bandwidth at {format_size(size)} vs raw MPI",
-                           ratio(c and c["gbps"], mpi and mpi["gbps"]), ">=", 0.9 if size >= 16 * MiB else 0.5))
-    if doc.get("rate"):
-        by_name = {r["contender"]: r for r in doc["rate"]["results"]}
-        r, g = by_name.get("optimal_mr"), by_name.get("grpc")
-        out.append(_target("rate_optimal_mr", f"recvs/s with {doc['rate']['outstanding']} outstanding, requests "
-                                              "over MPI, vs raw gRPC unary",
-                           ratio(r and r["per_s"], g and g["per_s"]), ">=", 10.0))
-    return out
-
-
-# -- schema -----------------------------------------------------------------------
-
-_NUM = (int, float)
-_OPT_NUM = (int, float, type(None))
-_RATIOS = {"gbps": _OPT_NUM, "median_us": _OPT_NUM, "p99_us": _OPT_NUM, "cpu_consumer": _OPT_NUM,
-           "cpu_producer": _OPT_NUM}
-_SPEC: dict[str, Any] = {
-    "schema": str,
-    "created": str,
-    "quick": bool,
-    "args": dict,
-    "environment": dict,
-    "notes": [str],
-    "contenders": {"*": str},
-    "sizes": [int],
-    "transfers": [{
-        "contender": str, "size": int, "samples": int, "median_us": _NUM, "p99_us": _NUM, "min_us": _NUM,
-        "mean_us": _NUM, "gbps": _NUM, "vs_mpi": _RATIOS, "vs_grpc": _RATIOS,
-        "cpu_us": {"consumer": _OPT_NUM, "producer": _OPT_NUM},
-    }],
-    "rate": ({"bytes": int, "outstanding": int, "results": [{
-        "contender": str, "rounds": int, "per_s": _NUM, "best_per_s": _NUM, "errors": int,
-        "vs_mpi": _OPT_NUM, "vs_grpc": _OPT_NUM}]}, None),
-    "rss": ({"size": int, "results": [{
-        "contender": str, "vs_mpi": [_OPT_NUM], "ranks": [{
-            "rank": int, "baseline_bytes": int, "peak_bytes": int, "transfer_bytes": int, "x_size": _NUM}]}]},
-            None),
-    "idle": [{"rank": int, "seconds": _NUM, "cpu_seconds": _NUM, "cpu_fraction": _NUM}],
-    "targets": [{"id": str, "what": str, "measured": _OPT_NUM, "op": str, "limit": _NUM,
-                 "ok": (bool, type(None)), "note": str}],
-}
-
-
-def _check(value: Any, spec: Any, path: str) -> None:
-    if isinstance(spec, tuple) and len(spec) == 2 and spec[1] is None and not isinstance(spec[0], type):
-        if value is None:
-            return
-        spec = spec[0]
-    if isinstance(spec, list):
-        if not isinstance(value, list):
-            raise SchemaError(f"{path}: expected a list, got {type(value).__name__}")
-        for i, item in enumerate(value):
-            _check(item, spec[0], f"{path}[{i}]")
-        return
-    if isinstance(spec, dict):
-        if not isinstance(value, dict):
-            raise SchemaError(f"{path}: expected an object, got {type(value).__name__}")
-        if "*" in spec:
-            for k, v in value.items():
-                _check(v, spec["*"], f"{path}.{k}")
-            return
-        for k, sub in spec.items():
-            if k not in value:
-                raise SchemaError(f"{path}: missing {k!r}")
-            _check(value[k], sub, f"{path}.{k}")
-        return
-    types = spec if isinstance(spec, tuple) else (spec,)
-    # bool is an int in Python; a count or a size must not be a bool
-    if isinstance(value, bool) and bool not in types:
-        raise SchemaError(f"{path}: expected {'/'.join(t.__name__ for t in types)}, got bool")
-    if not isinstance(value, types):
-        raise SchemaError(f"{path}: expected {'/'.join(t.__name__ for t in types)}, got {type(value).__name__}")
-
-
-def validate(doc: Any) -> None:
-    """Raise :class:`SchemaError` naming the first field that is missing or of the wrong type."""
-    _check(doc, _SPEC, "$")
-    if doc["schema"] != SCHEMA:
-        raise SchemaError(f"$.schema: expected {SCHEMA!r}, got {doc['schema']!r}")
-    names = set(doc["contenders"])
-    for i, t in enumerate(doc["transfers"]):
-        if t["contender"] not in names:
-            raise SchemaError(f"$.transfers[{i}].contender: {t['contender']!r} is not a listed contender")
-        if t["size"] not in doc["sizes"]:
-            raise SchemaError(f"$.transfers[{i}].size: {t['size']} is not a listed size")
-
-
-def write_json(doc: Mapping[str, Any], path: Path) -> None:
-    validate(doc)
-    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-
-
-def save(out: str | Path, doc: Mapping[str, Any], text: str, json_name: str, md_name: str) -> None:
-    """Write a command's results document and its Markdown into folder ``out``,
-    then print the Markdown and where both went (bench-steps, -daemon, -scale)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / json_name).write_text(json.dumps(doc, indent=1) + "\n")
-    (out / md_name).write_text(text)
-    print(text)
-    print(f"results: {out / json_name} (Markdown: {out / md_name})")
-
-
-def load(path: Path) -> dict[str, Any]:
-    doc = json.loads(Path(path).read_text())
-    validate(doc)
-    return doc
-
-
-# -- rendering --------------------------------------------------------------------
-
-
-def _rss_rows(r: Mapping[str, Any], labels: Mapping[str, str]) -> list[list[str]]:
-    """One row per contender and rank of the peak-RSS test (terminal and Markdown)."""
-    rows = []
-    for x in r["results"]:
-        for row, vs in zip(x["ranks"], x["vs_mpi"]):
-            rows.append([labels.get(x["contender"], x["contender"]), f"rank {row['rank']}",
-                         f"{row['baseline_bytes'] / MiB:.0f}", f"{row['peak_bytes'] / MiB:.0f}",
-                         f"{row['transfer_bytes'] / MiB:.0f}", _f(row["x_size"]), _f(vs)])
-    return rows
-
-def _f(value: float | None, digits: int = 2) -> str:
+def figure(value: float | None, digits: int = 2) -> str:
+    """A measured figure, its precision by its magnitude: ``0.0042``, ``3.14``,
+    ``31.4``, ``314``, ``3,142``; ``-`` for None."""
     if value is None:
         return "-"
     if 0 < value < 0.01:
@@ -346,42 +55,124 @@ def _f(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def decimals(value: float | None, digits: int = 2) -> str:
+    """``digits`` decimals below 100, none from there; ``-`` for None."""
+    if value is None:
+        return "-"
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}f}"
+
+
+def whole(value: float) -> str:
+    """A count: ``3`` for 3.0, ``2.5`` for a median between two counts."""
+    return f"{value:g}" if value != int(value) else str(int(value))
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.0f}"
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell, the first two left-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(cells, widths)))
     return [fmt(header), fmt(["-" * w for w in widths]), *[fmt(r) for r in rows]]
 
 
-def render(doc: Mapping[str, Any]) -> str:
-    """The results as text tables, then the targets."""
+def markdown_table(header: list[str], rows: list[list[str]], numbers_from: int | None = 2) -> list[str]:
+    """A Markdown table, columns from ``numbers_from`` on right-aligned; with
+    None, the plain ``|---|`` rule (bench-steps, bench-daemon)."""
+    if numbers_from is None:
+        rule = "|" + "---|" * len(header)
+    else:
+        rule = "| " + " | ".join("---" if i < numbers_from else "---:" for i in range(len(header))) + " |"
+    return ["| " + " | ".join(header) + " |", rule, *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+# -- files --------------------------------------------------------------------------------
+
+def write_json(doc: Mapping[str, Any], path: Path) -> None:
+    """``bench.json``: checked against its schema first."""
+    from .results import validate
+
+    validate(doc)
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A ``bench.json``, checked against its schema."""
+    from .results import validate
+
+    doc = json.loads(Path(path).read_text())
+    validate(doc)
+    return doc
+
+
+def save(out: str | Path, doc: Mapping[str, Any], text: str, json_name: str, md_name: str) -> None:
+    """Write a command's results document and its Markdown into folder ``out``,
+    then print the Markdown and where both went (bench-steps, -daemon, -scale)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / json_name).write_text(json.dumps(doc, indent=1) + "\n")
+    (out / md_name).write_text(text)
+    print(text)
+    print(f"results: {out / json_name} (Markdown: {out / md_name})")
+
+
+# -- rendezvous bench -----------------------------------------------------------------------
+
+def _transfer_rows(doc: Mapping[str, Any], every_size: bool) -> list[list[str]]:
+    """One row per contender and size; the size on its first row only unless ``every_size``."""
     labels = doc["contenders"]
-    lines = [f"rendezvous bench ({'quick' if doc['quick'] else 'full'}), {doc['created']}",
-             "  " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()), ""]
     rows = []
     last = None
     for t in doc["transfers"]:
-        size = format_size(t["size"]) if t["size"] != last else ""
+        size = format_size(t["size"]) if every_size or t["size"] != last else ""
         last = t["size"]
         cpu = t["cpu_us"]
-        rows.append([size, labels.get(t["contender"], t["contender"]), _f(t["median_us"]), _f(t["p99_us"]),
-                     _f(t["gbps"], 3), _f(t["vs_mpi"]["gbps"]), _f(t["vs_grpc"]["gbps"]),
-                     f"{_f(cpu['consumer'])} / {_f(cpu['producer'])}", str(t["samples"])])
+        rows.append([size, labels.get(t["contender"], t["contender"]), figure(t["median_us"]), figure(t["p99_us"]),
+                     figure(t["gbps"], 3), figure(t["vs_mpi"]["gbps"]), figure(t["vs_grpc"]["gbps"]),
+                     f"{figure(cpu['consumer'])} / {figure(cpu['producer'])}", str(t["samples"])])
+    return rows
+
+
+def _rate_rows(doc: Mapping[str, Any]) -> list[list[str]]:
+    labels = doc["contenders"]
+    return [[labels.get(x["contender"], x["contender"]), "", figure(x["per_s"]), figure(x["best_per_s"]),
+             figure(x["vs_mpi"]), figure(x["vs_grpc"]), str(x["errors"])] for x in doc["rate"]["results"]]
+
+
+def _rss_rows(doc: Mapping[str, Any]) -> list[list[str]]:
+    """One row per contender and rank of the peak-RSS test."""
+    labels = doc["contenders"]
+    rows = []
+    for x in doc["rss"]["results"]:
+        for row, vs in zip(x["ranks"], x["vs_mpi"]):
+            rows.append([labels.get(x["contender"], x["contender"]), f"rank {row['rank']}",
+                         f"{row['baseline_bytes'] / MiB:.0f}", f"{row['peak_bytes'] / MiB:.0f}",
+                         f"{row['transfer_bytes'] / MiB:.0f}", figure(row["x_size"]), figure(vs)])
+    return rows
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    """``rendezvous bench``'s results as text tables, then the targets."""
+    lines = [f"rendezvous bench ({'quick' if doc['quick'] else 'full'}), {doc['created']}",
+             "  " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()), ""]
     lines.append("Round trips rank 1 -> rank 0 (bandwidth from the median; x = bandwidth ratio, same run;"
                  " cpu = CPU time per transfer of the consumer / producer process)")
-    lines += _table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n"], rows)
+    lines += text_table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n"],
+                        _transfer_rows(doc, every_size=False))
     if doc.get("rate"):
         r = doc["rate"]
         lines += ["", f"Rate: {format_size(r['bytes'])} tensors, {r['outstanding']} recvs outstanding"]
-        lines += _table(["contender", "", "per s", "best", "x mpi", "x grpc", "errors"],
-                        [[labels.get(x["contender"], x["contender"]), "", _f(x["per_s"]), _f(x["best_per_s"]),
-                          _f(x["vs_mpi"]), _f(x["vs_grpc"]), str(x["errors"])] for x in r["results"]])
+        lines += text_table(["contender", "", "per s", "best", "x mpi", "x grpc", "errors"], _rate_rows(doc))
     if doc.get("rss"):
-        r = doc["rss"]
-        lines += ["", f"Peak RSS during one {format_size(r['size'])} transfer (added over the rank's baseline; "
-                      "producer = rank 1, consumer = rank 0)"]
-        rows = _rss_rows(r, labels)
-        lines += _table(["contender", "rank", "base MiB", "peak MiB", "added MiB", "x size", "x mpi"], rows)
+        lines += ["", f"Peak RSS during one {format_size(doc['rss']['size'])} transfer (added over the rank's "
+                      "baseline; producer = rank 1, consumer = rank 0)"]
+        lines += text_table(["contender", "rank", "base MiB", "peak MiB", "added MiB", "x size", "x mpi"],
+                            _rss_rows(doc))
     if doc.get("idle"):
         lines += ["", "Idle: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of a core over "
                                            f"{r['seconds']:.0f} s" for r in doc["idle"])]
@@ -389,51 +180,36 @@ def render(doc: Mapping[str, Any]) -> str:
     for t in doc["targets"]:
         mark = {True: "met   ", False: "MISSED", None: "n/a   "}[t["ok"]]
         note = f" ({t['note']})" if t["note"] else ""
-        lines.append(f"  {mark} {t['what']}: {_f(t['measured'])} {t['op']} {t['limit']:g}{note}")
+        lines.append(f"  {mark} {t['what']}: {figure(t['measured'])} {t['op']} {t['limit']:g}{note}")
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
 
 
-def _md(header: list[str], rows: list[list[str]]) -> list[str]:
-    align = ["---" if i < 2 else "---:" for i in range(len(header))]
-    return ["| " + " | ".join(r) + " |" for r in [header, align, *rows]]
-
-
 def markdown(doc: Mapping[str, Any]) -> str:
-    """The results and targets as Markdown tables (what BENCHMARKS.md shows)."""
-    labels = doc["contenders"]
-    env = doc["environment"]
+    """``rendezvous bench``'s results and targets as Markdown tables (``bench.md``)."""
     out = [f"Run of {doc['created']} ({'quick' if doc['quick'] else 'full'}): "
-           + ", ".join(f"{k} {v}" for k, v in env.items()) + ".", ""]
-    rows = []
-    for t in doc["transfers"]:
-        cpu = t["cpu_us"]
-        rows.append([format_size(t["size"]), labels.get(t["contender"], t["contender"]), _f(t["median_us"]),
-                     _f(t["p99_us"]), _f(t["gbps"], 3), _f(t["vs_mpi"]["gbps"]), _f(t["vs_grpc"]["gbps"]),
-                     f"{_f(cpu['consumer'])} / {_f(cpu['producer'])}", str(t["samples"])])
-    out += _md(["size", "contender", "median µs", "p99 µs", "GB/s", "× (a)", "× (b)", "CPU µs cons. / prod.", "n"],
-               rows)
+           + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()) + ".", ""]
+    out += markdown_table(["size", "contender", "median µs", "p99 µs", "GB/s", "× (a)", "× (b)",
+                           "CPU µs cons. / prod.", "n"], _transfer_rows(doc, every_size=True))
     if doc.get("rate"):
         r = doc["rate"]
         out += ["", f"Rate, {format_size(r['bytes'])} tensors, {r['outstanding']} recvs outstanding:", ""]
-        out += _md(["contender", "", "recvs/s (median)", "best", "× (a)", "× (b)", "errors"],
-                   [[labels.get(x["contender"], x["contender"]), "", _f(x["per_s"]), _f(x["best_per_s"]),
-                     _f(x["vs_mpi"]), _f(x["vs_grpc"]), str(x["errors"])] for x in r["results"]])
+        out += markdown_table(["contender", "", "recvs/s (median)", "best", "× (a)", "× (b)", "errors"],
+                              _rate_rows(doc))
     if doc.get("rss"):
-        r = doc["rss"]
-        out += ["", f"Peak RSS during one {format_size(r['size'])} transfer, added over each rank's baseline "
-                    "(rank 0 consumes, rank 1 produces):", ""]
-        rows = _rss_rows(r, labels)
-        out += _md(["contender", "rank", "baseline MiB", "peak MiB", "added MiB", "× size", "× (a)"], rows)
+        out += ["", f"Peak RSS during one {format_size(doc['rss']['size'])} transfer, added over each rank's "
+                    "baseline (rank 0 consumes, rank 1 produces):", ""]
+        out += markdown_table(["contender", "rank", "baseline MiB", "peak MiB", "added MiB", "× size", "× (a)"],
+                              _rss_rows(doc))
     if doc.get("idle"):
         out += ["", "Idle CPU: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of one core over "
                                              f"{r['seconds']:.0f} s" for r in doc["idle"]) + "."]
     out += ["", "Targets:", ""]
-    out += _md(["target", "", "measured", "required", "status"],
-               [[t["what"], "", _f(t["measured"]), f"{t['op']} {t['limit']:g}",
-                 {True: "met", False: "**missed**", None: "not measured"}[t["ok"]]
-                 + (f" ({t['note']})" if t["note"] else "")] for t in doc["targets"]])
+    out += markdown_table(["target", "", "measured", "required", "status"],
+                          [[t["what"], "", figure(t["measured"]), f"{t['op']} {t['limit']:g}",
+                            {True: "met", False: "**missed**", None: "not measured"}[t["ok"]]
+                            + (f" ({t['note']})" if t["note"] else "")] for t in doc["targets"]])
     for n in doc["notes"]:
         out.append(f"\nNote: {n}.")
     return "\n".join(out) + "\n"
@@ -479,3 +255,314 @@ def write_plot(doc: Mapping[str, Any], path: Path) -> bool:
     finally:
         plt.close(fig)
     return True
+
+
+# -- rendezvous bench-steps -----------------------------------------------------------------
+
+def steps_markdown(doc: dict[str, Any]) -> str:
+    """``steps.md``: ms per step (median), and ratios in the same run."""
+    lines = []
+    names = doc["contenders"]
+    for model, m in doc["models"].items():
+        med = {n: statistics.median(m["seconds"][n]) * 1e3 for n in names if m["seconds"].get(n)}
+        lines.append(f"\n**{model}**: {m['tensors']} tensors, {m['bytes'] / 2**20:.1f} MiB per step "
+                     f"(median of {len(next(iter(m['seconds'].values())))} steps)\n")
+        rows = []
+        for n in names:
+            if n not in med:
+                continue
+            lo = min(m["seconds"][n]) * 1e3
+            mpi = f"{med[n] / med['mpi']:.2f}" if "mpi" in med else "-"
+            gloo = f"{med[n] / med['gloo']:.2f}" if "gloo" in med else "-"
+            rows.append([n, f"{med[n]:.1f}", f"{lo:.1f}", mpi, gloo])
+        lines += markdown_table(["contender", "ms per step", "min", "× raw MPI", "× gloo"], rows, None)
+    return "\n".join(lines) + "\n"
+
+
+# -- rendezvous bench-daemon ----------------------------------------------------------------
+
+def daemon_markdown(doc: dict) -> str:
+    """``daemon.md``: the targets, then each scenario's tables."""
+    env = doc["environment"]
+    lines = ["# rendezvousd: local hop, small tensors, cross-node", "",
+             f"{doc['created']}; {doc['seconds']:.0f} s; {'quick run; ' if doc['quick'] else ''}"
+             + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+             "Every process runs on this machine; contenders take turns round by round "
+             f"({doc['args']['rounds']} rounds); times are medians; every ratio is between contenders of this "
+             "run. GB/s = 10^9 bytes/s."
+             + (" Daemons' environment: " + ", ".join(f"{k}={v}" for k, v in doc["args"]["daemon_env"].items())
+                + "." if doc["args"].get("daemon_env") else ""), "", "## Targets", ""]
+    rows = []
+    for t in doc["targets"]:
+        result = "not measured" if t["met"] is None else ("**met**" if t["met"] else "**missed**")
+        rows.append([t["what"], decimals(t["measured"]), f"{'≥' if t['op'] == '>=' else '≤'} {t['goal']:g}", result])
+    lines += markdown_table(["target", "measured", "goal", "result"], rows, None)
+    if doc.get("local_hop"):
+        lines += _daemon_local_hop(doc)
+    if doc.get("small"):
+        lines += _daemon_small(doc)
+    if doc.get("cross"):
+        lines += _daemon_cross(doc)
+    lines += _daemon_memory(doc["memory"])
+    return "\n".join(lines) + "\n"
+
+
+def _daemon_local_hop(doc: dict) -> list[str]:
+    hop_cells = doc["local_hop"]
+    lines = ["", "## 1. Local hop: client A → rendezvousd → client B (separate processes)", "",
+             "send: A's send, nobody waiting yet; recv: B's recv of the tensor already in the daemon; hop: "
+             "B's recv posted first, from A's send starting to B holding the array. A distinct tensor every "
+             "sample (B checks it). memcpy: one `numpy.copyto` between two warm preallocated buffers.", ""]
+    rows = []
+    for size in doc["args"]["sizes"]:
+        copy = hop_cells["memcpy"].get(str(size), {}).get("copy")
+        for name in ("local_blocking", "local_aio"):
+            c = hop_cells.get(name, {}).get(str(size))
+            if not c:
+                continue
+            ratio = c["hop"]["gbps"] / copy["gbps"] if copy else None
+            rows.append([format_size(size), name.split("_")[1], decimals(c["send"]["ms"], 3),
+                         decimals(c["send"]["gbps"]), decimals(c["recv"]["ms"], 3), decimals(c["recv"]["gbps"]),
+                         decimals(c["hop"]["ms"], 3), decimals(c["hop"]["gbps"]),
+                         decimals(copy["ms"], 3) if copy else "-", decimals(copy["gbps"]) if copy else "-",
+                         decimals(ratio), str(c["hop"]["samples"])])
+    return lines + markdown_table(["size", "client", "send ms", "send GB/s", "recv ms", "recv GB/s", "hop ms",
+                                   "hop GB/s", "memcpy ms", "memcpy GB/s", "hop ÷ memcpy", "samples"], rows, None)
+
+
+def _daemon_small(doc: dict) -> list[str]:
+    small = doc["small"]
+    ops = small["ops"]
+    lines = ["", f"## 2. Small tensors ({format_size(small['size'])})", "",
+             "One operation after another from a client process (recv: of a tensor already sent); bare gRPC: "
+             "a 1 KiB echo (generic handler, raw bytes) over a Unix socket to another process.", ""]
+    ref_aio = ops.get("grpc_aio_unary", {}).get("median_us")
+    ref_sync = ops.get("grpc_sync_unary", {}).get("median_us")
+    rows = []
+    for name in ("send_blocking", "recv_blocking", "send_aio", "recv_aio", "grpc_aio_unary", "grpc_sync_unary"):
+        s = ops.get(name)
+        if not s:
+            continue
+        rows.append([name, decimals(s["median_us"], 1), decimals(s["p99_us"], 1),
+                     decimals(s["median_us"] / ref_aio if ref_aio else None),
+                     decimals(s["median_us"] / ref_sync if ref_sync else None), str(s["samples"])])
+    lines += markdown_table(["operation", "median µs", "p99 µs", "× grpc.aio unary", "× sync unary", "samples"],
+                            rows, None)
+    rate = small["rate"]
+    ref = rate.get("rate_grpc_aio", {}).get("median_ops_per_s")
+    lines += ["", f"**Rate**: {small['outstanding']} operations outstanding at once (asyncio.gather), "
+                  "median of the rounds:", ""]
+    rows = []
+    for name, r in rate.items():
+        rows.append([name, f"{r['median_ops_per_s']:.0f}", decimals(r["median_ops_per_s"] / ref if ref else None),
+                     str(r["failures"]) + (f" ({r['errors'][0]})" if r["errors"] else ""),
+                     str(len(r["ops_per_s"]))])
+    return lines + markdown_table(["contender", "ops/s", "× grpc.aio", "failed calls", "rounds"], rows, None)
+
+
+def _daemon_cross(doc: dict) -> list[str]:
+    cross = doc["cross"]
+    lines = ["", "## 3. Cross-node: A on rendezvousd 0 → B on rendezvousd 1 (both daemons on this machine)", "",
+             "daemons_mpi: two daemons under `mpiexec -n 2`, protocol grpc+mpi (the tensor's bytes over MPI); "
+             "daemons_grpc: two daemons, protocol grpc. send/recv/hop as above; recv and hop include daemon "
+             "1's fetch from daemon 0. raw_mpi: mpi4py Send/Recv of a preallocated buffer between two ranks, "
+             "from the send's start to the receive's end.", ""]
+    rows = []
+    for size in doc["args"]["cross_sizes"]:
+        raw = cross.get("raw_mpi", {}).get(str(size), {}).get("oneway")
+        for name in ("daemons_mpi", "daemons_grpc"):
+            c = cross.get(name, {}).get(str(size))
+            if not c:
+                continue
+            rows.append([format_size(size), name, decimals(c["send"]["ms"], 3), decimals(c["recv"]["ms"], 3),
+                         decimals(c["recv"]["gbps"]), decimals(c["recv"]["gbps"] / raw["gbps"] if raw else None),
+                         decimals(c["hop"]["ms"], 3), decimals(c["hop"]["gbps"]),
+                         decimals(c["hop"]["gbps"] / raw["gbps"] if raw else None), str(c["hop"]["samples"])])
+        if raw:
+            rows.append([format_size(size), "raw_mpi", "-", "-", "-", "-", decimals(raw["ms"], 3),
+                         decimals(raw["gbps"]), "1.00", str(raw["samples"])])
+    return lines + markdown_table(["size", "contender", "send ms", "recv ms", "recv GB/s", "recv ÷ raw MPI",
+                                   "hop ms", "hop GB/s", "hop ÷ raw MPI", "samples"], rows, None)
+
+
+def _daemon_memory(mem: dict) -> list[str]:
+    lines = ["", "## 4. Memory and CPU", "",
+             "Peak RSS (VmHWM, reset at the scenario's start; it counts the shared-memory pages a process has "
+             "touched, which the daemon and its clients share), RSS at the end, and CPU seconds used during the "
+             f"scenario; then each daemon's pool after it. Pool limit {format_size(mem['pool_limit'])} per daemon "
+             "(RENDEZVOUS_SHM_POOL_BYTES).", ""]
+    rows = []
+    for scenario, s in mem["scenarios"].items():
+        for label, p in s["processes"].items():
+            rows.append([scenario, label, _mib(p["start_rss"]), _mib(p["peak_rss"]) + ("" if p["reset"] else " *"),
+                         _mib(p["end_rss"]), _mib(p["end_shmem"]), f"{p['cpu_s']:.1f} of {p['wall_s']:.0f}"])
+    lines += markdown_table(["scenario", "process", "RSS at start MiB", "peak RSS MiB", "RSS at end MiB",
+                             "of which shared memory MiB", "CPU s (of wall s)"], rows, None)
+    lines += ["", "Local hop counts of each client since it connected (how its tensors crossed the local hop):", ""]
+    rows = []
+    for scenario, s in mem["scenarios"].items():
+        for worker, clients in s.get("client_stats", {}).items():
+            for client, counts in clients.items():
+                rows.append([scenario, f"{worker} ({client})",
+                             ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))])
+    lines += markdown_table(["after scenario", "client", "counts"], rows, None)
+    if any(not p["reset"] for s in mem["scenarios"].values() for p in s["processes"].values()):
+        lines += ["", "\\* peak since the process started (its peak could not be reset)."]
+    lines += [""]
+    rows = []
+    for scenario, s in mem["scenarios"].items():
+        for name, pool in s["pools"].items():
+            if "error" in pool:
+                rows.append([scenario, name, pool["error"], "", "", "", ""])
+                continue
+            rows.append([scenario, name, _mib(pool.get("shm_pool_bytes", 0)),
+                         _mib(pool.get("shm_pool_free_bytes", 0)), f"{pool.get('shm_pool_segments', 0):.0f}",
+                         f"{pool.get('shm_pool_held', 0):.0f}",
+                         "yes" if pool.get("shm_pool_bytes", 0) <= mem["pool_limit"] else "NO"])
+    return lines + markdown_table(["scenario", "daemon", "pool MiB", "free MiB", "segments", "held by clients",
+                                   "within limit"], rows, None)
+
+
+# -- rendezvous bench-scale -------------------------------------------------------------------
+
+def scale_markdown(doc: dict[str, Any]) -> str:
+    """``scale.md``: per rank before and after, per peer, start-up, threads and descriptors."""
+    env = doc["environment"]
+    lines = ["# Per-rank cost as peers grow", "",
+             f"{doc['created']}; {doc['seconds']:.0f} s; " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".",
+             "", "Every rank is one process on this machine running one blocking `rendezvous.Server`; all ranks of "
+             "a job share its cores. Before: right after `start()` (and the cluster), no traffic yet. After: "
+             f"every rank has sent a {doc['tensors']['small_bytes']}-byte and a "
+             f"{format_size(doc['tensors']['big_bytes'])} tensor to every other rank and received both from every "
+             "other rank, and every rank is done (received arrays dropped, free heap trimmed). Figures are "
+             "medians over the ranks of one job. TCP: established connections owned by the process; *to peers* "
+             "= to other ranks' servers (one per gRPC channel) plus peers' connections into this rank's server. "
+             "fds exclude the benchmark's own control socket.", "",
+             "## Per rank, before and after the full-mesh exchange", ""]
+    rows = []
+    for r in doc["runs"]:
+        b, a = r["median"]["before"], r["median"]["after"]
+        rows.append([r["setup"], str(r["ranks"]),
+                     f"{whole(b['tcp_established'])} / {whole(a['tcp_established'])}",
+                     f"{whole(a['tcp_peer_out'])} + {whole(a['tcp_peer_in'])}", whole(a["tcp_other"]),
+                     whole(a["tcp_listen"]), f"{whole(b['threads'])} / {whole(a['threads'])}",
+                     f"{whole(b['fds'])} / {whole(a['fds'])}",
+                     f"{whole(b['fds_less_pipes'])} / {whole(a['fds_less_pipes'])}",
+                     f"{figure(b['rss_bytes'] / MiB, 1)} / {figure(a['rss_bytes'] / MiB, 1)}",
+                     figure(a["rss_shmem_bytes"] / MiB, 1), figure(a["peak_rss_bytes"] / MiB, 1)])
+    lines += markdown_table(["setup", "ranks", "TCP est. before / after", "after: to peers out + in",
+                             "after: other est. TCP", "listening TCP", "threads before / after", "fds before / after",
+                             "fds less pipes before / after", "RSS MiB before / after",
+                             "of which shared memory after", "peak RSS MiB"], rows)
+
+    lines += ["", "## Per peer", "",
+              "Increments per added peer, between the smallest and the largest job: (median of the larger job − "
+              "median of the smaller) ÷ (difference in peers), after the exchange unless said. RSS counts "
+              "file-backed pages too (shared libraries, which the page cache moves by a MiB between runs); the "
+              "anonymous and shared-memory parts are what the process holds itself.", ""]
+    rows = []
+    for setup, p in doc["per_peer"].items():
+        if p is None:
+            continue
+        rows.append([setup, f"N={p['from_ranks']} → N={p['to_ranks']}", figure(p["connections"]),
+                     figure(p["peer_connections"]), figure(p["threads"]), figure(p["fds"]),
+                     figure(p["fds_less_pipes"]), figure(p["rss_kib"], 0), figure(p["rss_anon_kib"], 0),
+                     figure(p["rss_shmem_kib"], 0), figure(p["rss_less_file_kib_before"], 0)])
+    lines += markdown_table(["setup", "between", "TCP connections / peer", "of which to or from peers",
+                             "threads / peer", "fds / peer", "fds less pipes / peer", "KiB RSS / peer",
+                             "of which anonymous", "of which shared memory",
+                             "KiB anonymous + shared / peer before traffic"], rows)
+    lines += ["", "Pipes: every rank started by mpiexec's one local proxy inherits two pipe ends per rank started "
+                  "before it, so under grpc+mpi the pipe count grows with the rank's index on this machine; that is "
+                  "the launcher's, not a per-peer cost, hence the column without pipes."]
+    keep = doc["config"]["keepalive_time"]
+    if keep:
+        lines += ["", f"Keepalive (computed, not measured): every channel pings every keepalive_time = {keep:g} s, "
+                      f"so a rank with C outgoing channels sends C / {keep:g} pings per second and answers as many "
+                      "from its peers' channels."]
+    return "\n".join(lines + _scale_startup(doc) + _scale_kinds(doc)) + "\n"
+
+
+def _scale_startup(doc: dict[str, Any]) -> list[str]:
+    lines = ["", "## Start-up", "",
+             "construct: `Server(...)` (under grpc+mpi it initializes MPI: `MPI_Init_thread`, collective); "
+             "start: `start()` (bind, serve; under grpc+mpi also the rank map's allgather). "
+             "After the last rank: from the last rank entering the collective to the last leaving it (every "
+             "process reads one CLOCK_MONOTONIC), so ranks that started late do not count. Warm allgather: the "
+             "same entries gathered again after a barrier, once the job's traffic is done.", ""]
+    rows = []
+    for r in doc["runs"]:
+        s = r["startup"]
+        mpi = "allgather_s" in s
+        rows.append([r["setup"], str(r["ranks"]), figure(s["construct_s"] * 1e3, 1),
+                     figure(s["construct_after_last_s"] * 1e3, 1) if r["setup"] == "grpc+mpi" else "-",
+                     figure(s["start_s"] * 1e3, 1),
+                     figure(s["allgather_s"] * 1e3, 2) if mpi else "-",
+                     figure(s["allgather_after_last_s"] * 1e3, 2) if mpi else "-",
+                     figure(s["warm_allgather_s"] * 1e3, 2) if "warm_allgather_s" in s else "-",
+                     f"{whole(s['entry_bytes'])} / {whole(s['rank_map_bytes'])}" if mpi else "-",
+                     figure(s["exchange_s"] * 1e3, 1), figure(r["wall_s"], 1)])
+    lines += markdown_table(["setup", "ranks", "construct ms", "MPI_Init after the last rank ms", "start() ms",
+                             "allgather in start() ms", "allgather after the last rank ms", "warm allgather ms",
+                             "rank map bytes: per rank sent / received", "full-mesh exchange ms", "job wall s"], rows)
+    return lines + ["", "Transfers by path over the whole job (consumer side): "
+                    + "; ".join(f"{r['setup']} N={r['ranks']}: " + ", ".join(
+                        f"{k} {v}" for k, v in sorted(r["transfers_by_path"].items()) if v) for r in doc["runs"])
+                    + "."]
+
+
+def _scale_kinds(doc: dict[str, Any]) -> list[str]:
+    lines = ["", "## What the threads and descriptors are (rank 0 of the largest job, after)", ""]
+    rows = []
+    for setup in doc["per_peer"]:
+        runs = [r for r in doc["runs"] if r["setup"] == setup]
+        if not runs:
+            continue
+        big = max(runs, key=lambda r: r["ranks"])
+        a = big["per_rank"][0]["after"]
+        rows.append([setup, str(big["ranks"]), ", ".join(f"{k} {v}" for k, v in a["thread_names"].items()),
+                     ", ".join(f"{k} {v}" for k, v in a["fd_kinds"].items())])
+    return lines + markdown_table(["setup", "ranks", "threads by name (py: a Python thread)", "fds by kind"], rows)
+
+
+# -- progress ---------------------------------------------------------------------------------
+
+class Progress:
+    """A one-line progress bar on a terminal; occasional plain lines otherwise."""
+
+    def __init__(self, stream: Any, width: int = 28) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.width = width
+        self.start = time.monotonic()
+        self.shown = False
+        self.last_tenth = -1
+
+    def update(self, done: int, total: int, label: str) -> None:
+        total = max(total, 1)
+        frac = min(1.0, done / total)
+        elapsed = time.monotonic() - self.start
+        if self.tty:
+            filled = int(frac * self.width)
+            bar = "#" * filled + "." * (self.width - filled)
+            text = f"\r[{bar}] {frac:4.0%} {elapsed:5.0f}s  {label}"
+            self.stream.write(text[:120].ljust(100))
+            self.shown = True
+        else:
+            tenth = int(frac * 10)
+            if tenth == self.last_tenth:
+                return
+            self.last_tenth = tenth
+            self.stream.write(f"bench: {frac:4.0%} after {elapsed:.0f}s ({label})\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\r" + " " * 100 + "\r")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False

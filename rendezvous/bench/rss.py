@@ -1,16 +1,23 @@
-"""Resident memory of this process, and its high-water mark since a reset.
+"""Resident memory (and CPU time) of this process or another, read from ``/proc``.
 
-Linux keeps the peak (``VmHWM`` in ``/proc/self/status``) and lets a process
-reset it to the current RSS by writing ``5`` to ``/proc/self/clear_refs``, so
-the peak of one transfer can be read without sampling. Elsewhere the RSS test
-is skipped (``supported()`` is False).
+Linux keeps a process's peak (``VmHWM`` in ``/proc/<pid>/status``) and lets
+it be reset to the current RSS by writing ``5`` to ``/proc/<pid>/clear_refs``,
+so the peak of one transfer can be read without sampling. Elsewhere the RSS
+tests are skipped (``supported()`` is False).
+
+This process: :func:`supported`, :func:`current`, :func:`peak`,
+:func:`reset_peak`, :func:`parts`, :func:`release_free_memory`. Another one
+(``bench-daemon``'s daemons and clients): :func:`status_of`,
+:func:`reset_peak_of`, :func:`cpu_seconds_of`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
-__all__ = ["supported", "current", "peak", "reset_peak", "release_free_memory"]
+__all__ = ["supported", "current", "peak", "reset_peak", "parts", "release_free_memory", "status_of",
+           "reset_peak_of", "cpu_seconds_of"]
 
 _STATUS = "/proc/self/status"
 _CLEAR = "/proc/self/clear_refs"
@@ -61,3 +68,53 @@ def reset_peak() -> int:
     with open(_CLEAR, "w") as f:
         f.write("5")
     return current()
+
+
+def parts() -> dict[str, int]:
+    """This process's RSS by kind of page: anonymous (heap, stacks), file-backed,
+    shared memory, and anonymous + shared (``rss_less_file_bytes``)."""
+    out = {}
+    with open(_STATUS) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("RssAnon", "RssFile", "RssShmem"):
+                out[f"rss_{name[3:].lower()}_bytes"] = int(rest.split()[0]) * 1024
+    # file-backed pages (the shared libraries' text) come and go with the page
+    # cache; what the process itself holds is the rest
+    out["rss_less_file_bytes"] = out.get("rss_anon_bytes", 0) + out.get("rss_shmem_bytes", 0)
+    return out
+
+
+def status_of(pid: int) -> dict[str, int]:
+    """``VmHWM``, ``VmRSS``, ``RssAnon``, ``RssShmem``, ``RssFile`` of process ``pid``
+    in bytes (those it has; none once it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("VmHWM", "VmRSS", "RssAnon", "RssShmem", "RssFile"):
+                    out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak_of(pid: int) -> bool:
+    """Reset process ``pid``'s high-water mark; False if that is not allowed here."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads) so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -259,12 +256,12 @@ def _run_blocking(opts: argparse.Namespace) -> dict[str, list[float]]:
     after another from this thread."""
     from mpi4py import MPI
 
-    from rendezvous import sync
+    import rendezvous
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    server = sync.Server({"blk": ["127.0.0.1:0"] * 2}, "blk", rank, "grpc+mpi", mpi_optimal_path=True,
-                         mpi_disabled=False)
+    server = rendezvous.Server({"blk": ["127.0.0.1:0"] * 2}, "blk", rank, "grpc+mpi", mpi_optimal_path=True,
+                               mpi_disabled=False)
     server.start()
     out: dict[str, list[float]] = {}
     try:
@@ -336,26 +333,6 @@ async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) ->
     return took
 
 
-def render(doc: dict[str, Any]) -> str:
-    """The results as Markdown: ms per step (median), and ratios in the same run."""
-    lines = []
-    names = doc["contenders"]
-    for model, m in doc["models"].items():
-        med = {n: statistics.median(m["seconds"][n]) * 1e3 for n in names if m["seconds"].get(n)}
-        lines.append(f"\n**{model}**: {m['tensors']} tensors, {m['bytes'] / 2**20:.1f} MiB per step "
-                     f"(median of {len(next(iter(m['seconds'].values())))} steps)\n")
-        lines.append("| contender | ms per step | min | × raw MPI | × gloo |")
-        lines.append("|---|---|---|---|---|")
-        for n in names:
-            if n not in med:
-                continue
-            lo = min(m["seconds"][n]) * 1e3
-            mpi = f"{med[n] / med['mpi']:.2f}" if "mpi" in med else "-"
-            gloo = f"{med[n] / med['gloo']:.2f}" if "gloo" in med else "-"
-            lines.append(f"| {n} | {med[n]:.1f} | {lo:.1f} | {mpi} | {gloo} |")
-    return "\n".join(lines) + "\n"
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rendezvous bench-steps", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=7, help="timed steps per model and contender (default 7)")
@@ -373,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in args.models if m not in MODELS] + [c for c in args.contenders if c not in CONTENDERS]
     if bad or args.steps < 1:
         raise SystemExit(f"rendezvous bench-steps: unknown {', '.join(bad)}" if bad else "--steps must be >= 1")
-    from rendezvous.launch import launcher_rank
+    from rendezvous.rank.launch import launcher_rank
 
     if launcher_rank() is None:
         return _launch(args, argv if argv is not None else sys.argv[1:])
@@ -388,32 +365,32 @@ def main(argv: list[str] | None = None) -> int:
     if "blocking" in args.contenders:
         doc = _merge_blocking(doc, _run_blocking(args))
     if doc is not None:
-        sys.stdout.write(_RESULT + json.dumps(doc) + "\n")
-        sys.stdout.flush()
+        from .procs import emit
+
+        emit(_RESULT, doc)
     return 0
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from .cli import _mpiexec
+    from . import procs
 
-    launcher = _mpiexec()
+    launcher = procs.mpiexec()
     if launcher is None:
-        print("rendezvous bench-steps: no mpiexec found", file=sys.stderr)
+        print(f"rendezvous bench-steps: {procs.NO_MPIEXEC}", file=sys.stderr)
         return 2
     cmd = [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous.bench.steps", *argv]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
+    done = procs.run("the bench-steps job", cmd, args.timeout)
+    if done.timed_out:
         print(f"rendezvous bench-steps: the job ran past {args.timeout:g}s", file=sys.stderr)
         return 1
-    docs = [json.loads(line[len(_RESULT):]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
-    if proc.returncode != 0 or not docs:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-        return proc.returncode or 1
+    docs = [procs.parse(line, _RESULT) for line in done.stdout if line.startswith(_RESULT)]
+    if done.code != 0 or not docs:
+        sys.stderr.write("".join(done.stdout)[-3000:] + done.stderr[-5000:])
+        return done.code or 1
     doc = docs[0]
-    from .report import save
+    from .report import save, steps_markdown
 
-    save(args.out, doc, render(doc), "steps.json", "steps.md")
+    save(args.out, doc, steps_markdown(doc), "steps.json", "steps.md")
     return 0
 
 

@@ -13,7 +13,7 @@ speed (other work, thermal, page cache) hits all of them alike.
 Phases: warm-up, the size sweep (latency and bandwidth), the rate with many
 recvs outstanding, peak RSS during one transfer of the largest size, and the
 CPU an idle rank uses. Rank 0 returns the raw measurements;
-:mod:`rendezvous.bench.report` turns them into the results document.
+:mod:`rendezvous.bench.results` turns them into the results document.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
-import platform
 import socket
 import sys
 import time
@@ -378,18 +376,11 @@ async def run_rank(opts: Options, progress: Callable[[int, int, str], None]) -> 
 
 
 def _environment(MPI: Any) -> dict[str, Any]:
-    import grpc
+    from .results import environment
 
     loop = asyncio.get_running_loop()
-    env = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "numpy": np.__version__,
-        "grpcio": grpc.__version__,
-        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
-        "event_loop": f"{type(loop).__module__}.{type(loop).__name__}",
-    }
+    env = environment(memory=False, mpi=" ".join(MPI.Get_library_version().splitlines()[0].split()),
+                      event_loop=f"{type(loop).__module__}.{type(loop).__name__}")
     torch = sys.modules.get("torch")
     if torch is not None:
         env["torch"] = torch.__version__

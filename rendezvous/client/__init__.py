@@ -1,7 +1,8 @@
-"""The local client of a node's rendezvousd: :class:`Client` (blocking,
-:mod:`.local`) and ``rendezvous.client.aio.Client`` (asyncio). It speaks the
-local service (``protos/rendezvous/v1/local.proto``) and needs no MPI."""
+"""Local clients of a node's rendezvousd: :class:`Client` (blocking) and
+:class:`rendezvous.client.aio.Client` (asyncio)."""
 
-from .local import Client, LocalPending
+from rendezvous.local.messages import LocalPending, PendingList
 
-__all__ = ["Client", "LocalPending"]
+from .blocking import Client
+
+__all__ = ["Client", "LocalPending", "PendingList"]

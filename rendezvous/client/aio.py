@@ -10,51 +10,36 @@ event loop (the one that first uses it)::
 Over the session socket any number of calls may be in flight at once; each
 loop turn's frames go out in one write. A cancelled ``recv`` cancels the
 daemon's wait; a tensor already on its way is given back to the daemon for
-the next recv of its key: nothing is consumed.
+the next recv of its key: nothing is consumed. Its decisions are the
+blocking client's (:mod:`rendezvous.client.core`); only the waiting differs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import os
 import secrets
 import socket
-import struct
 from typing import Any
 
 import grpc
 import numpy as np
 
-from rendezvous import localwire
-from rendezvous.errors import ResourceExhausted, Unavailable
-from rendezvous.keys import Key, as_key
-from rendezvous.localwire import Kind
+from rendezvous.errors import Unavailable
+from rendezvous.keys import Key
+from rendezvous.local import messages
+from rendezvous.local.address import channel_target, default_address, session_socket
+from rendezvous.local.connection import Connection
+from rendezvous.local.frames import Kind, frame
+from rendezvous.local.messages import PendingList
 from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
-from rendezvous.tensors import as_array, is_memcpyable
 from rendezvous.v1 import local_pb2 as lpb
 
-from .local import (
-    SERVICE,
-    PendingList,
-    Router,
-    Segments,
-    _Op,
-    channel_target,
-    default_address,
-    error_from,
-    frame_error,
-    inline_send,
-    parse_reply,
-    pooled_send,
-    recv_request,
-    send_head,
-    session_socket,
-    to_pending,
-    token_metadata,
-)
+from .blocking import token_metadata
+from .core import GRPC_METHODS, ClientCore, Copy, Op, Pending, Router
+from .segments import Segments
 
 __all__ = ["Client"]
 
@@ -62,19 +47,18 @@ __all__ = ["Client"]
 _OFF_LOOP_BYTES = 4 << 20
 
 
-class _AioSession(Router):
+class _AioLink(Router):
     """An asyncio client's connection to the session socket."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.loop = asyncio.get_running_loop()
         self.segments = Segments(self._release_soon)
-        self._ops: dict[int, tuple[_Op, asyncio.Future]] = {}
-        self._cancelled: dict[int, _Op] = {}
+        self._ops: dict[int, Pending] = {}
+        self._cancelled: dict[int, Op] = {}
         self._ids = itertools.count(1)
         self._error: BaseException | None = None
         self._release_pending = False
-        self.conn = localwire.Connection(sock, limit=1 << 62, on_frames=self._frames, on_close=self._closed,
-                                         fds=True)
+        self.conn = Connection(sock, limit=1 << 62, on_frames=self._frames, on_close=self._closed, fds=True)
 
     def _write(self, data: bytes) -> None:
         self.conn.write(data)
@@ -84,17 +68,16 @@ class _AioSession(Router):
         for kind, op_id, body in frames:
             entry = self._route(kind, op_id, body)
             if entry is not None:
-                op, fut = entry
-                op.kind, op.body, op.done = kind, body, True
-                if not fut.done():
-                    fut.set_result(None)
+                entry.kind, entry.body, entry.done = kind, body, True
+                if not entry.waiter.done():
+                    entry.waiter.set_result(None)
 
     def _closed(self, error: BaseException | None) -> None:
         self._error = Unavailable(f"the daemon's session socket broke: {error}" if error is not None else
                                   "the daemon closed the session (it stopped or restarted)")
-        for _, fut in self._ops.values():
-            if not fut.done():
-                fut.set_exception(self._error)
+        for entry in self._ops.values():
+            if not entry.waiter.done():
+                entry.waiter.set_exception(self._error)
         self._ops.clear()
 
     def _release_soon(self) -> None:
@@ -113,28 +96,25 @@ class _AioSession(Router):
         if data:
             self.conn.write(data)
 
-    async def call(self, kind: int, body: bytes, timeout: float | None = None, key: str = "",
-                   step_id: int = 0) -> memoryview:
+    async def call(self, op: Op) -> memoryview:
         if self._error is not None:
             raise self._error
-        op = _Op(key, step_id)
+        entry = Pending(op, self.loop.create_future())
         op_id = next(self._ids)
-        fut = self.loop.create_future()
-        self._ops[op_id] = (op, fut)
+        self._ops[op_id] = entry
         released = self.segments.drain_released()
-        self.conn.write(released + localwire.frame(kind, op_id, body) if released else
-                        localwire.frame(kind, op_id, body))
+        self.conn.write(released + frame(op.kind, op_id, op.body) if released else frame(op.kind, op_id, op.body))
         try:
-            await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(entry.waiter, op.timeout)
         except BaseException:
-            if kind == Kind.RECV:
-                self._give_up(op_id, op)  # the tensor, now or when it comes, is given back
+            if op.kind == Kind.RECV:
+                self._give_up(op_id, entry)  # the tensor, now or when it comes, is given back
             else:
                 self._ops.pop(op_id, None)
             raise
-        if op.kind == Kind.ERROR:
-            raise frame_error(op.body)
-        return op.body
+        if entry.kind == Kind.ERROR:
+            raise messages.frame_error(entry.body)
+        return entry.body
 
     def close(self) -> None:
         self.conn.close(None)
@@ -152,15 +132,23 @@ class Client:
         self._shm_ok = shm_ok
         self._connect_timeout = connect_timeout
         self.client_id = secrets.token_hex(6)
-        self.task = ""
-        self.shm_threshold = -1
-        self._link: _AioSession | None = None
+        self._core = ClientCore()
+        self._link: _AioLink | None = None
         self._channel: grpc.aio.Channel | None = None
         self._session: Any = None
         self._lock: asyncio.Lock | None = None
-        self._counts: collections.Counter[str] = collections.Counter()
         self._closed = False
         self._connected = False
+
+    @property
+    def task(self) -> str:
+        """The daemon's task (once connected)."""
+        return self._core.task
+
+    @property
+    def shm_threshold(self) -> int:
+        """Smallest tensor that crosses the local hop through shared memory (-1: never)."""
+        return self._core.shm_threshold
 
     @property
     def session(self) -> bool:
@@ -182,7 +170,7 @@ class Client:
             if path is not None:
                 await self._connect_session(path)
             else:
-                await self._connect_grpc()
+                self._core.attached(await self._connect_grpc(), None)
             self._connected = True
         return self
 
@@ -195,22 +183,21 @@ class Client:
         except (OSError, TimeoutError) as exc:
             sock.close()
             raise Unavailable(f"cannot connect to the daemon's session socket {path}: {exc}") from None
-        link = _AioSession(sock)
+        link = _AioLink(sock)
         try:
             hello = lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString()
-            info = lpb.AttachResponse.FromString(bytes(await link.call(Kind.HELLO, hello, self._connect_timeout)))
+            info = lpb.AttachResponse.FromString(bytes(await link.call(Op(Kind.HELLO, hello, self._connect_timeout))))
         except BaseException:
             link.close()
             raise
-        self.task = info.task
-        self.shm_threshold = info.shm_threshold
+        self._core.attached(info, link.segments)
         self._link = link
 
-    async def _connect_grpc(self) -> None:
+    async def _connect_grpc(self) -> lpb.AttachResponse:
         channel = grpc.aio.insecure_channel(self._target, options=local_channel_options())
         try:
             await asyncio.wait_for(channel.channel_ready(), self._connect_timeout)
-            session = channel.unary_stream(SERVICE + "Attach")(
+            session = channel.unary_stream(messages.METHOD + "Attach")(
                 lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString(),
                 metadata=self._metadata)
             first = await session.read()
@@ -220,88 +207,74 @@ class Client:
                               f"{self._connect_timeout:g}s") from None
         except grpc.RpcError as exc:
             await channel.close()
-            raise error_from(exc) from None
+            raise messages.error_from(exc) from None
         if first is grpc.aio.EOF:
             await channel.close()
             raise Unavailable(f"rendezvousd at {self.address} ended the session at once")
-        self.task = lpb.AttachResponse.FromString(first).task
         self._channel = channel
         self._session = session
+        return lpb.AttachResponse.FromString(first)
 
-    async def _call(self, name: str, body: bytes, timeout: float | None = None) -> bytes:
+    async def _do(self, op: Op) -> Any:
+        """Carry out ``op``: on the session socket, or as a gRPC call."""
+        if self._link is not None:
+            return await self._link.call(op)
         assert self._channel is not None
         try:
-            return await self._channel.unary_unary(SERVICE + name)(body, timeout=timeout, metadata=self._metadata)
+            return await self._channel.unary_unary(messages.METHOD + GRPC_METHODS[op.kind])(
+                op.body, timeout=op.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise error_from(exc) from None
+            raise messages.error_from(exc) from None
 
     async def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key``; returns once the daemon holds it."""
         await self.connect()
-        head = send_head(key, step_id)
-        link = self._link
-        if link is None:
-            body, _ = inline_send(head, tensor, is_dead)
-            await self._call("Send", body)
-            self._counts["send_inline"] += 1
-            return
-        if not is_dead:
-            arr = as_array(tensor)
-            if 0 <= self.shm_threshold <= arr.nbytes and arr.nbytes and is_memcpyable(arr):
-                seg_id = link.segments.take(arr.nbytes)
-                if seg_id is None:
-                    try:
-                        await link.call(Kind.LEND, struct.pack("<Q", arr.nbytes))
-                    except ResourceExhausted:
-                        pass  # the pool is full: inline
-                    seg_id = link.segments.take(arr.nbytes)
-                if seg_id is not None:
-                    if arr.nbytes >= _OFF_LOOP_BYTES:
-                        await asyncio.get_running_loop().run_in_executor(None, link.segments.write, seg_id, arr)
-                    else:
-                        link.segments.write(seg_id, arr)
-                    await link.call(Kind.SEND, pooled_send(head, arr, seg_id))
-                    self._counts["send_shm"] += 1
-                    return
-            tensor = arr
-        body, _ = inline_send(head, tensor, is_dead)
-        await link.call(Kind.SEND, body)
-        self._counts["send_inline"] += 1
+        plan = self._core.send_plan(key, tensor, step_id, is_dead)
+        outcome: Any = None
+        error: BaseException | None = None
+        while True:  # the steps of rendezvous.client.core.drive, awaited
+            try:
+                step = plan.throw(error) if error is not None else plan.send(outcome)
+            except StopIteration:
+                return
+            outcome, error = None, None
+            try:
+                if isinstance(step, Copy):
+                    await self._copy(step)
+                else:
+                    outcome = await self._do(step)
+            except Exception as exc:
+                error = exc
+
+    async def _copy(self, step: Copy) -> None:
+        assert self._link is not None
+        if step.arr.nbytes >= _OFF_LOOP_BYTES:
+            await asyncio.get_running_loop().run_in_executor(None, self._link.segments.write, step.seg_id, step.arr)
+        else:
+            self._link.segments.write(step.seg_id, step.arr)
 
     async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
+        """:meth:`recv` as ``Received(value, is_dead)``."""
         await self.connect()
-        body = recv_request(key, step_id, timeout)
-        guard = None if timeout is None else timeout + 10.0
-        if self._link is None:
-            item, path, hop = parse_reply(await self._call("Recv", body, guard))
-        else:
-            raw = await self._link.call(Kind.RECV, body, guard, as_key(key).format(), step_id)
-            item, path, hop = parse_reply(raw, self._link.segments)
-        self._counts[f"recv_{hop}"] += 1
-        self._counts[path] += 1
-        return item
+        return self._core.received(await self._do(self._core.recv_op(key, step_id, timeout)))
 
     async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
         """The tensor sent under ``key`` in ``step_id`` (None if dead)."""
         return (await self.recv_item(key, step_id, timeout)).value
 
     async def abort(self, step_id: int, message: str = "aborted") -> None:
+        """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""
         await self.connect()
-        body = lpb.AbortRequest(step_id=step_id, message=message).SerializeToString()
-        if self._link is None:
-            await self._call("Abort", body)
-        else:
-            await self._link.call(Kind.ABORT, body)
+        await self._do(self._core.abort_op(step_id, message))
 
     async def pending(self) -> PendingList:
         """See :meth:`rendezvous.client.Client.pending`."""
         await self.connect()
-        if self._link is None:
-            return to_pending(await self._call("Pending", b""))
-        return to_pending(await self._link.call(Kind.PENDING, b""))
+        return messages.to_pending(await self._do(self._core.pending_op()))
 
     def stats(self) -> dict[str, int]:
-        return dict(self._counts)
+        """See :meth:`rendezvous.client.Client.stats`."""
+        return self._core.stats()
 
     async def close(self) -> None:
         """End the session and close the connection. Idempotent."""

@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from rendezvous.paths import Hop, Path
+
 __all__ = ["DaemonMetrics", "LATENCY_BUCKETS"]
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -47,12 +49,14 @@ class DaemonMetrics:
 
     # -- updates (loop thread) --------------------------------------------------
 
-    def local_op(self, op: str, path: str, nbytes: int) -> None:
-        self.local_ops.labels(op, path).inc()
-        self.local_bytes.labels(op, path).inc(nbytes)
+    def local_op(self, op: str, hop: Hop, nbytes: int) -> None:
+        """A local client's send or recv that crossed the local hop by ``hop``."""
+        self.local_ops.labels(op, str(hop)).inc()
+        self.local_bytes.labels(op, str(hop)).inc(nbytes)
 
-    def recv_done(self, path: str, seconds: float) -> None:
-        self.recv_seconds.labels(path).observe(seconds)
+    def recv_done(self, path: Path, seconds: float) -> None:
+        """A local client's recv answered, its tensor brought by ``path``."""
+        self.recv_seconds.labels(str(path)).observe(seconds)
 
     def error(self, code: grpc.StatusCode | str) -> None:
         self.errors.labels(code if isinstance(code, str) else code.name).inc()
@@ -112,11 +116,11 @@ class _Snapshot:
             ("path_errors", "errors", "Failed transfers, by path"),
         ):
             fam = CounterMetricFamily(f"rendezvous_{name}", doc, labels=["path"])
-            for path in ("local", "grpc", "mpi"):
-                fam.add_metric([path], paths.get(path, {}).get(counter, 0))
+            for path in Path:
+                fam.add_metric([path.value], paths.get(path, {}).get(counter, 0))
             yield fam
         gauges = (
-            ("mpi_in_flight", "MPI operations posted and not complete", paths.get("mpi", {}).get("in_flight", 0)),
+            ("mpi_in_flight", "MPI operations posted and not complete", paths.get(Path.MPI, {}).get("in_flight", 0)),
             ("waiting_tensors", "Produced tensors in the waiting table, not consumed yet", snap["tensors"]),
             ("waiting_receivers", "Consumers waiting in this node's table", snap["waiters"]),
             ("waiting_keys", "Keys in the waiting table", snap["keys"]),

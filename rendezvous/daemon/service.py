@@ -1,6 +1,6 @@
 """The local hop: the ``rendezvous.v1.LocalRendezvous`` service of rendezvousd.
 
-Training processes on a node (local clients, :mod:`rendezvous.client.local`)
+Training processes on a node (local clients, :mod:`rendezvous.client`)
 send and recv through their node's daemon, which is a rank: ``Send`` puts a
 tensor into the daemon's waiting table (the key's producer must be the
 daemon's task); ``Recv`` is the daemon's own recv, local or from a remote
@@ -31,24 +31,18 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from rendezvous import fields as F
-from rendezvous import frames, wire
-from rendezvous.errors import (
-    InvalidArgument,
-    RendezvousError,
-    ResourceExhausted,
-    Unavailable,
-    to_status,
-)
+from rendezvous.errors import InvalidArgument, RendezvousError, ResourceExhausted, Unavailable, to_status
 from rendezvous.keys import parse_key
+from rendezvous.local import messages
+from rendezvous.local.messages import SERVICE, parse_recv
+from rendezvous.paths import Hop, Path
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
 from rendezvous.v1 import local_pb2 as lpb
 
-__all__ = ["LocalServicer", "SERVICE", "PENDING_BYTES"]
+__all__ = ["LocalServicer", "SERVICE", "PENDING_BYTES", "Sent", "LocalFetched"]
 
-SERVICE = "rendezvous.v1.LocalRendezvous"
 #: a PENDING answer lists at most this many bytes of entries, and says how many it left out
 PENDING_BYTES = 1 << 20
 log = logging.getLogger("rendezvous.daemon")
@@ -56,6 +50,20 @@ _CLIENT_ID = re.compile(r"[0-9a-f]{12}\Z")
 
 #: Resolves a send's PoolSlot: (segment id, nbytes, meta) -> the daemon's array on it.
 Resolve = Callable[[int, int, TensorMeta], np.ndarray]
+
+class Sent(NamedTuple):
+    """What a local send put into the table: how it crossed the hop, its payload bytes."""
+
+    hop: Hop
+    nbytes: int
+
+
+class LocalFetched(NamedTuple):
+    """What a local client's recv got: the item (a host array), and how the daemon got it."""
+
+    item: Received
+    path: Path
+
 
 class Stall(NamedTuple):
     """A local client's recv that has waited too long."""
@@ -76,7 +84,7 @@ class _Wait:
 
 
 @dataclass
-class _Session:
+class _Attached:
     client_id: str
     pid: int
 
@@ -90,7 +98,8 @@ class LocalServicer:
         self.metrics = metrics
         self.draining = False
         self.closing = False
-        self.sessions: dict[str, _Session] = {}
+        #: clients attached over gRPC (the Attach stream), by client_id
+        self.attached: dict[str, _Attached] = {}
         #: recvs of local clients in progress, by an id: what the stall watcher looks at
         self.waits: dict[int, _Wait] = {}
         self._next_wait = 0
@@ -137,37 +146,22 @@ class LocalServicer:
 
     async def _send(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            path, nbytes = self.send(request)
+            sent = self.send(request)
         except Exception as exc:
             await context.abort(*self._error(exc))
         if self.metrics is not None:
-            self.metrics.local_op("send", path, nbytes)
+            self.metrics.local_op("send", sent.hop, sent.nbytes)
         return b""
 
-    def send(self, raw: bytes | memoryview, resolve: Resolve | None = None,
-             keep: bool = False) -> tuple[str, int]:
-        """Put a SendRequest's tensor into the table; ("inline" or "shm", payload bytes).
+    def send(self, raw: bytes | memoryview, resolve: Resolve | None = None, keep: bool = False) -> Sent:
+        """Put a SendRequest's tensor into the table.
 
         ``resolve``: how the session socket turns a PoolSlot into an array (the
         gRPC service has none: a slot is refused). ``keep``: the tensor was
         fetched for a recv its client gave up on (the session socket's
         RETURN): it goes back in front of the next recv of its key and step,
         whoever produces the key."""
-        step_id, key, tensor, is_dead, slot = 0, "", None, False, None
-        for num, wt, a, b in wire.iter_fields(raw):
-            if num == F.SEND_STEP_ID and wt == wire.VARINT:
-                step_id = wire.to_signed64(a)
-            elif num == F.SEND_KEY and wt == wire.LEN:
-                key = _text(raw, a, b, "rendezvous_key")
-            elif num == F.SEND_TENSOR and wt == wire.LEN:
-                tensor = (a, b)
-            elif num == F.SEND_IS_DEAD and wt == wire.VARINT:
-                is_dead = bool(a)
-            elif num == F.SEND_POOLED and wt == wire.LEN:
-                slot = _slot(raw, a, b)
-            elif num == F.SEND_NAMED_SHM:
-                raise InvalidArgument("named shared-memory segments are no longer accepted: a client on the "
-                                      "daemon's machine sends through the session socket's pool")
+        step_id, key, tensor, is_dead, slot = messages.parse_send(raw)
         if slot is not None and resolve is None:
             raise InvalidArgument("a pooled send is only valid on the session socket")
         if slot is not None and (is_dead or tensor is None):
@@ -185,7 +179,7 @@ class LocalServicer:
             # tensor) alive through its traceback.
             raise copy.copy(ended)
         if is_dead:
-            value, path, nbytes = None, "inline", 0
+            value, hop, nbytes = None, Hop.INLINE, 0
         elif tensor is None:
             raise InvalidArgument("SendRequest carries no tensor (and is not dead)")
         elif slot is not None:
@@ -195,17 +189,17 @@ class LocalServicer:
                 raise InvalidArgument(f"segment {slot[0]}: {slot[1]} bytes announced, dtype {meta.dtype} and "
                                       f"shape {meta.shape} need {meta.nbytes}")
             assert resolve is not None
-            value, path, nbytes = resolve(slot[0], slot[1], meta), "shm", slot[1]
+            value, hop, nbytes = resolve(slot[0], slot[1], meta), Hop.SHM, slot[1]
         else:
             # a view on the request bytes (no copy); its announced size is checked
             # before typed fields are expanded (one value may announce any shape)
             value = decode_tensor(raw, *tensor, max_bytes=self.config.max_tensor_bytes)
-            path, nbytes = "inline", payload_nbytes(value)
+            hop, nbytes = Hop.INLINE, payload_nbytes(value)
         if keep:
             self.server.keep(step_id, canonical, Received(value, is_dead), why="was given back by its local client")
         else:
             table.send(step_id, canonical, value, is_dead)  # an aborted step drops (and frees) it
-        return path, nbytes
+        return Sent(hop, nbytes)
 
     # -- Recv -----------------------------------------------------------------
 
@@ -217,7 +211,7 @@ class LocalServicer:
             try:
                 if context.cancelled():
                     raise Unavailable("the client went away")
-                reply = frames.unary_response(item) + path_field(path)
+                reply = messages.inline_reply(item, path)
             except BaseException:
                 self.give_back(req, item)
                 raise
@@ -227,11 +221,11 @@ class LocalServicer:
             await context.abort(*self._error(exc))
         if self.metrics is not None:
             self.metrics.recv_done(path, time.perf_counter() - t0)
-            self.metrics.local_op("recv", "inline", payload_nbytes(item.value))
+            self.metrics.local_op("recv", Hop.INLINE, payload_nbytes(item.value))
         return reply
 
-    async def fetch(self, req: lpb.LocalRecvRequest) -> tuple[Received, str]:
-        """A local client's recv: (the item, how the daemon got it), as a host array.
+    async def fetch(self, req: lpb.LocalRecvRequest) -> LocalFetched:
+        """A local client's recv: the item (a host array) and how the daemon got it.
         Counted in :attr:`waits` (the stall watcher's) while it waits."""
         self._refuse_if_draining()
         key = parse_key(req.rendezvous_key)
@@ -246,10 +240,10 @@ class LocalServicer:
         try:
             timeout = req.timeout if req.timeout > 0 else None
             # host arrays always: they go to the client inline or through shared memory
-            item, path, _ = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
+            fetched = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
         finally:
             self.waits.pop(wait_id, None)
-        return item, path
+        return LocalFetched(fetched.item, fetched.path)
 
     def give_back(self, req: lpb.LocalRecvRequest, item: Received) -> None:
         """A fetched item that was not handed to its client (it went, or the reply
@@ -288,19 +282,9 @@ class LocalServicer:
         return out
 
     def pending_reply(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
-        """:meth:`pending` as one answer of at most about ``max_bytes``: the oldest
-        entries first, and the count of those left out (a client can park any
-        number of recvs with long keys; the answer stays one bounded message)."""
-        entries = sorted(self.pending(), key=lambda e: -e.oldest_age_seconds)
-        reply = lpb.PendingResponse()
-        size = 0
-        for i, entry in enumerate(entries):
-            size += entry.ByteSize() + 4
-            if size > max_bytes:
-                reply.omitted = len(entries) - i
-                break
-            reply.entries.append(entry)
-        return reply
+        """:meth:`pending` as one answer of at most about ``max_bytes`` (the oldest
+        entries first, and the count left out)."""
+        return messages.pending_reply(self.pending(), max_bytes)
 
     async def _pending(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
@@ -308,7 +292,7 @@ class LocalServicer:
         except Exception as exc:
             await context.abort(*self._error(exc))
 
-    # -- Attach (sessions) ------------------------------------------------------
+    # -- Attach (clients over gRPC) ------------------------------------------------------
 
     async def _attach(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
@@ -317,15 +301,15 @@ class LocalServicer:
             await context.abort(*self._error(InvalidArgument(f"malformed AttachRequest: {exc}")))
         if not _CLIENT_ID.match(req.client_id) or req.pid <= 0:
             await context.abort(*self._error(InvalidArgument("client_id must be 12 lowercase hex digits, pid > 0")))
-        if req.client_id in self.sessions:
+        if req.client_id in self.attached:
             await context.abort(*self._error(InvalidArgument(f"client_id {req.client_id} is already attached")))
-        self.sessions[req.client_id] = _Session(req.client_id, req.pid)
+        self.attached[req.client_id] = _Attached(req.client_id, req.pid)
         log.debug("client %s (pid %d) attached over gRPC", req.client_id, req.pid)
         try:
             yield self.welcome().SerializeToString()
             await self._closed.wait()
         finally:
-            self.sessions.pop(req.client_id, None)
+            self.attached.pop(req.client_id, None)
 
     def welcome(self, shm_threshold: int = -1, max_frame_bytes: int = 0) -> lpb.AttachResponse:
         return lpb.AttachResponse(task=str(self.server.task), shm_threshold=shm_threshold,
@@ -345,34 +329,3 @@ class LocalServicer:
                 w.warned = True
                 out.append(Stall(w.key, w.step_id, w.producer, age))
         return out
-
-
-def _text(buf: bytes, a: int, b: int, what: str) -> str:
-    try:
-        return bytes(buf[a:b]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidArgument(f"{what} is not UTF-8") from None
-
-
-def _slot(buf: bytes | memoryview, a: int, b: int) -> tuple[int, int]:
-    segment, nbytes = 0, 0
-    for num, wt, x, y in wire.iter_fields(buf, a, b):
-        if num == F.SLOT_SEGMENT and wt == wire.VARINT:
-            segment = x
-        elif num == F.SLOT_NBYTES and wt == wire.VARINT:
-            nbytes = wire.to_signed64(x)
-    if segment <= 0 or nbytes <= 0:
-        raise InvalidArgument(f"a pooled send names segment {segment} with {nbytes} bytes")
-    return segment, nbytes
-
-
-def parse_recv(raw: bytes | memoryview) -> lpb.LocalRecvRequest:
-    try:
-        return lpb.LocalRecvRequest.FromString(bytes(raw))
-    except DecodeError as exc:
-        raise InvalidArgument(f"malformed LocalRecvRequest: {exc}") from None
-
-
-def path_field(path: str) -> bytes:
-    """LocalRecvResponse's path field."""
-    return wire.len_field_header(F.LOCAL_REPLY_PATH, len(path)) + path.encode()

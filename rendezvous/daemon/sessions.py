@@ -1,14 +1,16 @@
 """The session socket: local clients' fast path into rendezvousd.
 
 Beside its gRPC local socket, a daemon listens on a second Unix socket (the
-first's path plus ``.session``, mode 0600 like it). A local client connects
-once and keeps the connection for its life: that connection is its session.
-Frames (:mod:`rendezvous.localwire`) carry the local service's messages;
+first's path plus ``.session``, mode 0600 like it; the listener is
+:mod:`rendezvous.daemon.listener`). A local client connects once and keeps
+the connection for its life: that connection is its :class:`Session`.
+Frames (:mod:`rendezvous.local.frames`) carry the local service's messages
+(:mod:`rendezvous.local.messages`);
 replies are tagged with their operation's id, so a client may have any
 number of operations in flight and a burst of them costs one write.
 
 Tensors of at least ``shm_threshold`` bytes travel through the daemon's
-shared-memory pool (:mod:`rendezvous.shm`):
+shared-memory pool (:mod:`rendezvous.daemon.pool`):
 
 * **send**: the client writes into a segment the daemon lent it and names
   the segment; the table holds an array on it (no copy in the daemon). The
@@ -33,37 +35,41 @@ session; it never reaches the table or the other sessions.
 from __future__ import annotations
 
 import asyncio
-import collections
-import errno
-import itertools
 import logging
 import os
-import socket
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from rendezvous import fields as F
-from rendezvous import frames, localwire, shm, wire
+from rendezvous import wire
 from rendezvous.buffers import RecvBuffers
 from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted, Unavailable
-from rendezvous.localwire import Kind
+from rendezvous.local import messages
+from rendezvous.local.connection import Connection
+from rendezvous.local.frames import FrameError, FrameTooLarge, Kind, frame, pack_error, pack_grants, unpack_ids
+from rendezvous.paths import Hop, Path
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
-from rendezvous.tensors import TensorMeta, encode_meta, is_memcpyable
+from rendezvous.dtypes import is_memcpyable
+from rendezvous.tensors import TensorMeta
 from rendezvous.v1 import local_pb2 as lpb
 
-from .service import PENDING_BYTES, LocalServicer, _slot, parse_recv, path_field
+from .pool import Pool, Segment
+from .service import PENDING_BYTES
 
-__all__ = ["SessionServer", "PoolBuffers", "session_path", "FRAME_SLACK", "SMALL_FRAME", "SHARE"]
+if TYPE_CHECKING:
+    import socket
+
+    from .listener import SessionListener
+
+__all__ = ["Session", "PoolBuffers", "FRAME_SLACK", "SMALL_FRAME", "SHARE", "SESSION_HIGH_WATER", "UCRED"]
 
 log = logging.getLogger("rendezvous.daemon")
-#: accept() errors that mean "not now" (descriptors or kernel memory), not "not this one"
-_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-_UCRED = struct.Struct("3i")
+UCRED = struct.Struct("3i")
 #: frame bytes beyond a tensor's own (key, dtype, shape and field headers)
 FRAME_SLACK = 1 << 20
 #: the largest frame of an operation that carries no tensor (RECV, LEND, CANCEL,
@@ -79,14 +85,14 @@ SESSION_FDS = 32
 #: the share of the pool's segments, and of max_waiting_calls, one session may hold:
 #: what one client takes, the others still have
 SHARE = 8
-#: sessions one process may have open at once (a client has one; a process with a
-#: blocking and an asyncio client, two): a process cannot take every session
-MAX_SESSIONS_PER_PROCESS = 16
 
 
-def session_path(local_socket: str) -> str:
-    """The session socket's path beside the gRPC local socket's."""
-    return local_socket + ".session"
+class Reply(NamedTuple):
+    """A RECV's answer: the LocalRecvResponse bytes, how it crosses the hop, its payload bytes."""
+
+    body: bytes
+    hop: Hop
+    nbytes: int
 
 
 class PoolBuffers(RecvBuffers):
@@ -95,7 +101,7 @@ class PoolBuffers(RecvBuffers):
     map as it is (no copy between the network and the client). Smaller ones, and
     all when the pool is full, come from :class:`RecvBuffers`."""
 
-    def __init__(self, pool: shm.Pool, threshold: int, limit: int) -> None:
+    def __init__(self, pool: Pool, threshold: int, limit: int) -> None:
         super().__init__(limit)
         self.pool = pool
         self.threshold = threshold
@@ -111,185 +117,10 @@ class PoolBuffers(RecvBuffers):
         return super().empty(dims, dt)
 
 
-class SessionServer:
-    """Accepts session connections on ``path`` for ``servicer`` (on the running loop)."""
-
-    def __init__(self, servicer: LocalServicer, pool: shm.Pool, path: str, threshold: int,
-                 max_sessions: int = 1 << 12) -> None:
-        self.servicer = servicer
-        self.max_sessions = max_sessions
-        self.pool = pool
-        self.path = path
-        self.threshold = threshold
-        self.frame_limit = servicer.config.max_tensor_bytes + FRAME_SLACK
-        #: segments one session may hold at once (lent and received), and recvs it may have in flight
-        self.segment_share = max(4, pool.max_segments // SHARE)
-        self.recv_share = max(64, servicer.config.max_waiting_calls // SHARE)
-        self.sessions: dict[str, Session] = {}
-        self._ids = itertools.count(1)
-        self._sock: socket.socket | None = None
-        self._ino: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # accepting while out of descriptors: back off, log once (see _accept)
-        self._refused = 0
-        self._over = 0  # sessions refused for being over max_sessions, or their process's share
-        self._per_pid: collections.Counter[int] = collections.Counter()
-        #: protocol mistakes of all sessions (see Session._misuse)
-        self.misused = 0
-        self._refused_since = 0.0
-        self._pause = 0.0
-        self._resume: asyncio.TimerHandle | None = None
-        pool.on_retire = self._retired
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        try:
-            os.unlink(self.path)  # the daemon claimed the gRPC socket beside it: this one is stale
-        except FileNotFoundError:
-            pass
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            old = os.umask(0o177)
-            try:
-                sock.bind(self.path)
-            finally:
-                os.umask(old)
-            os.chmod(self.path, 0o600)
-            sock.listen(128)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
-        self._ino = os.stat(self.path).st_ino
-        self._loop.add_reader(sock.fileno(), self._accept)
-
-    def _accept(self) -> None:
-        assert self._sock is not None
-        for _ in range(64):
-            try:
-                conn, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _OUT_OF_RESOURCES:
-                    self._back_off(exc)
-                    return
-                # the connection went before it was accepted (ECONNABORTED, EPROTO): the next one
-                log.debug("a local session was lost before it was accepted: %s", exc)
-                continue
-            if self._refused:
-                log.warning("accepting local sessions again, after %d attempts refused over %.1f s "
-                            "(out of descriptors)", self._refused, time.monotonic() - self._refused_since)
-                self._refused, self._pause = 0, 0.0
-            try:
-                pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            except OSError as exc:
-                conn.close()
-                log.debug("a local session went before it started: %s", exc)
-                continue
-            why = self._too_many(pid)
-            if why:
-                # its descriptor is needed more by the sessions already open: the
-                # client sees the end of its connection at once, not a wait
-                conn.close()
-                self._over += 1
-                if self._over == 1 or self._over % 1000 == 0:
-                    log.warning("refused a local session of pid %d: %s (%d refused so far)", pid, why, self._over)
-                continue
-            sid = f"session-{next(self._ids)}"
-            try:
-                self.sessions[sid] = Session(self, sid, conn, pid, uid)
-            except OSError as exc:
-                conn.close()
-                log.warning("cannot start a local session: %s", exc)
-                continue
-            self._per_pid[pid] += 1
-
-    def _too_many(self, pid: int) -> str:
-        """Why a new session of ``pid`` is refused, or ''."""
-        if len(self.sessions) >= self.max_sessions:
-            return f"{len(self.sessions)} sessions are open, the most this daemon's descriptor limit allows"
-        if self._per_pid[pid] >= MAX_SESSIONS_PER_PROCESS:
-            return f"that process already has {MAX_SESSIONS_PER_PROCESS} sessions open"
-        return ""
-
-    def ended(self, session: "Session") -> None:
-        """A session ended: forget it."""
-        if self.sessions.pop(session.id, None) is not None:
-            left = self._per_pid[session.pid] - 1
-            if left > 0:
-                self._per_pid[session.pid] = left
-            else:
-                self._per_pid.pop(session.pid, None)
-
-    def _back_off(self, exc: OSError) -> None:
-        """Out of descriptors (or kernel memory): the listening socket stays readable,
-        so accepting again at once would spin. Stop watching it for a while
-        (doubling, up to a second); connections wait in its backlog meanwhile.
-        Logged once when it starts, and once with a count when it ends."""
-        if not self._refused:
-            self._refused_since = time.monotonic()
-            log.warning("cannot accept local sessions: %s; pausing accepts until descriptors are free", exc)
-        self._refused += 1
-        self._pause = min(1.0, max(0.01, self._pause * 2))
-        assert self._loop is not None and self._sock is not None
-        self._loop.remove_reader(self._sock.fileno())
-        self._resume = self._loop.call_later(self._pause, self._listen_again)
-
-    def _listen_again(self) -> None:
-        self._resume = None
-        if self._sock is not None and self._loop is not None:
-            self._loop.add_reader(self._sock.fileno(), self._accept)
-
-    def _retired(self, seg_id: int, sessions: set[str]) -> None:
-        """The pool closed a segment these sessions have mapped (any thread)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        body = localwire.frame(Kind.RETIRE, 0, localwire.pack_ids([seg_id]))
-
-        def tell() -> None:
-            for sid in sessions:
-                session = self.sessions.get(sid)
-                if session is not None:
-                    session.conn.write(body)
-
-        try:
-            loop.call_soon_threadsafe(tell)
-        except RuntimeError:
-            pass  # the loop is closing: the sessions end with it
-
-    def remove_file(self) -> None:
-        """Remove the socket file if it is still the one bound here."""
-        if self._ino is None:
-            return
-        try:
-            if os.stat(self.path).st_ino == self._ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        self._ino = None
-
-    def close(self) -> None:
-        """Stop accepting, end every session, remove the socket file (if still ours)."""
-        if self._resume is not None:
-            self._resume.cancel()
-            self._resume = None
-        if self._sock is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
-        self.remove_file()
-        for session in list(self.sessions.values()):
-            session.conn.close(None)
-
-
 class Session:
     """One client's connection."""
 
-    def __init__(self, server: SessionServer, sid: str, sock: socket.socket, pid: int, uid: int) -> None:
+    def __init__(self, server: SessionListener, sid: str, sock: socket.socket, pid: int, uid: int) -> None:
         self.server = server
         self.servicer = server.servicer
         self.pool = server.pool
@@ -301,8 +132,8 @@ class Session:
         self.bad = 0
         # A tensor's bytes come only in SEND (inline) and RETURN frames; a few frames
         # are handed over at a time, so a client that reads no replies stops being
-        # read within a few of them (see localwire.Connection).
-        self.conn = localwire.Connection(sock, limit=SMALL_FRAME, on_frames=self._frames, on_close=self._closed,
+        # read within a few of them (see local.connection.Connection).
+        self.conn = Connection(sock, limit=SMALL_FRAME, on_frames=self._frames, on_close=self._closed,
                                          limits={Kind.SEND: server.frame_limit, Kind.RETURN: server.frame_limit},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
@@ -338,7 +169,7 @@ class Session:
         elif kind == Kind.SEND or kind == Kind.RETURN:
             self._send(op, body, keep=kind == Kind.RETURN)
         elif kind == Kind.RECV:
-            req = parse_recv(body)
+            req = messages.parse_recv(body)
             if op in self.recvs:
                 raise InvalidArgument(f"operation id {op} is already in flight")
             if len(self.recvs) >= self.server.recv_share:
@@ -351,7 +182,7 @@ class Session:
             if task is not None:
                 task.cancel()
         elif kind == Kind.RELEASE:
-            for seg_id in localwire.unpack_ids(body):
+            for seg_id in unpack_ids(body):
                 if not self.pool.release(seg_id, self.id):
                     self._misuse(f"released segment {seg_id}, which it does not hold")
         elif kind == Kind.LEND:
@@ -368,10 +199,10 @@ class Session:
             except DecodeError as exc:
                 raise InvalidArgument(f"malformed AbortRequest: {exc}") from None
             self.servicer.server.abort(req.step_id, req.message or "aborted")
-            self.conn.write(localwire.frame(Kind.OK, op))
+            self.conn.write(frame(Kind.OK, op))
         elif kind == Kind.PENDING:
             body_out = self.servicer.pending_reply(PENDING_BYTES).SerializeToString()
-            self.conn.write(localwire.frame(Kind.PENDING_REPLY, op, body_out))
+            self.conn.write(frame(Kind.PENDING_REPLY, op, body_out))
         elif kind == Kind.HELLO:
             raise InvalidArgument("this session already said HELLO")
         else:
@@ -386,7 +217,7 @@ class Session:
         self.client_id = req.client_id[:32]
         log.debug("client %s (pid %d, uid %d) opened %s", self.client_id, self.pid, self.uid, self.id)
         welcome = self.servicer.welcome(self.server.threshold, self.server.frame_limit)
-        self.conn.write(localwire.frame(Kind.WELCOME, op, welcome.SerializeToString()))
+        self.conn.write(frame(Kind.WELCOME, op, welcome.SerializeToString()))
 
     # -- send -------------------------------------------------------------------
 
@@ -398,24 +229,24 @@ class Session:
 
     def _send(self, op: int, body: memoryview, keep: bool) -> None:
         try:
-            path, nbytes = self.servicer.send(body, self._given_back if keep else self._resolve, keep=keep)
+            sent = self.servicer.send(body, self._given_back if keep else self._resolve, keep=keep)
         except BaseException:
             self._forfeit(body)
             raise
         metrics = self.servicer.metrics
         if metrics is not None:
-            metrics.local_op("send", path, nbytes)
-        if path == "shm" and not keep:
-            self._lend(op, nbytes, Kind.OK, required=False)  # a replacement for the next send
+            metrics.local_op("send", sent.hop, sent.nbytes)
+        if sent.hop is Hop.SHM and not keep:
+            self._lend(op, sent.nbytes, Kind.OK, required=False)  # a replacement for the next send
         else:
-            self.conn.write(localwire.frame(Kind.OK, op))
+            self.conn.write(frame(Kind.OK, op))
 
     def _forfeit(self, body: memoryview) -> None:
         """A failed pooled send gives its segment back: the client forgets it too."""
         try:
             for num, wt, a, b in wire.iter_fields(body):
                 if num == F.SEND_POOLED and wt == wire.LEN:
-                    self.pool.release(_slot(body, a, b)[0], self.id)
+                    self.pool.release(messages.parse_slot(body, a, b)[0], self.id)
         except RendezvousError:
             pass
 
@@ -435,16 +266,16 @@ class Session:
             if required:
                 raise ResourceExhausted(f"the daemon's shared-memory pool is full ({self.pool.total} of "
                                         f"{self.pool.limit} bytes, shm_pool_bytes): no segment for {nbytes} bytes")
-            self.conn.write(localwire.frame(Kind.OK, op))
+            self.conn.write(frame(Kind.OK, op))
             return
         self._introduce(seg)
-        self.conn.write(localwire.frame(kind, op, localwire.pack_grants([(seg.id, seg.size)])))
+        self.conn.write(frame(kind, op, pack_grants([(seg.id, seg.size)])))
 
-    def _introduce(self, seg: shm.Segment) -> None:
+    def _introduce(self, seg: Segment) -> None:
         """Send the segment's descriptor if this session has not got it yet."""
         if self.pool.mark_known(seg, self.id):
             fd = os.dup(seg.fd)  # the connection closes its copy once it is sent
-            self.conn.write(localwire.frame(Kind.SEGMENTS, 0, localwire.pack_grants([(seg.id, seg.size)])), [fd])
+            self.conn.write(frame(Kind.SEGMENTS, 0, pack_grants([(seg.id, seg.size)])), [fd])
 
     # -- recv -------------------------------------------------------------------
 
@@ -459,14 +290,14 @@ class Session:
                 # a client that reads no replies gets no more written for it: the
                 # tensor waits here (and is kept if the session ends)
                 await self.conn.room()
-                reply, hop, nbytes = await self._reply(item, path)
+                reply = await self._reply(item, path)
             except BaseException:
                 self.servicer.give_back(req, item)
                 raise
-            self.conn.write(localwire.frame(Kind.RECV_REPLY, op, reply))
+            self.conn.write(frame(Kind.RECV_REPLY, op, reply.body))
             if metrics is not None:
                 metrics.recv_done(path, time.perf_counter() - t0)
-                metrics.local_op("recv", hop, nbytes)
+                metrics.local_op("recv", reply.hop, reply.nbytes)
         except asyncio.CancelledError:
             self._error(op, Cancelled(f"recv of {req.rendezvous_key!r} (step {req.step_id}) was cancelled"))
         except RendezvousError as exc:
@@ -477,20 +308,21 @@ class Session:
         finally:
             self.recvs.pop(op, None)
 
-    async def _reply(self, item: Received, path: str) -> tuple[bytes, str, int]:
-        """(LocalRecvResponse bytes, "inline" or "shm", payload bytes)."""
+    async def _reply(self, item: Received, path: Path) -> Reply:
+        """A fetched tensor as its LocalRecvResponse: a pool segment handed over (the
+        one it is on, or one it is copied into), or the bytes in the frame."""
         value = item.value
         threshold = self.server.threshold
         if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
                 or value.nbytes == 0 or value.nbytes < threshold
                 # a session at its share of segments: the bytes go in the frame
                 or self.pool.holds(self.id) >= self.server.segment_share):
-            return frames.unary_response(item) + path_field(path), "inline", payload_nbytes(value)
+            return Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(value))
         seg = self.pool.segment_of(value)
         if seg is None or seg.held_by is not None or value.nbytes > seg.size:
             copy = self.pool.array(value.shape, value.dtype)
             if copy is None:  # the pool is full: the bytes go in the frame
-                return frames.unary_response(item) + path_field(path), "inline", payload_nbytes(value)
+                return Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(value))
             if value.nbytes >= _OFF_LOOP_BYTES:
                 await asyncio.get_running_loop().run_in_executor(None, np.copyto, copy, value)
             else:
@@ -502,23 +334,20 @@ class Session:
             raise Unavailable("the client went away")
         self.pool.hand_to(seg, self.id)
         self._introduce(seg)
-        meta = encode_meta(TensorMeta(value.dtype, value.shape))
-        slot = wire.varint_field(F.SLOT_SEGMENT, seg.id) + wire.varint_field(F.SLOT_NBYTES, value.nbytes)
-        reply = b"".join([wire.len_field_header(F.LOCAL_REPLY_TENSOR, len(meta)), meta,
-                          wire.len_field_header(F.LOCAL_REPLY_POOLED, len(slot)), slot, path_field(path)])
-        return reply, "shm", value.nbytes
+        meta = TensorMeta(value.dtype, value.shape)
+        return Reply(messages.pooled_reply(meta, seg.id, value.nbytes, path), Hop.SHM, value.nbytes)
 
     # -- errors and the end -----------------------------------------------------------
 
-    def _farewell(self, exc: localwire.FrameError) -> bytes:
+    def _farewell(self, exc: FrameError) -> bytes:
         """The ERROR frame that tells a client why its session ends (it broke the framing)."""
         self._misuse(str(exc))
-        code = ResourceExhausted.code if isinstance(exc, localwire.FrameTooLarge) else InvalidArgument.code
-        return localwire.frame(Kind.ERROR, 0, localwire.pack_error(code.value[0], exc.message))
+        code = ResourceExhausted.code if isinstance(exc, FrameTooLarge) else InvalidArgument.code
+        return frame(Kind.ERROR, 0, pack_error(code.value[0], exc.message))
 
     def _error(self, op: int, exc: BaseException) -> None:
         code, message = self.servicer._error(exc)
-        self.conn.write(localwire.frame(Kind.ERROR, op, localwire.pack_error(code.value[0], message)))
+        self.conn.write(frame(Kind.ERROR, op, pack_error(code.value[0], message)))
 
     def _misuse(self, what: str) -> None:
         """A client broke the protocol: counted, and logged for the first and every
@@ -537,7 +366,7 @@ class Session:
         for task in list(self.recvs.values()):
             task.cancel()
         n = self.pool.session_gone(self.id)
-        if error is not None and not isinstance(error, (ConnectionError, localwire.FrameError)):
+        if error is not None and not isinstance(error, (ConnectionError, FrameError)):
             log.warning("client %s (pid %d) session ended: %s", self.client_id or self.id, self.pid, error)
         log.debug("client %s (pid %d) closed %s; %d segment hold(s) given back", self.client_id or self.id,
                   self.pid, self.id, n)

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from rendezvous.errors import status_code_from_int
+from rendezvous.paths import Path
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .engine import ProgressEngine
@@ -280,7 +281,8 @@ class MpiRequests:
 
     async def _run(self, requests: _Requests, context: _ProducerContext) -> None:
         try:
-            await self.servicer.serve_stream(requests, context)
+            # replies inside this stream's frames travelled by MPI: counted so
+            await self.servicer.serve_stream(requests, context, inline_path=Path.MPI)
         except _Aborted:
             pass
         except Exception as exc:  # a bug of ours: the stream ends with INTERNAL, the rank goes on

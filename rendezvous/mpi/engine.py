@@ -26,129 +26,29 @@ Buffers are referenced by their operation until MPI is done with them, so a
 producer's tensor stays alive until its send completes without parking any
 thread. A cancelled receive stays posted until it matches (its message is
 already on the way), so its tag can never catch a later transfer's bytes.
+
+One class of about 420 lines (the operations and listeners it works on are
+:mod:`rendezvous.mpi.ops`): the MPI thread's loop, the home loop's polls,
+the requests in flight, pipelines and listeners are one state under one
+lock, and the polling rules above only read as a whole.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
-from rendezvous.errors import Internal, RendezvousError, Unavailable
+from rendezvous.errors import Internal, Unavailable
+
+from .ops import Listener, Op, OpKind, mpi_error, resolve, resolve_all
 
 __all__ = ["ProgressEngine", "OpKind"]
 
 log = logging.getLogger("rendezvous.mpi")
-
-
-class OpKind(Enum):
-    """What the MPI thread is asked to do."""
-
-    SEND = "send"          # Isend of a buffer, in chunk-sized messages
-    RECV = "recv"          # Irecv into a buffer, in chunk-sized messages
-    CALL = "call"          # run a function there (start-up collectives)
-    PIPELINE = "pipeline"  # build a transfer pipeline there and advance it until done
-    TAKE = "take"          # a listened-for message being received (matched probe, then Imrecv)
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class _Op:
-    __slots__ = ("kind", "buf", "pipeline", "peer", "tag", "chunk", "future", "loop", "fn", "remaining",
-                 "error", "comm", "posted")
-
-    def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future | None,
-                 buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
-                 fn: Callable[[], Any] | None = None, comm: Any = None) -> None:
-        self.comm = comm  # None: the engine's communicator
-        self.kind = kind
-        self.loop = loop
-        self.future = future
-        self.buf = buf  # kept until MPI is done with it
-        self.pipeline: Any = None  # a PIPELINE op's pipeline, once built on the MPI thread
-        self.peer = peer
-        self.tag = tag
-        self.chunk = chunk
-        self.fn = fn
-        self.remaining = 0
-        self.error: BaseException | None = None
-        self.posted: list | None = None  # requests already posted by the submitting thread
-
-
-class _Listener:
-    """Messages on (comm, tag) from any rank, for one deliver callback on one loop."""
-
-    __slots__ = ("comm", "tag", "loop", "deliver", "taken", "order", "ready")
-
-    def __init__(self, comm: Any, tag: int, loop: asyncio.AbstractEventLoop,
-                 deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
-        self.comm = comm
-        self.tag = tag
-        self.loop = loop
-        self.deliver = deliver
-        self.taken: list[tuple[int, bytes]] = []  # received this turn, handed over at its end
-        #: by source rank, messages matched and being received, in the order they
-        #: were matched. Their receives may complete in another order (a large
-        #: message after a small one); they are handed over in this one, which is
-        #: the order the rank sent them in (MPI does not let one pair's messages on
-        #: a tag overtake each other when they are matched): a stream's cancel
-        #: never reaches the producer before the request it cancels.
-        self.order: dict[int, collections.deque[_Op]] = {}
-        #: batches taken and not handed over yet, in the order they were taken:
-        #: the MPI thread and the home loop both take messages, and hand them over
-        #: differently (a callback scheduled on the loop, or at once), so a later
-        #: batch could otherwise overtake an earlier one
-        self.ready: collections.deque[list[tuple[int, bytes]]] = collections.deque()
-
-    def flush(self) -> None:
-        """Deliver every batch ready, in order (on the listener's loop)."""
-        ready = self.ready
-        while ready:
-            self.deliver(ready.popleft())
-
-    def matched(self, op: _Op) -> None:
-        self.order.setdefault(op.peer, collections.deque()).append(op)
-
-    def received(self, source: int) -> None:
-        """Hand ``source``'s messages fully received at the head of its order to ``taken``."""
-        order = self.order.get(source)
-        while order and order[0].remaining == 0:
-            op = order.popleft()
-            if op.error is None:
-                self.taken.append((op.peer, bytes(op.buf)))
-            else:
-                log.warning("MPI control message from rank %d lost: %s", op.peer, op.error)
-            op.buf = None
-        if order is not None and not order:
-            del self.order[source]
-
-
-def _mpi_error(MPI: Any, exc: BaseException, what: str) -> BaseException:
-    if isinstance(exc, MPI.Exception):
-        return Internal(f"MPI error {what}: {exc.Get_error_string()}")
-    if isinstance(exc, Exception) and not isinstance(exc, RendezvousError):
-        return Internal(f"error {what}: {exc}")
-    return exc
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None, value: Any) -> None:
-    if future.done():
-        return  # the waiter gave up (cancelled, deadline); MPI finished anyway
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-
-
-def _resolve_all(done: list[tuple[asyncio.Future, BaseException | None]]) -> None:
-    for future, error in done:
-        _resolve(future, error, None)
 
 
 class ProgressEngine:
@@ -177,17 +77,17 @@ class ProgressEngine:
         # touches: one poller at a time (the MPI thread or the home loop).
         self._plock = threading.Lock()
         self._reqs: list = []
-        self._owners: list[_Op] = []
+        self._owners: list[Op] = []
         self._last_activity = 0.0  # monotonic time of the last message in or out
         self._cv = threading.Condition()
-        self._inbox: list[_Op] = []
+        self._inbox: list[Op] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._pipes: list[_Op] = []  # PIPELINE ops being advanced, MPI thread only
+        self._pipes: list[Op] = []  # PIPELINE ops being advanced, MPI thread only
         self._finished: dict[asyncio.AbstractEventLoop, list] = {}  # completions not yet handed over
         self.in_flight = 0  # operations posted and not complete (read by stats)
         self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
-        self._listeners: list[_Listener] = []  # control messages taken as they come (see listen)
+        self._listeners: list[Listener] = []  # control messages taken as they come (see listen)
 
     # -- loop side ----------------------------------------------------------
 
@@ -203,7 +103,7 @@ class ProgressEngine:
         self._thread = threading.Thread(target=self._run, name="rendezvous-mpi", daemon=True)
         self._thread.start()
 
-    def _submit(self, op: _Op) -> asyncio.Future:
+    def _submit(self, op: Op) -> asyncio.Future:
         with self._cv:
             if self._stopping:
                 raise Unavailable("MPI progress engine is stopped")
@@ -217,7 +117,7 @@ class ProgressEngine:
         thread's pause stays at most ``poll_max_us``, however long the wait."""
         self._waiting.append(waiting)
 
-    def _transfer(self, op: _Op) -> asyncio.Future:
+    def _transfer(self, op: Op) -> asyncio.Future:
         """Post a send or receive here when MPI allows it (MULTIPLE), so its
         message leaves now. On the home loop its requests join those in flight
         at once and the loop polls them; elsewhere the MPI thread takes them."""
@@ -225,7 +125,7 @@ class ProgressEngine:
             reqs: list = []
             self._post_transfer(op, reqs)
             if not reqs:  # posting failed: nothing to complete
-                _resolve(op.future, op.error, None)
+                resolve(op.future, op.error, None)
                 return op.future
             if op.loop is self.home:
                 with self._plock:
@@ -276,7 +176,7 @@ class ProgressEngine:
         """Send ``buf`` (bytes-like, C-contiguous) to ``dest`` on ``tag``; in ``chunk``-byte
         messages; on ``comm`` (default: the engine's)."""
         loop = asyncio.get_running_loop()
-        return self._transfer(_Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
+        return self._transfer(Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
 
     def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
         """Take every message that arrives on ``comm`` with ``tag`` (from any rank)
@@ -287,25 +187,25 @@ class ProgressEngine:
         engine polls (with its backoff) instead of sleeping."""
         loop = asyncio.get_running_loop()
         with self._cv:
-            self._listeners.append(_Listener(comm, tag, loop, deliver))
+            self._listeners.append(Listener(comm, tag, loop, deliver))
             self._cv.notify()
 
 
     def irecv(self, buf: Any, source: int, tag: int, chunk: int) -> asyncio.Future:
         """Receive into ``buf`` from ``source`` on ``tag``, in ``chunk``-byte messages."""
         loop = asyncio.get_running_loop()
-        return self._transfer(_Op(OpKind.RECV, loop, loop.create_future(), buf, source, tag, chunk))
+        return self._transfer(Op(OpKind.RECV, loop, loop.create_future(), buf, source, tag, chunk))
 
     def call(self, fn: Callable[[], Any]) -> asyncio.Future:
         """Run ``fn()`` on the MPI thread (collectives at start-up)."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op(OpKind.CALL, loop, loop.create_future(), fn=fn))
+        return self._submit(Op(OpKind.CALL, loop, loop.create_future(), fn=fn))
 
     def pipeline(self, make: Callable[[Any, Any], Any]) -> asyncio.Future:
         """Build a transfer pipeline on the MPI thread with ``make(comm, MPI)`` (see
         :mod:`rendezvous.mpi.staging`) and advance it there until it is done."""
         loop = asyncio.get_running_loop()
-        return self._submit(_Op(OpKind.PIPELINE, loop, loop.create_future(), fn=make))
+        return self._submit(Op(OpKind.PIPELINE, loop, loop.create_future(), fn=make))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Finish what is in flight (up to ``timeout``), then cancel the rest and join.
@@ -321,13 +221,13 @@ class ProgressEngine:
 
     # -- MPI thread -----------------------------------------------------------
 
-    def _post(self, op: _Op, reqs: list, owners: list) -> None:
+    def _post(self, op: Op, reqs: list, owners: list) -> None:
         MPI = self._MPI
         if op.kind is OpKind.PIPELINE:
             try:
                 op.pipeline = op.fn(self.comm, MPI)  # type: ignore[misc]
             except BaseException as exc:
-                op.loop.call_soon_threadsafe(_resolve, op.future, _mpi_error(MPI, exc, "posting a transfer"), None)
+                op.loop.call_soon_threadsafe(resolve, op.future, mpi_error(MPI, exc, "posting a transfer"), None)
                 return
             self._pipes.append(op)
             self.in_flight += 1
@@ -337,7 +237,7 @@ class ProgressEngine:
                 value, error = op.fn(), None  # type: ignore[misc]
             except BaseException as exc:  # handed to the caller, never fatal here
                 value, error = None, exc
-            op.loop.call_soon_threadsafe(_resolve, op.future, error, value)
+            op.loop.call_soon_threadsafe(resolve, op.future, error, value)
             return
         posted = op.posted
         if posted is None:  # not posted by the submitting thread: post it here
@@ -350,9 +250,9 @@ class ProgressEngine:
         if posted:
             self.in_flight += 1
         else:
-            op.loop.call_soon_threadsafe(_resolve, op.future, op.error, None)
+            op.loop.call_soon_threadsafe(resolve, op.future, op.error, None)
 
-    def _post_transfer(self, op: _Op, reqs: list) -> None:
+    def _post_transfer(self, op: Op, reqs: list) -> None:
         """Post the chunk messages of a send or receive into ``reqs`` (any thread
         at MULTIPLE); an error is left in ``op.error`` and stops posting."""
         MPI = self._MPI
@@ -372,17 +272,17 @@ class ProgressEngine:
                                 f"{exc.Get_error_string()}")
         self._last_activity = time.monotonic()
 
-    def _complete(self, op: _Op, on_loop: bool = False) -> None:
+    def _complete(self, op: Op, on_loop: bool = False) -> None:
         op.remaining -= 1
         if op.remaining == 0:
             self.in_flight -= 1
             if op.kind is OpKind.TAKE:
-                listener: _Listener = op.fn  # type: ignore[assignment]
+                listener: Listener = op.fn  # type: ignore[assignment]
                 listener.received(op.peer)
                 return
             op.buf = None
             if on_loop and op.loop is self.home:
-                _resolve(op.future, op.error, None)
+                resolve(op.future, op.error, None)
             else:
                 self._finished.setdefault(op.loop, []).append((op.future, op.error))
 
@@ -404,7 +304,7 @@ class ProgressEngine:
                     break
                 n = status.Get_count(MPI.BYTE)
                 buf = bytearray(n)
-                op = _Op(OpKind.TAKE, listener.loop, None, buf, status.Get_source(), listener.tag,
+                op = Op(OpKind.TAKE, listener.loop, None, buf, status.Get_source(), listener.tag,
                          fn=listener)  # type: ignore[arg-type]
                 try:
                     reqs.append(msg.Irecv([buf, MPI.BYTE]))
@@ -436,7 +336,7 @@ class ProgressEngine:
         took). On the home loop its own are handed over directly."""
         finished, taken = collected
         for loop, done in finished.items():
-            loop.call_soon_threadsafe(_resolve_all, done)
+            loop.call_soon_threadsafe(resolve_all, done)
         for listener in taken:
             if on_loop and listener.loop is self.home:
                 listener.flush()
@@ -524,7 +424,7 @@ class ProgressEngine:
                         collected = self._collect()
                     self._hand_over(collected)
 
-    def _fail_one(self, reqs: list, owners: list[_Op], exc: Any) -> list[int]:
+    def _fail_one(self, reqs: list, owners: list[Op], exc: Any) -> list[int]:
         """Testsome reported an error: find the failing requests, fail only their ops."""
         MPI = self._MPI
         failed = []
@@ -548,15 +448,15 @@ class ProgressEngine:
                 self._pipes.remove(op)
                 self.in_flight -= 1
                 op.pipeline = None
-                op.loop.call_soon_threadsafe(_resolve, op.future, pipe.error, None)
+                op.loop.call_soon_threadsafe(resolve, op.future, pipe.error, None)
         return moved
 
-    def _cancel_all(self, reqs: list, owners: list[_Op]) -> None:
+    def _cancel_all(self, reqs: list, owners: list[Op]) -> None:
         MPI = self._MPI
         for op in self._pipes:
             op.pipeline.cancel()
             self.in_flight -= 1
-            op.loop.call_soon_threadsafe(_resolve, op.future, op.pipeline.error, None)
+            op.loop.call_soon_threadsafe(resolve, op.future, op.pipeline.error, None)
             op.pipeline = None
         self._pipes.clear()
         if not reqs:

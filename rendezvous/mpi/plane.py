@@ -34,7 +34,8 @@ from rendezvous.devices import Devices, DeviceTensor, Placement
 from rendezvous.errors import Internal, InvalidArgument, NotPlaced
 from rendezvous.stats import Stats
 from rendezvous.table import Received
-from rendezvous.tensors import TensorMeta, decode_meta, is_memcpyable
+from rendezvous.dtypes import is_memcpyable
+from rendezvous.tensors import TensorMeta, decode_meta
 from rendezvous.transport import Arrival, DataPlane, Path, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 

@@ -28,22 +28,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, ClassVar, NamedTuple
 
 from rendezvous import fields, wire
 from rendezvous.errors import Internal
+from rendezvous.paths import Path
 from rendezvous.table import Received
 
 __all__ = ["Path", "Reply", "Arrival", "Fetched", "DataPlane", "Planes", "descriptor_type"]
-
-
-class Path(StrEnum):
-    """The way a tensor travelled, as counted in ``stats()`` and the metrics."""
-
-    LOCAL = "local"  # from this process's own table
-    GRPC = "grpc"    # inside the gRPC reply
-    MPI = "mpi"      # described over gRPC, moved by MPI
 
 
 @dataclass(slots=True)

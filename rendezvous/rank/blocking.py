@@ -15,14 +15,14 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 
-from . import aio
-from .cluster import ClusterLike
-from .config import Config
-from .errors import FailedPrecondition
-from .keys import Key, as_key
-from .devices import Devices
-from .lifecycle import new_event_loop
-from .table import Received
+from .server import Server as AsyncServer
+from rendezvous.cluster import ClusterLike
+from rendezvous.config import Config
+from rendezvous.errors import FailedPrecondition
+from rendezvous.keys import Key, as_key
+from rendezvous.devices import Devices
+from rendezvous.lifecycle import new_event_loop
+from rendezvous.table import Received
 
 __all__ = ["Server", "new_event_loop"]
 T = TypeVar("T")
@@ -34,7 +34,7 @@ class Server:
     def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
                  protocol: str = "grpc", *, config: Config | None = None, devices: Devices | None = None,
                  **overrides: Any) -> None:
-        self._aio = aio.Server(cluster, job_name, task_index, protocol, config=config, devices=devices,
+        self._aio = AsyncServer(cluster, job_name, task_index, protocol, config=config, devices=devices,
                                **overrides)
         self._aio.poll_on_loop = False  # the caller's threads need the GIL (see aio.Server.poll_on_loop)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -68,7 +68,7 @@ class Server:
             raise
 
     @property
-    def aio(self) -> aio.Server:
+    def aio(self) -> AsyncServer:
         """The asyncio server this drives (use only on :attr:`loop`)."""
         return self._aio
 

@@ -15,9 +15,10 @@ import struct
 import pytest
 
 from conftest import run, until
-from rendezvous import localwire
+from rendezvous.local import frames as localwire
 from rendezvous.errors import InvalidArgument
-from rendezvous.localwire import HEADER, Connection, FrameError, FrameReader, Kind, frame
+from rendezvous.local.connection import Connection
+from rendezvous.local.frames import HEADER, FrameError, FrameReader, Kind, frame
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,18 +17,18 @@ folder.
 
 Command line (as root):
 
-    tools/netns.py up --hosts 3           # build them; prints each host's name and address
-    tools/netns.py exec h1 -- CMD ...     # run CMD in host h1
-    tools/netns.py link h1 down           # pull h1's cable (and `up` to plug it back)
-    tools/netns.py kill h1                # SIGKILL every process in h1
-    tools/netns.py shape h1 200           # hold h1's cable to 200 Mbit/s (`shape h1 off`)
-    tools/netns.py status                 # hosts, addresses, links, processes
-    tools/netns.py down                   # remove everything `up` built
-    tools/netns.py demo                   # the parameter-server demo across 3 hosts
+    tests/netns.py up --hosts 3           # build them; prints each host's name and address
+    tests/netns.py exec h1 -- CMD ...     # run CMD in host h1
+    tests/netns.py link h1 down           # pull h1's cable (and `up` to plug it back)
+    tests/netns.py kill h1                # SIGKILL every process in h1
+    tests/netns.py shape h1 200           # hold h1's cable to 200 Mbit/s (`shape h1 off`)
+    tests/netns.py status                 # hosts, addresses, links, processes
+    tests/netns.py down                   # remove everything `up` built
+    tests/netns.py demo                   # the parameter-server demo across 3 hosts
 
 mpiexec reaches the hosts the way it reaches real ones, through its ssh
 launcher: ``mpiexec -hosts 10.77.0.1,10.77.0.2 -launcher ssh -launcher-exec
-tools/netns-ssh ...``, run inside the first host (see :meth:`Net.mpiexec`).
+tests/netns-ssh ...``, run inside the first host (see :meth:`Net.mpiexec`).
 Several harnesses can be up at once: each has its own prefix (``--prefix``,
 default ``rdv``), and addresses only need to be unique within one.
 

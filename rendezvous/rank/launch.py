@@ -21,8 +21,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import DeadlineExceeded, RendezvousError
-from .keys import TaskName
+from rendezvous.errors import DeadlineExceeded, RendezvousError
+from rendezvous.keys import TaskName
 
 __all__ = ["run_local", "RankFailed", "launcher_rank"]
 
@@ -34,7 +34,7 @@ class RankFailed(RendezvousError):
 def _rank_main(conn: Any, fn: Callable[..., Any], jobs: dict[str, int], job: str, index: int,
                args: tuple, protocol: str, overrides: dict[str, Any], env: dict[str, str]) -> None:
     os.environ.update(env)
-    from .sync import Server
+    from .blocking import Server
 
     server = None
     try:

@@ -17,7 +17,8 @@ import threading
 import numpy as np
 import pytest
 
-from rendezvous import shm
+from rendezvous.daemon.pool import Pool, Segment
+from rendezvous.local import segments as shm
 from rendezvous.errors import FailedPrecondition, InvalidArgument
 
 pytestmark = [
@@ -45,7 +46,7 @@ def segment_inodes() -> set[int]:
     return found
 
 
-def inode(seg: shm.Segment) -> int:
+def inode(seg: Segment) -> int:
     return os.fstat(seg.fd).st_ino
 
 
@@ -63,7 +64,7 @@ def collect() -> None:
 
 @pytest.fixture
 def pool():
-    p = shm.Pool(64 * MIB)
+    p = Pool(64 * MIB)
     yield p
     p.close()
 
@@ -491,7 +492,7 @@ def test_segment_of_produced_views(pool):
 # -- the limit ---------------------------------------------------------------------
 
 def test_limit_refuses_while_held():
-    pool = shm.Pool(4 * MIN)
+    pool = Pool(4 * MIN)
     try:
         held = [pool.lend(MIN, "s") for _ in range(4)]
         assert all(s is not None for s in held)
@@ -511,7 +512,7 @@ def test_limit_refuses_while_held():
 
 
 def test_limit_larger_than_pool_never_granted():
-    pool = shm.Pool(MIN)
+    pool = Pool(MIN)
     try:
         assert pool.lend(MIN + 1, "s") is None
         assert pool.total == 0 and pool.stats()["created"] == 0
@@ -522,7 +523,7 @@ def test_limit_larger_than_pool_never_granted():
 
 def test_limit_evicts_free_segments_lru_first():
     retired: list[tuple[int, set[str]]] = []
-    pool = shm.Pool(8 * MIN, on_retire=lambda sid, sessions: retired.append((sid, set(sessions))))
+    pool = Pool(8 * MIN, on_retire=lambda sid, sessions: retired.append((sid, set(sessions))))
     try:
         a = pool.lend(MIN, "s")  # class MIN
         b = pool.lend(2 * MIN, "s")  # class 2*MIN
@@ -553,7 +554,7 @@ def test_limit_evicts_free_segments_lru_first():
 
 
 def test_limit_evicts_several_and_keeps_total():
-    pool = shm.Pool(6 * MIN)
+    pool = Pool(6 * MIN)
     try:
         segs = [pool.lend(MIN, str(i)) for i in range(6)]
         for i, s in enumerate(segs):
@@ -578,7 +579,7 @@ def test_limit_evicts_several_and_keeps_total():
 
 def test_set_limit_lower_closes_free():
     retired = []
-    pool = shm.Pool(8 * MIN, on_retire=lambda sid, sessions: retired.append(sid))
+    pool = Pool(8 * MIN, on_retire=lambda sid, sessions: retired.append(sid))
     try:
         segs = [pool.lend(MIN, "s") for _ in range(4)]
         for s in segs:
@@ -610,7 +611,7 @@ def test_set_limit_lower_closes_free():
 
 
 def test_set_limit_higher_allows_more():
-    pool = shm.Pool(MIN)
+    pool = Pool(MIN)
     try:
         a = pool.lend(MIN, "s")
         assert pool.lend(MIN, "s") is None
@@ -625,7 +626,7 @@ def test_set_limit_higher_allows_more():
 
 def test_close_closes_free_at_once_and_held_when_released():
     retired: list[tuple[int, set[str]]] = []
-    pool = shm.Pool(16 * MIN, on_retire=lambda sid, sessions: retired.append((sid, set(sessions))))
+    pool = Pool(16 * MIN, on_retire=lambda sid, sessions: retired.append((sid, set(sessions))))
     free = pool.lend(MIN, "a")
     unknown = pool.lend(2 * MIN, "a")
     arr = pool.array((MIN,), "uint8")
@@ -663,7 +664,7 @@ def test_close_closes_free_at_once_and_held_when_released():
 
 def test_close_with_daemon_array_alive():
     retired = []
-    pool = shm.Pool(4 * MIN, on_retire=lambda sid, sessions: retired.append((sid, sessions)))
+    pool = Pool(4 * MIN, on_retire=lambda sid, sessions: retired.append((sid, sessions)))
     arr = pool.array((4,), "float32")
     seg = pool.segment_of(arr)
     ino = inode(seg)
@@ -684,7 +685,7 @@ def test_close_with_daemon_array_alive():
 
 def test_session_gone_forgets_known():
     retired = []
-    pool = shm.Pool(4 * MIN, on_retire=lambda sid, sessions: retired.append((sid, sessions)))
+    pool = Pool(4 * MIN, on_retire=lambda sid, sessions: retired.append((sid, sessions)))
     a = pool.lend(MIN, "s")
     b = pool.lend(MIN, "t")
     pool.mark_known(a, "s")
@@ -700,7 +701,7 @@ def test_session_gone_forgets_known():
 
 def test_retire_on_eviction_not_for_unknown():
     retired = []
-    pool = shm.Pool(2 * MIN, on_retire=lambda sid, sessions: retired.append((sid, sessions)))
+    pool = Pool(2 * MIN, on_retire=lambda sid, sessions: retired.append((sid, sessions)))
     try:
         a = pool.lend(MIN, "s")
         b = pool.lend(MIN, "s")
@@ -715,7 +716,7 @@ def test_retire_on_eviction_not_for_unknown():
 
 
 def test_pool_close_releases_every_descriptor():
-    pool = shm.Pool(32 * MIN)
+    pool = Pool(32 * MIN)
     arrays = [pool.array((n,), "uint8") for n in (MIN, 2 * MIN, 5 * MIN)]
     lent = pool.lend(3 * MIN, "x")
     inodes = {inode(pool.segment_of(a)) for a in arrays} | {inode(lent)}
@@ -791,6 +792,6 @@ def test_many_threads_lend_produce_drop(pool):
 
 
 def test_pool_refuses_without_memfds(monkeypatch):
-    monkeypatch.setattr(shm, "available", lambda: False)
+    monkeypatch.setattr("rendezvous.daemon.pool.available", lambda: False)
     with pytest.raises(FailedPrecondition):
-        shm.Pool(MIN)
+        Pool(MIN)

@@ -1,0 +1,348 @@
+"""The local client: a training process's handle on its node's rendezvousd.
+
+    from rendezvous.client import Client
+
+    with Client() as c:                      # the default Unix socket, or Client("unix:/path")
+        c.send(key, np.ones(1 << 20), step_id=3)
+        grads = c.recv(other_key, step_id=3, timeout=30)
+
+``send`` puts a tensor into the daemon's waiting table (the key's producer
+must be the daemon's task); ``recv`` asks the daemon for a tensor produced on
+this node or anywhere in the cluster.
+
+On the daemon's machine the client keeps one connection to the daemon's
+session socket (:mod:`rendezvous.daemon.sessions`) for its life. Tensors of
+at least the daemon's shared-memory threshold cross the local hop through
+the daemon's pool of shared-memory segments: a send copies the array into a
+segment once; a recv returns an array that *is* a view on a segment (read in
+place, writable), which goes back to the pool when the array and every view
+of it are gone. Smaller tensors travel in the frames. Over TCP (or with
+``shm_ok=False``) the client uses the daemon's gRPC service instead, every
+tensor inside its messages.
+
+Every error is a :class:`rendezvous.RendezvousError` with the daemon's status
+(``Aborted``, ``DeadlineExceeded``, ``Unavailable`` while it drains, ...).
+:class:`rendezvous.client.aio.Client` is the same for coroutines; both make
+their decisions in :mod:`rendezvous.client.core`.
+
+Addresses: ``unix:PATH`` or ``HOST:PORT``; by default ``$RENDEZVOUS_LOCAL_ADDRESS``,
+else ``unix:$XDG_RUNTIME_DIR/rendezvous/rendezvousd.sock``, else
+``unix:/run/rendezvous/rendezvousd.sock``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+
+from rendezvous import auth
+from rendezvous.errors import DeadlineExceeded, RendezvousError, Unavailable
+from rendezvous.keys import Key
+from rendezvous.local import messages
+from rendezvous.local.address import channel_target, default_address, session_socket
+from rendezvous.local.frames import MAX_FDS, READ_BYTES, FrameReader, Kind, frame, take_fds
+from rendezvous.local.messages import PendingList
+from rendezvous.rpc.options import local_channel_options
+from rendezvous.table import Received
+from rendezvous.v1 import local_pb2 as lpb
+
+from .core import GRPC_METHODS, ClientCore, Op, Pending, Router, drive
+from .segments import Segments
+
+__all__ = ["Client", "token_metadata"]
+
+
+def token_metadata(address: str, token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The token goes over TCP only (a Unix socket is guarded by its file mode)."""
+    token = os.environ.get("RENDEZVOUS_TOKEN", "") if token is None else token
+    if not token or address.startswith("unix:"):
+        return None
+    return auth.token_metadata(token)
+
+
+class _BlockingLink(Router):
+    """A blocking client's connection to the session socket. Any thread may call;
+    whichever caller is waiting reads for everyone (no reader thread, so a
+    lone caller reads its own reply with no hand-off)."""
+
+    def __init__(self, path: str, client_id: str, timeout: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(f"cannot connect to the daemon's session socket {path}: {exc}") from None
+        self.sock = sock
+        self.path = path
+        self.reader = FrameReader(1 << 62)  # the daemon is trusted with the frame sizes it sends
+        self.segments = Segments(self._release_soon)
+        self._ops: dict[int, Pending] = {}
+        self._cancelled: dict[int, Op] = {}
+        self._ids = itertools.count(1)
+        self._wlock = threading.Lock()
+        self._rlock = threading.Lock()
+        self._cond = threading.Condition()
+        self._error: RendezvousError | None = None
+        hello = lpb.AttachRequest(client_id=client_id, pid=os.getpid()).SerializeToString()
+        self.info = lpb.AttachResponse.FromString(bytes(self.call(Op(Kind.HELLO, hello, timeout))))
+
+    # -- writing ----------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        with self._wlock:
+            released = self.segments.drain_released()
+            try:
+                self.sock.sendall(released + data if released else data)
+            except OSError as exc:
+                raise Unavailable(f"the daemon's session socket broke: {exc}") from None
+
+    def _release_soon(self) -> None:
+        """A received array went: tell the daemon now if no write is in progress
+        (else the next write carries it)."""
+        if self._error is None and self._wlock.acquire(blocking=False):
+            try:
+                released = self.segments.drain_released()
+                if released:
+                    self.sock.sendall(released)
+            except OSError:
+                pass
+            finally:
+                self._wlock.release()
+
+    # -- calls ------------------------------------------------------------------
+
+    def call(self, op: Op) -> memoryview:
+        """Send one operation and wait for its answer (its body; the error it carries
+        is raised). ``op.timeout``: give up (DeadlineExceeded) after this many seconds."""
+        if self._error is not None:
+            raise self._error
+        entry = Pending(op)
+        op_id = next(self._ids)
+        self._ops[op_id] = entry
+        try:
+            self._write(frame(op.kind, op_id, op.body))
+            self._wait(entry, None if op.timeout is None else time.monotonic() + op.timeout)
+        except BaseException as exc:
+            if op.kind == Kind.RECV:
+                # interrupted (Ctrl-C) or out of time: the tensor is given back
+                try:
+                    with self._cond:
+                        self._give_up(op_id, entry)
+                except RendezvousError:
+                    pass
+            else:
+                self._ops.pop(op_id, None)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"the daemon did not answer within {op.timeout:g}s") from None
+            raise
+        if entry.kind == Kind.ERROR:
+            raise messages.frame_error(entry.body)
+        return entry.body
+
+    def _wait(self, entry: Pending, deadline: float | None) -> None:
+        while not entry.done:
+            if self._error is not None:
+                raise self._error
+            if self._rlock.acquire(blocking=False):
+                try:
+                    while not entry.done:
+                        self._read(deadline)
+                finally:
+                    self._rlock.release()
+                    with self._cond:
+                        self._cond.notify_all()
+            else:
+                with self._cond:
+                    if not entry.done and self._rlock.locked() and self._error is None:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise TimeoutError
+                        self._cond.wait(left)
+
+    def _read(self, deadline: float | None) -> None:
+        if self._error is not None:
+            raise self._error
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError
+        anc = socket.CMSG_SPACE(MAX_FDS * 4)
+        try:
+            into = self.reader.into()
+            if into is not None:
+                n, ancdata, _, _ = self.sock.recvmsg_into([into], anc)
+                fds = take_fds(ancdata)
+                frames = self.reader.filled(n) if n else None
+            else:
+                data, ancdata, _, _ = self.sock.recvmsg(READ_BYTES, anc)
+                fds = take_fds(ancdata)
+                frames = self.reader.feed(data) if data else None
+        except OSError as exc:
+            self._fail(Unavailable(f"the daemon's session socket broke: {exc}"))
+            raise self._error from None
+        self.segments.got_fds(fds)
+        if frames is None:
+            self._fail(Unavailable("the daemon closed the session (it stopped or restarted)"))
+            raise self._error
+        for kind, op_id, body in frames:
+            self._frame(kind, op_id, body)
+
+    def _frame(self, kind: int, op_id: int, body: memoryview) -> None:
+        with self._cond:  # routed and marked done at once: see _give_up
+            entry = self._route(kind, op_id, body)
+            if entry is not None:
+                entry.kind, entry.body, entry.done = kind, body, True
+                self._cond.notify_all()
+
+    def _fail(self, error: RendezvousError) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self._fail(Unavailable("client is closed"))
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.segments.close()
+
+
+class Client:
+    """A blocking client of the node's rendezvousd; usable from any thread.
+
+    Connects at construction (Unavailable if no daemon answers within
+    ``connect_timeout`` seconds). ``shm_ok``: use the session socket and
+    shared memory (default: when the daemon offers a session socket beside a
+    ``unix:`` address). ``token``: sent over TCP (default ``$RENDEZVOUS_TOKEN``)."""
+
+    def __init__(self, address: str | None = None, *, token: str | None = None, shm_ok: bool | None = None,
+                 connect_timeout: float = 30.0) -> None:
+        self.address = address or default_address()
+        target, _ = channel_target(self.address)
+        self._metadata = token_metadata(self.address, token)
+        self._core = ClientCore()
+        self.client_id = secrets.token_hex(6)
+        self._closed = False
+        self._link: _BlockingLink | None = None
+        self._channel: grpc.Channel | None = None
+        path = session_socket(self.address) if shm_ok is not False else None
+        if path is not None:
+            self._link = _BlockingLink(path, self.client_id, connect_timeout)
+            self._core.attached(self._link.info, self._link.segments)
+        else:
+            self._core.attached(self._connect_grpc(target, connect_timeout), None)
+
+    def _connect_grpc(self, target: str, connect_timeout: float) -> lpb.AttachResponse:
+        self._channel = grpc.insecure_channel(target, options=local_channel_options())
+        self._calls = {name: self._channel.unary_unary(messages.METHOD + name) for name in GRPC_METHODS.values()}
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            self._session = self._channel.unary_stream(messages.METHOD + "Attach")(
+                lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString(),
+                metadata=self._metadata)
+            return lpb.AttachResponse.FromString(next(self._session))
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise Unavailable(f"no rendezvousd answers at {self.address} within {connect_timeout:g}s") from None
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise messages.error_from(exc) from None
+
+    @property
+    def task(self) -> str:
+        """The daemon's task."""
+        return self._core.task
+
+    @property
+    def shm_threshold(self) -> int:
+        """Smallest tensor that crosses the local hop through shared memory (-1: never)."""
+        return self._core.shm_threshold
+
+    @property
+    def session(self) -> bool:
+        """Whether this client talks over the session socket (shared memory)."""
+        return self._link is not None
+
+    # -- calls -----------------------------------------------------------------------
+
+    def _do(self, op: Op) -> Any:
+        """Carry out ``op``: on the session socket, or as a gRPC call."""
+        if self._closed:
+            raise Unavailable("client is closed")
+        if self._link is not None:
+            return self._link.call(op)
+        fut = self._calls[GRPC_METHODS[op.kind]].future(op.body, timeout=op.timeout, metadata=self._metadata)
+        try:
+            return fut.result()
+        except grpc.RpcError as exc:
+            raise messages.error_from(exc) from None
+        except BaseException:
+            fut.cancel()  # Ctrl-C: stop the daemon's wait too (nothing is consumed)
+            raise
+
+    def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
+        """Produce ``tensor`` under ``key`` (whose producer is the daemon's task).
+        Returns once the daemon holds it; the caller may then reuse its array."""
+        if self._closed:
+            raise Unavailable("client is closed")
+        copy = self._link.segments.write if self._link is not None else None
+        drive(self._core.send_plan(key, tensor, step_id, is_dead), self._do, copy)  # type: ignore[arg-type]
+
+    def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
+        """:meth:`recv` as ``Received(value, is_dead)``."""
+        return self._core.received(self._do(self._core.recv_op(key, step_id, timeout)))
+
+    def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
+        """The tensor sent under ``key`` in ``step_id`` (None if dead), produced on
+        this node or fetched by the daemon from its producer. Over the session
+        socket a large one is a view on shared memory, yours until you drop it."""
+        return self.recv_item(key, step_id, timeout).value
+
+    def abort(self, step_id: int, message: str = "aborted") -> None:
+        """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""
+        self._do(self._core.abort_op(step_id, message))
+
+    def pending(self) -> PendingList:
+        """What waits in the daemon: produced tensors, waiting consumers, local recvs
+        waiting on other tasks; with the age of the oldest of each, the oldest
+        first (``omitted``: how many more the daemon left out of its answer)."""
+        return messages.to_pending(self._do(self._core.pending_op()))
+
+    def stats(self) -> dict[str, int]:
+        """This client's counts: send_/recv_ inline|shm (the local hop), and
+        local|grpc|mpi (how the daemon got what was received)."""
+        return self._core.stats()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the session (the daemon takes back the shared memory it lent) and
+        close the connection. Arrays received stay valid. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+        if self._channel is not None:
+            self._session.cancel()
+            self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,225 @@
+"""What both local clients do, whatever way they wait.
+
+The blocking :class:`rendezvous.client.Client` and the asyncio
+:class:`rendezvous.client.aio.Client` make the same decisions: whether a
+send goes through a lent pool segment or inside the frame, asking for a
+segment when the client has none, how a reply becomes an array, what is
+counted, and what becomes of a frame from the daemon that is not the answer
+itself (a segment to map or retire, a late reply to give back). Those
+decisions are written once here; each client only carries out the
+operations they ask for, blocking or awaiting.
+
+A send is a generator (:meth:`ClientCore.send_plan`) that yields what it
+needs done (an :class:`Op` for the daemon, a :class:`Copy` into a segment)
+and is sent each one's outcome; :func:`drive` runs it with a blocking
+caller, and the asyncio client awaits each step the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from rendezvous.errors import ResourceExhausted
+from rendezvous.keys import Key, as_key
+from rendezvous.local import messages
+from rendezvous.local.frames import Kind, frame
+from rendezvous.paths import Hop
+from rendezvous.table import Received
+from rendezvous.dtypes import as_array, is_memcpyable
+from rendezvous.v1 import local_pb2 as lpb
+
+from .segments import Segments
+
+__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "GRPC_METHODS"]
+
+#: the gRPC method of each operation, for a client without a session socket
+GRPC_METHODS = {Kind.SEND: "Send", Kind.RECV: "Recv", Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
+
+
+class Op(NamedTuple):
+    """One operation for the daemon: its kind, body, a deadline for the answer
+    (None: none), and for a RECV the key and step (to give a late reply back)."""
+
+    kind: Kind
+    body: bytes
+    timeout: float | None = None
+    key: str = ""
+    step_id: int = 0
+
+
+class Copy(NamedTuple):
+    """Copy ``arr`` into lent segment ``seg_id`` (a send's one copy)."""
+
+    seg_id: int
+    arr: np.ndarray
+
+
+Step = Op | Copy
+SendPlan = Generator[Step, Any, Hop]
+
+
+class ClientCore:
+    """A local client's state and decisions: the daemon's task and shared-memory
+    threshold once attached, its segments (None without a session socket), and
+    its counts (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.task = ""
+        self.shm_threshold = -1
+        self.segments: Segments | None = None
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def attached(self, info: lpb.AttachResponse, segments: Segments | None) -> None:
+        """The daemon said who it is (WELCOME, or the Attach stream's first message)."""
+        self.task = info.task
+        self.segments = segments
+        self.shm_threshold = info.shm_threshold if segments is not None else -1
+
+    # -- operations ---------------------------------------------------------------
+
+    def send_plan(self, key: Key | str, tensor: Any, step_id: int, is_dead: bool) -> SendPlan:
+        """The steps of one send; returns how it crossed the local hop. A tensor of
+        at least the threshold goes into a segment lent for its size class
+        (asked for when none is in stock; if the pool is full, inline)."""
+        head = messages.send_head(key, step_id)
+        segments = self.segments
+        if not is_dead:
+            tensor = arr = as_array(tensor)
+            if segments is not None and 0 <= self.shm_threshold <= arr.nbytes and arr.nbytes and is_memcpyable(arr):
+                seg_id = segments.take(arr.nbytes)
+                if seg_id is None:
+                    try:
+                        yield Op(Kind.LEND, struct.pack("<Q", arr.nbytes))
+                    except ResourceExhausted:
+                        pass  # the pool (or this client's share of it) is full: inline
+                    seg_id = segments.take(arr.nbytes)
+                if seg_id is not None:
+                    yield Copy(seg_id, arr)
+                    yield Op(Kind.SEND, messages.pooled_send(head, arr, seg_id))
+                    self._count(f"send_{Hop.SHM}")
+                    return Hop.SHM
+        body, _ = messages.inline_send(head, tensor, is_dead)
+        yield Op(Kind.SEND, body)
+        self._count(f"send_{Hop.INLINE}")
+        return Hop.INLINE
+
+    @staticmethod
+    def recv_op(key: Key | str, step_id: int, timeout: float | None) -> Op:
+        """The RECV of ``key``. The daemon enforces ``timeout`` (DEADLINE_EXCEEDED
+        naming the key); the client's own deadline, 10 s later, only guards
+        against a daemon that never answers."""
+        canonical = as_key(key).format()
+        guard = None if timeout is None else timeout + 10.0
+        return Op(Kind.RECV, messages.recv_request(canonical, step_id, timeout), guard, canonical, step_id)
+
+    def received(self, raw: bytes | memoryview) -> Received:
+        """A RECV's answer as the item (a view on shared memory for a pooled reply)."""
+        reply = messages.parse_reply(raw, self.segments.view if self.segments is not None else None)
+        with self._lock:
+            self._counts[f"recv_{reply.hop}"] += 1
+            self._counts[reply.path] += 1
+        return reply.item
+
+    @staticmethod
+    def abort_op(step_id: int, message: str) -> Op:
+        return Op(Kind.ABORT, lpb.AbortRequest(step_id=step_id, message=message).SerializeToString())
+
+    @staticmethod
+    def pending_op() -> Op:
+        return Op(Kind.PENDING, b"")
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def stats(self) -> dict[str, int]:
+        """Counts: send_/recv_ inline|shm (the local hop), and local|grpc|mpi (how
+        the daemon got what was received)."""
+        with self._lock:
+            return {str(k): v for k, v in self._counts.items()}
+
+
+def drive(plan: SendPlan, do: Callable[[Op], Any], copy: Callable[[int, np.ndarray], None]) -> Hop:
+    """Run a send's steps with a blocking ``do(op)`` (its answer, or raises) and
+    ``copy(seg_id, arr)``."""
+    outcome: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = plan.throw(error) if error is not None else plan.send(outcome)
+        except StopIteration as stop:
+            return stop.value
+        outcome, error = None, None
+        try:
+            if isinstance(step, Copy):
+                copy(step.seg_id, step.arr)
+            else:
+                outcome = do(step)
+        except Exception as exc:  # handed to the plan, which decides
+            error = exc
+
+
+class Pending:
+    """An operation sent on the session socket and not answered yet: its answer
+    (kind and body) once ``done``."""
+
+    __slots__ = ("op", "kind", "body", "done", "waiter")
+
+    def __init__(self, op: Op, waiter: Any = None) -> None:
+        self.op = op
+        self.kind = 0
+        self.body: Any = b""
+        self.done = False
+        self.waiter = waiter  # what the caller waits on (a future, for the asyncio client)
+
+
+class Router:
+    """What both session links do with a frame from the daemon that is not an
+    answer for a waiting caller: map and retire segments, take lent grants,
+    and give back a tensor whose recv gave up. Subclasses hold ``segments``,
+    ``_ops`` (operation id -> :class:`Pending`), ``_cancelled`` (operation id
+    -> the :class:`Op` of a recv that gave up) and ``_write(data)``."""
+
+    segments: Segments
+    _ops: dict[int, Pending]
+    _cancelled: dict[int, Op]
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _give_up(self, op_id: int, entry: Pending) -> None:
+        """The caller of RECV ``op_id`` stopped waiting (a deadline of its own, a
+        cancel, Ctrl-C). Its answer is given back, never dropped: if it already
+        came, the tensor goes back now (RETURN); if not, the daemon's wait is
+        cancelled and a tensor that still comes is given back when it does.
+        (The blocking link calls this under the lock its reader routes under.)"""
+        if self._ops.pop(op_id, None) is not None:
+            self._cancelled[op_id] = entry.op
+            self._write(frame(Kind.CANCEL, op_id))
+        elif entry.done and entry.kind == Kind.RECV_REPLY:
+            self._write(frame(Kind.RETURN, 0, messages.returned(entry.op.key, entry.op.step_id, entry.body)))
+
+    def _route(self, kind: int, op_id: int, body: memoryview) -> Pending | None:
+        """The pending entry this frame answers, or None (handled here)."""
+        if kind == Kind.SEGMENTS:
+            self.segments.introduce(body)
+            return None
+        if kind == Kind.RETIRE:
+            self.segments.retire(body)
+            return None
+        entry = self._ops.pop(op_id, None)
+        if entry is None:
+            late = self._cancelled.pop(op_id, None)
+            if late is not None and kind == Kind.RECV_REPLY:
+                self._write(frame(Kind.RETURN, 0, messages.returned(late.key, late.step_id, body)))
+            return None
+        if kind == Kind.OK:
+            self.segments.lent(body)
+        return entry

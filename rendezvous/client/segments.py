@@ -1,0 +1,133 @@
+"""A local client's side of its daemon's shared-memory pool: :class:`Segments`.
+
+The segments a session has mapped (kept mapped for reuse until the daemon
+retires them), the ones lent to it for its next sends (its stock), and the
+received arrays it has let go of (told to the daemon as RELEASE). Shared by
+the blocking and the asyncio client.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+
+from rendezvous.errors import InvalidArgument
+from rendezvous.local.frames import FrameError, Kind, frame, pack_ids, unpack_grants, unpack_ids
+from rendezvous.local.segments import Mapping, map_segment, size_class
+from rendezvous.tensors import TensorMeta
+
+__all__ = ["Segments"]
+
+
+class Segments:
+    """A session client's side of the pool: the segments it has mapped (kept
+    mapped for reuse, until the daemon retires them) and the ones lent to it for
+    its next sends (its stock). Thread-safe."""
+
+    def __init__(self, on_release: Callable[[], None]) -> None:
+        self._maps: dict[int, Mapping] = {}
+        self._stock: dict[int, list[int]] = {}  # size -> lent segment ids
+        self._sizes: dict[int, int] = {}
+        self._fds: collections.deque[int] = collections.deque()
+        self._released: list[int] = []
+        # re-entrant: a finalizer (a received array going) may run inside any of these methods
+        self._lock = threading.RLock()
+        self._on_release = on_release  # a release is waiting to be told
+        self.closed = False
+
+    def got_fds(self, fds: list[int]) -> None:
+        self._fds.extend(fds)
+
+    def introduce(self, body: bytes | memoryview) -> None:
+        """A SEGMENTS frame: map each granted segment with the next descriptor."""
+        grants = unpack_grants(body)
+        for seg_id, size in grants:
+            if not self._fds:
+                raise FrameError("a SEGMENTS frame came without its descriptors")
+            fd = self._fds.popleft()
+            try:
+                mm = map_segment(fd, size)
+            finally:
+                os.close(fd)
+            with self._lock:
+                old = self._maps.pop(seg_id, None)
+                self._maps[seg_id] = mm
+                self._sizes[seg_id] = size
+            if old is not None:
+                old.close()
+
+    def retire(self, body: bytes | memoryview) -> None:
+        for seg_id in unpack_ids(body):
+            with self._lock:
+                mm = self._maps.pop(seg_id, None)
+                size = self._sizes.pop(seg_id, 0)
+                stock = self._stock.get(size)
+                if stock and seg_id in stock:
+                    stock.remove(seg_id)
+            if mm is not None:
+                mm.close()
+
+    def lent(self, body: bytes | memoryview) -> None:
+        """An OK frame's grants: segments lent for sends."""
+        for seg_id, size in unpack_grants(body):
+            with self._lock:
+                if seg_id in self._maps:
+                    self._stock.setdefault(size, []).append(seg_id)
+
+    def take(self, nbytes: int) -> int | None:
+        """A lent segment for ``nbytes`` (of its size class), or None."""
+        with self._lock:
+            stock = self._stock.get(size_class(nbytes))
+            return stock.pop() if stock else None
+
+    def write(self, seg_id: int, arr: np.ndarray) -> None:
+        """Copy ``arr``'s bytes into segment ``seg_id`` (the send's one copy)."""
+        with self._lock:
+            mm = self._maps[seg_id]
+        dest = np.frombuffer(mm.buffer, np.uint8, arr.nbytes)
+        np.copyto(dest, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+    def view(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
+        """The received tensor on segment ``seg_id``; released when it (and every
+        view of it) is gone."""
+        with self._lock:
+            mm = self._maps.get(seg_id)
+            size = self._sizes.get(seg_id, 0)
+        if mm is None:
+            raise InvalidArgument(f"the daemon named segment {seg_id}, which this client does not map")
+        if meta.nbytes != nbytes or not 0 < nbytes <= size:
+            raise InvalidArgument(f"segment {seg_id} of {size} bytes cannot hold {meta.dtype} {meta.shape} "
+                                  f"({nbytes} bytes announced)")
+        owner = np.frombuffer(mm.buffer, np.uint8, nbytes)
+        weakref.finalize(owner, self._released_one, seg_id)
+        return owner.view(meta.dtype).reshape(meta.shape)
+
+    def _released_one(self, seg_id: int) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self._released.append(seg_id)
+        self._on_release()
+
+    def drain_released(self) -> bytes:
+        """A RELEASE frame for every segment let go since the last call (or b"")."""
+        with self._lock:
+            ids, self._released = self._released, []
+        return frame(Kind.RELEASE, 0, pack_ids(ids)) if ids else b""
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            maps, self._maps = self._maps, {}
+            self._stock.clear()
+            fds = list(self._fds)
+            self._fds.clear()
+        for fd in fds:
+            os.close(fd)
+        for mm in maps.values():
+            mm.close()  # unmapped now, or with the last array on it

@@ -1,0 +1,293 @@
+"""The local protocol's messages, both directions, encoded and parsed by hand.
+
+A daemon and its local clients exchange the messages of ``local.proto``
+(``SendRequest``, ``LocalRecvRequest``, ``LocalRecvResponse``, ...), on the
+session socket's frames (:mod:`rendezvous.local.frames`) or as the gRPC
+``LocalRendezvous`` service's raw bytes. Every message that carries a
+tensor is written and read here by hand, so a tensor's bytes are never
+copied through protobuf: a send's or a reply's tensor is a header and the
+array's own bytes, and the reader takes a view on them. A tensor in the
+daemon's shared memory travels as a ``PoolSlot`` (segment id and size)
+beside its dtype and shape.
+
+The client side builds sends and recvs and parses replies; the daemon side
+parses sends and recvs and builds replies. Both use this one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from rendezvous import fields as F
+from rendezvous import frames, wire
+from rendezvous.errors import InvalidArgument, RendezvousError, from_status
+from rendezvous.keys import Key, as_key
+from rendezvous.paths import Hop, Path
+from rendezvous.table import Received
+from rendezvous.dtypes import as_array, is_memcpyable
+from rendezvous.tensors import TensorMeta, decode_meta, decode_tensor, encode_header, encode_meta
+from rendezvous.v1 import local_pb2 as lpb
+
+from .frames import unpack_error
+
+__all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "pending_reply", "to_pending",
+           "send_head", "inline_send", "pooled_send", "returned", "SendFields", "parse_send", "parse_slot",
+           "recv_request", "parse_recv", "inline_reply", "pooled_reply", "ReplyFields", "reply_fields",
+           "LocalReply", "parse_reply", "error_from", "frame_error"]
+
+#: the gRPC service of the local protocol, and its methods' path prefix
+SERVICE = "rendezvous.v1.LocalRendezvous"
+METHOD = f"/{SERVICE}/"
+
+
+# -- PENDING --------------------------------------------------------------------------
+
+
+class LocalPending(NamedTuple):
+    """One entry of a client's ``pending()``."""
+
+    step_id: int
+    key: str
+    kind: str  # "tensor" (produced, not consumed), "waiter" (a consumer waits here), "remote" (a local recv waits)
+    count: int
+    oldest_age_s: float
+    producer: str  # the task producing the key
+
+
+class PendingList(list):  # list[LocalPending]
+    """A client's ``pending()``: the entries (the oldest first), and in
+    ``omitted`` how many the daemon left out to keep its answer one bounded message."""
+
+    omitted: int = 0
+
+
+def pending_reply(entries: list[lpb.PendingEntry], max_bytes: int) -> lpb.PendingResponse:
+    """A PendingResponse of at most about ``max_bytes``: the oldest entries
+    first, and the count of those left out (a client can park any number of
+    recvs with long keys; the answer stays one bounded message)."""
+    reply = lpb.PendingResponse()
+    size = 0
+    ordered = sorted(entries, key=lambda e: -e.oldest_age_seconds)
+    for i, entry in enumerate(ordered):
+        size += entry.ByteSize() + 4
+        if size > max_bytes:
+            reply.omitted = len(ordered) - i
+            break
+        reply.entries.append(entry)
+    return reply
+
+
+def to_pending(raw: bytes | memoryview) -> PendingList:
+    reply = lpb.PendingResponse.FromString(bytes(raw))
+    out = PendingList(LocalPending(e.step_id, e.rendezvous_key, e.kind, e.count, e.oldest_age_seconds, e.producer)
+                      for e in reply.entries)
+    out.omitted = reply.omitted
+    return out
+
+
+# -- SEND (and RETURN) ------------------------------------------------------------------
+
+
+def send_head(key: Key | str, step_id: int) -> bytes:
+    """A SendRequest's step and key, the part every send begins with."""
+    k = as_key(key).format().encode()
+    return wire.varint_field(F.SEND_STEP_ID, step_id) + wire.len_field_header(F.SEND_KEY, len(k)) + k
+
+
+def inline_send(head: bytes, tensor: Any, is_dead: bool) -> tuple[bytes, int]:
+    """The SendRequest bytes with the tensor inside; (body, payload bytes)."""
+    if is_dead:
+        return head + wire.varint_field(F.SEND_IS_DEAD, 1), 0
+    arr = as_array(tensor)
+    header, payload = encode_header(arr)
+    size = len(header) + (len(payload) if payload is not None else 0)
+    parts = [head, wire.len_field_header(F.SEND_TENSOR, size), header]
+    if payload is not None:
+        parts.append(payload)
+    return b"".join(parts), arr.nbytes if is_memcpyable(arr) else 0
+
+
+def pooled_send(head: bytes, arr: np.ndarray, seg_id: int) -> bytes:
+    """The SendRequest bytes naming pool segment ``seg_id``, which holds ``arr``'s bytes."""
+    meta = encode_meta(TensorMeta(arr.dtype, arr.shape))
+    slot = wire.varint_field(F.SLOT_SEGMENT, seg_id) + wire.varint_field(F.SLOT_NBYTES, arr.nbytes)
+    return b"".join([head, wire.len_field_header(F.SEND_TENSOR, len(meta)), meta,
+                     wire.len_field_header(F.SEND_POOLED, len(slot)), slot])
+
+
+def returned(key: str, step_id: int, reply: bytes | memoryview) -> bytes:
+    """A RETURN frame's body for a recv's reply that came after its caller gave up:
+    the same tensor (inline, or the same pool segment), as a SendRequest the
+    daemon keeps for the next recv of ``key`` in ``step_id``."""
+    parts = [send_head(key, step_id)]
+    got = reply_fields(reply)
+    if got.is_dead:
+        parts.append(wire.varint_field(F.SEND_IS_DEAD, 1))
+    if got.tensor is not None:
+        a, b = got.tensor
+        parts += [wire.len_field_header(F.SEND_TENSOR, b - a), bytes(reply[a:b])]
+    if got.slot is not None:  # field 7 in both messages: the slot passes as it is
+        a, b = got.slot
+        parts += [wire.len_field_header(F.SEND_POOLED, b - a), bytes(reply[a:b])]
+    return b"".join(parts)
+
+
+class SendFields(NamedTuple):
+    """What a SendRequest says; ``tensor`` and ``slot`` are byte spans of it."""
+
+    step_id: int
+    key: str
+    tensor: tuple[int, int] | None
+    is_dead: bool
+    slot: tuple[int, int] | None  # (segment id, nbytes) of a pooled send
+
+
+def parse_send(raw: bytes | memoryview) -> SendFields:
+    """A SendRequest's fields, without copying its tensor (InvalidArgument if it
+    cannot be walked, names a retired kind of segment, or has a key that is
+    not UTF-8)."""
+    step_id, key, tensor, is_dead, slot = 0, "", None, False, None
+    for num, wt, a, b in wire.iter_fields(raw):
+        if num == F.SEND_STEP_ID and wt == wire.VARINT:
+            step_id = wire.to_signed64(a)
+        elif num == F.SEND_KEY and wt == wire.LEN:
+            key = _text(raw, a, b, "rendezvous_key")
+        elif num == F.SEND_TENSOR and wt == wire.LEN:
+            tensor = (a, b)
+        elif num == F.SEND_IS_DEAD and wt == wire.VARINT:
+            is_dead = bool(a)
+        elif num == F.SEND_POOLED and wt == wire.LEN:
+            slot = parse_slot(raw, a, b)
+        elif num == F.SEND_NAMED_SHM:
+            raise InvalidArgument("named shared-memory segments are no longer accepted: a client on the "
+                                  "daemon's machine sends through the session socket's pool")
+    return SendFields(step_id, key, tensor, is_dead, slot)
+
+
+def parse_slot(buf: bytes | memoryview, a: int, b: int) -> tuple[int, int]:
+    """The (segment id, nbytes) of the PoolSlot at ``buf[a:b]``."""
+    segment, nbytes = 0, 0
+    for num, wt, x, y in wire.iter_fields(buf, a, b):
+        if num == F.SLOT_SEGMENT and wt == wire.VARINT:
+            segment = x
+        elif num == F.SLOT_NBYTES and wt == wire.VARINT:
+            nbytes = wire.to_signed64(x)
+    if segment <= 0 or nbytes <= 0:
+        raise InvalidArgument(f"a pooled send names segment {segment} with {nbytes} bytes")
+    return segment, nbytes
+
+
+def _text(buf: bytes | memoryview, a: int, b: int, what: str) -> str:
+    try:
+        return bytes(buf[a:b]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"{what} is not UTF-8") from None
+
+
+# -- RECV --------------------------------------------------------------------------------
+
+
+def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
+    return lpb.LocalRecvRequest(step_id=step_id, rendezvous_key=as_key(key).format(),
+                                timeout=timeout or 0.0).SerializeToString()
+
+
+def parse_recv(raw: bytes | memoryview) -> lpb.LocalRecvRequest:
+    try:
+        return lpb.LocalRecvRequest.FromString(bytes(raw))
+    except DecodeError as exc:
+        raise InvalidArgument(f"malformed LocalRecvRequest: {exc}") from None
+
+
+def _path_field(path: Path) -> bytes:
+    return wire.len_field_header(F.LOCAL_REPLY_PATH, len(path.value)) + path.value.encode()
+
+
+def inline_reply(item: Received, path: Path) -> bytes:
+    """A LocalRecvResponse with the tensor inside, and how the daemon got it."""
+    return frames.unary_response(item) + _path_field(path)
+
+
+def pooled_reply(meta: TensorMeta, seg_id: int, nbytes: int, path: Path) -> bytes:
+    """A LocalRecvResponse naming the pool segment that holds the tensor."""
+    head = encode_meta(meta)
+    slot = wire.varint_field(F.SLOT_SEGMENT, seg_id) + wire.varint_field(F.SLOT_NBYTES, nbytes)
+    return b"".join([wire.len_field_header(F.LOCAL_REPLY_TENSOR, len(head)), head,
+                     wire.len_field_header(F.LOCAL_REPLY_POOLED, len(slot)), slot, _path_field(path)])
+
+
+class ReplyFields(NamedTuple):
+    """What a LocalRecvResponse says; ``tensor`` and ``slot`` are byte spans of it."""
+
+    tensor: tuple[int, int] | None
+    is_dead: bool
+    slot: tuple[int, int] | None
+    path: Path
+
+
+def reply_fields(raw: bytes | memoryview) -> ReplyFields:
+    tensor = slot = None
+    is_dead = False
+    path = Path.LOCAL
+    for num, wt, a, b in wire.iter_fields(raw):
+        if num == F.LOCAL_REPLY_TENSOR and wt == wire.LEN:
+            tensor = (a, b)
+        elif num == F.LOCAL_REPLY_IS_DEAD and wt == wire.VARINT:
+            is_dead = bool(a)
+        elif num == F.LOCAL_REPLY_POOLED and wt == wire.LEN:
+            slot = (a, b)
+        elif num == F.LOCAL_REPLY_PATH and wt == wire.LEN:
+            try:
+                path = Path(bytes(raw[a:b]).decode())
+            except ValueError:
+                raise InvalidArgument(f"daemon reply names an unknown path {bytes(raw[a:b])!r}") from None
+    return ReplyFields(tensor, is_dead, slot, path)
+
+
+class LocalReply(NamedTuple):
+    """A parsed LocalRecvResponse: the item, how the daemon got it, how it crossed the hop."""
+
+    item: Received
+    path: Path
+    hop: Hop
+
+
+#: (segment id, nbytes, meta) -> the client's array on that segment
+SegmentView = Callable[[int, int, TensorMeta], np.ndarray]
+
+
+def parse_reply(raw: bytes | memoryview, view: SegmentView | None = None) -> LocalReply:
+    """A LocalRecvResponse as the client's item: a view on the reply's bytes, or
+    (``view``) on the pool segment it names."""
+    got = reply_fields(raw)
+    if got.is_dead:
+        return LocalReply(Received(None, True), got.path, Hop.INLINE)
+    if got.tensor is None:
+        raise InvalidArgument("daemon reply carries no tensor")
+    if got.slot is not None:
+        if view is None:
+            raise InvalidArgument("a pooled reply outside a session")
+        seg = lpb.PoolSlot.FromString(bytes(raw[got.slot[0]:got.slot[1]]))
+        meta, _, _ = decode_meta(raw, *got.tensor)
+        return LocalReply(Received(view(seg.segment, seg.nbytes, meta), False), got.path, Hop.SHM)
+    return LocalReply(Received(decode_tensor(raw, *got.tensor), False), got.path, Hop.INLINE)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def error_from(exc: grpc.RpcError) -> RendezvousError:
+    """The error a failed gRPC call of the local service means."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    return from_status(code, exc.details() if hasattr(exc, "details") else str(exc))
+
+
+def frame_error(body: bytes | memoryview) -> RendezvousError:
+    """The error an ERROR frame carries."""
+    code, message = unpack_error(body)
+    return from_status(code, message)

@@ -1,0 +1,125 @@
+"""A rank server's MPI half: :class:`MpiRank`.
+
+Under ``protocol="grpc+mpi"`` (and without ``MPI_DISABLED``) a rank server
+holds one ``MpiRank`` and knows MPI only through it: it is made when the
+server is (joining the MPI job: ``MPI_Init``), started when the server
+starts (the progress engine, the collective exchange of every rank's task
+and address, the MPI data plane, and with ``mpi_requests`` the request
+path), described in the start-up line, counted in ``stats()``, and closed
+when the server stops. Everything MPI (mpi4py's import included) stays
+behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rendezvous.config import Config
+from rendezvous.keys import TaskName
+
+from .control import MpiRequests
+from .engine import ProgressEngine
+from .plane import MpiPlane
+from .world import MpiWorld
+
+__all__ = ["MpiRank"]
+
+log = logging.getLogger("rendezvous.mpi")
+
+
+class MpiRank:
+    """This rank's part of its MPI job. ``join`` at construction, ``start`` (a
+    collective: every rank of the job reaches it), ``close_requests`` while
+    the server drains, ``stop`` at the end."""
+
+    def __init__(self, world: MpiWorld, config: Config) -> None:
+        self.world = world
+        self.config = config
+        self.engine: ProgressEngine | None = None
+        self.plane: MpiPlane | None = None
+        self.requests: MpiRequests | None = None
+        #: the task of every rank of the job, once started
+        self.ranks: dict[TaskName, int] = {}
+
+    @classmethod
+    def join(cls, config: Config) -> "MpiRank":
+        """Join the MPI job (initializing MPI at the thread level the engine needs)."""
+        return cls(MpiWorld.join(), config)
+
+    async def start(self, task: TaskName, address: str, *, servicer: Any, stats: Any, buffers: Any, devices: Any,
+                    delivered: Callable[[int], None], loop_polls: bool) -> dict[TaskName, str]:
+        """Start the progress engine, exchange every rank's task and address (the
+        job's collective), and make the MPI data plane (``self.plane``, for the
+        server's planes) and, with ``mpi_requests``, the request path served by
+        ``servicer``. Returns each task of the job with its address. On failure
+        everything started is stopped again."""
+        cfg = self.config
+        engine = ProgressEngine(poll_min_us=cfg.mpi_poll_min_us, poll_max_us=cfg.mpi_poll_max_us)
+        # With requests over MPI the loop polls while traffic is expected (small
+        # transfers at MPI latency); with gRPC requests the MPI thread does,
+        # leaving the loop to gRPC (see the engine's notes and loop_polls).
+        engine.start(loop_polls=cfg.mpi_requests and loop_polls)
+        self.engine = engine
+        # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
+        # this stops the engine before that even if stop() is never called.
+        atexit.register(engine.stop, 5.0)
+        try:
+            world = self.world
+            found = await engine.call(lambda: world.exchange(task, address))
+            engine.attach(world.comm)
+            self.ranks = {t: where.rank for t, where in found.items()}
+            self.plane = MpiPlane(world, engine, cfg, stats, buffers=buffers, devices=devices)
+            self.plane.delivered = delivered
+            if cfg.mpi_requests:
+                self.requests = MpiRequests(engine, world.control, world.rank, servicer)
+                self.requests.start()
+        except BaseException:
+            await self.stop(0)
+            raise
+        return {t: where.address for t, where in found.items()}
+
+    def open_call(self, task: TaskName) -> Callable[[], Any] | None:
+        """How a peer client opens its stream to ``task`` over MPI (requests over
+        MPI, and ``task`` a rank of this job), or None: over gRPC."""
+        requests, rank = self.requests, self.ranks.get(task)
+        if requests is None or rank is None:
+            return None
+        return lambda: requests.open_call(rank)
+
+    def describe(self) -> str:
+        """The MPI part of the server's start-up line."""
+        cfg, world = self.config, self.world
+        src = cfg.sources.get("mpi_optimal_path", "default")
+        setting = f"MPI_OPTIMAL_PATH={int(cfg.mpi_optimal_path)} ({'unset, default' if src == 'default' else src})"
+        line = (f"MPI rank {world.rank}/{world.size} ({world.library}), thread level {world.thread_level}; "
+                f"{setting}, threshold {cfg.mpi_threshold} B; requests over "
+                f"{'MPI (RENDEZVOUS_MPI_REQUESTS=1)' if cfg.mpi_requests else 'gRPC'}")
+        plane = self.plane
+        if plane is not None:
+            how = "GPU buffers to MPI directly" if plane.cuda_aware else \
+                f"GPU tensors staged through pinned host memory in {cfg.gpu_staging_chunk_bytes >> 10} KiB chunks"
+            line += f"; CUDA-aware MPI: {'yes' if plane.cuda_aware else 'no'} ({plane.cuda_aware_source}): {how}"
+        return line
+
+    def stats(self) -> dict[str, int]:
+        """``in_flight`` (MPI operations posted and not complete) and ``cuda_aware``."""
+        return {"in_flight": self.engine.in_flight if self.engine is not None else 0,
+                "cuda_aware": int(bool(self.plane is not None and self.plane.cuda_aware))}
+
+    async def close_requests(self) -> None:
+        """End the MPI request streams (the server is draining: their replies are written)."""
+        if self.requests is not None:
+            await self.requests.close()
+
+    async def stop(self, grace: float) -> None:
+        """Let sends in flight finish (their consumers are posting receives) for up to
+        ``grace`` seconds, then stop the engine: before MPI is finalized at exit."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop, grace)
+        atexit.unregister(engine.stop)

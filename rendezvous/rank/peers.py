@@ -1,0 +1,89 @@
+"""A rank server's peers: :class:`Peers`, one :class:`~rendezvous.rpc.peer.PeerClient` per producer.
+
+A client is made the first time a recv names a task as its producer (and
+its channel opened on that recv's loop), over gRPC or, between ranks of one
+MPI job with requests over MPI, over MPI (``open_call``). Every remote recv
+waiting is known by its step, so aborting or cleaning up a step ends them
+with the step's error rather than a bare cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from rendezvous.errors import RendezvousError
+from rendezvous.keys import TaskName
+from rendezvous.rpc.peer import PeerClient
+from rendezvous.transport import Fetched
+
+__all__ = ["Peers"]
+
+
+class _StepEnded:
+    """The cancel message of a remote recv whose step was aborted or cleaned up
+    (not a cancel by its caller): the recv raises ``error`` instead."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: RendezvousError) -> None:
+        self.error = error
+
+
+class Peers:
+    """The peer clients of one rank server, and its remote recvs by step."""
+
+    def __init__(self, make: Callable[[TaskName], PeerClient]) -> None:
+        self._make = make
+        self._clients: dict[TaskName, PeerClient] = {}
+        self._waiting: dict[int, set[asyncio.Task]] = {}
+
+    def get(self, task: TaskName) -> PeerClient:
+        client = self._clients.get(task)
+        if client is None:
+            client = self._clients[task] = self._make(task)
+        return client
+
+    def values(self) -> list[PeerClient]:
+        return list(self._clients.values())
+
+    def __getitem__(self, task: TaskName) -> PeerClient:
+        return self._clients[task]
+
+    def __iter__(self) -> Any:
+        return iter(self._clients)
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    async def recv(self, task: TaskName, key: str, step_id: int, timeout: float | None, placement: Any) -> Fetched:
+        """``key`` of ``step_id`` from ``task``'s server. An abort or cleanup of the
+        step meanwhile raises the step's error."""
+        client = self.get(task)
+        current = asyncio.current_task()
+        waits = self._waiting.setdefault(step_id, set())
+        waits.add(current)  # type: ignore[arg-type]
+        try:
+            return await client.recv(key, step_id, timeout, placement)
+        except asyncio.CancelledError as exc:
+            if exc.args and isinstance(exc.args[0], _StepEnded):
+                current.uncancel()  # type: ignore[union-attr]
+                raise copy.copy(exc.args[0].error) from None
+            raise
+        finally:
+            waits.discard(current)  # type: ignore[arg-type]
+            if not waits:
+                self._waiting.pop(step_id, None)
+
+    def end_step(self, step_id: int, error: RendezvousError) -> None:
+        """Every remote recv of ``step_id`` still waiting raises ``error``."""
+        for task in list(self._waiting.get(step_id, ())):
+            task.cancel(_StepEnded(error))
+
+    async def close(self) -> None:
+        """Close every client (their recvs fail with UNAVAILABLE)."""
+        for client in list(self._clients.values()):
+            await client.close()
+        self._clients.clear()

@@ -1,0 +1,151 @@
+"""Where a rank's recvs get their tensors, and where the tensors land: :class:`Receiver`.
+
+A recv of a key takes, in this order: a tensor fetched for that key and
+step before and not delivered (:class:`~rendezvous.rank.kept.Kept`); for a
+key this rank produces, its own table; otherwise the producing task's
+server, through the peer clients. The tensor then lands where the recv
+wants it (the key's ``dst_device``, or the caller's ``device``), copied off
+the loop when it must move between host and GPU. Whatever was fetched and
+could not be delivered is kept, never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
+from rendezvous.errors import DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable
+from rendezvous.keys import Key, TaskName, as_key
+from rendezvous.lifecycle import State
+from rendezvous.paths import Path
+from rendezvous.stats import Stats, payload_nbytes
+from rendezvous.table import Received, WaitingTable
+from rendezvous.transport import Fetched
+
+from .kept import Kept
+from .peers import Peers
+
+__all__ = ["Receiver"]
+
+
+class Receiver:
+    """The recvs of one rank server (``state`` says what the server is now)."""
+
+    def __init__(self, task: TaskName, table: WaitingTable, peers: Peers, kept: Kept, devices: Devices,
+                 stats: Stats, staging: tuple[int, int], state: Callable[[], State]) -> None:
+        self.task = task
+        self.table = table
+        self.peers = peers
+        self.kept = kept
+        self.devices = devices
+        self._stats = stats
+        self._staging = staging
+        self._state = state
+
+    async def fetch(self, key: Key | str, step_id: int, timeout: float | None,
+                    device: str | Placement | None) -> Fetched:
+        """The tensor of ``key`` in ``step_id``, on its device, with the path it took."""
+        k = as_key(key)
+        canonical = k.format()
+        explicit = parse_placement(device)
+        target, _ = self.devices.resolve(explicit or placement_for_device(k.dst), explicit is not None)
+        err = self.table.aborted(step_id)
+        if err is not None:
+            raise err
+        if self.kept.has(step_id, canonical):
+            return await self._recv_kept(step_id, canonical, target)
+        src = k.src_task
+        if src is None or src == self.task:
+            return await self._recv_local(step_id, canonical, timeout, target)
+        return await self._recv_remote(src, step_id, canonical, timeout, target)
+
+    async def _recv_kept(self, step_id: int, key: str, target: Placement) -> Fetched:
+        """A tensor fetched before and not delivered: it goes first."""
+        item = self.kept.take(step_id, key)
+        try:
+            return Fetched(Received(await self._place(item.value, target), item.is_dead), Path.LOCAL, True)
+        except BaseException:
+            self.kept.keep(step_id, key, item, front=True)
+            raise
+
+    async def _recv_local(self, step_id: int, key: str, timeout: float | None, target: Placement) -> Fetched:
+        """From this rank's own table: the object that was sent, unless it must move device."""
+        try:
+            async with asyncio.timeout(timeout):
+                item = await self.table.recv(step_id, key)
+        except TimeoutError:
+            raise DeadlineExceeded(f"recv of {key!r} (step {step_id}) timed out after {timeout:g}s") from None
+        try:
+            placed = await self._place(item.value, target)
+        except BaseException:
+            self._requeue(step_id, key, item)  # not delivered: it stays for a later recv
+            raise
+        self._stats.received(Path.LOCAL, payload_nbytes(item.value))
+        return Fetched(Received(placed, item.is_dead), Path.LOCAL, True)
+
+    async def _recv_remote(self, src: TaskName, step_id: int, key: str, timeout: float | None,
+                           target: Placement) -> Fetched:
+        """From the producing task, through its peer client (an abort of the step
+        raises the step's error)."""
+        if self._state() is not State.SERVING:
+            raise Unavailable(f"server {self.task} is {self._state}")
+        try:
+            fetched = await self.peers.recv(src, key, step_id, timeout, target)
+        except NotPlaced as exc:  # moved, but the device could not take it
+            self._stats.error(self.peers[src].path)
+            self.kept.keep(step_id, key, Received(exc.value, False))
+            raise
+        except RendezvousError:
+            self._stats.error(self.peers.get(src).path)
+            raise
+        item = fetched.item
+        self._stats.received(fetched.path, payload_nbytes(item.value))
+        if not fetched.placed:
+            try:
+                item = Received(await self._place(item.value, target), item.is_dead)
+            except BaseException:
+                self.kept.keep(step_id, key, item)
+                raise
+        return Fetched(item, fetched.path, True)
+
+    def keep(self, step_id: int, key: str, item: Received, why: str) -> None:
+        """Hold ``item``, fetched by a recv but never delivered (a daemon's local
+        client went away), for the next recv of ``key`` in ``step_id``, in front:
+        it was the oldest. Dropped if the step is over."""
+        if self._state().ending or self.table.aborted(step_id) is not None:
+            return
+        self.kept.keep(step_id, key, item, front=True, why=why)
+
+    def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
+        """A tensor that arrived after its recv gave up (deadline, cancel)."""
+        if self._state().ending or self.table.aborted(step_id) is not None:
+            return  # the step (or the server) is over: its tensors are dropped anyway
+        self.kept.keep(step_id, key, fetched.item, why="timed out or was cancelled while it was on its way")
+
+    def _requeue(self, step_id: int, key: str, item: Received) -> None:
+        try:
+            self.table.requeue(step_id, key, item)
+        except RendezvousError:
+            pass  # the step ended meanwhile: its tensors are dropped anyway
+
+    async def _place(self, value: Any, target: Placement) -> Any:
+        """``value`` on ``target`` (already resolved); copies run off the loop."""
+        if value is None:
+            return None
+        if not isinstance(value, DeviceTensor) and not self.devices.needs_copy(value, target, True):
+            return value  # host data staying on the host (strings too): the object as it is
+        try:
+            placed = await asyncio.get_running_loop().run_in_executor(
+                None, self.devices.place, value, target, True, self._staging)
+        except RendezvousError:
+            raise
+        except Exception as exc:  # out of device memory, a CUDA error: the caller keeps the tensor
+            raise ResourceExhausted(f"cannot put the tensor on {target}: {type(exc).__name__}: {exc}; "
+                                    "it is kept for the next recv of this key") from exc
+        if isinstance(value, DeviceTensor) and not target.is_gpu:
+            self._stats.gpu("to_host")
+        elif not isinstance(value, DeviceTensor) or value.device != target.index:
+            self._stats.gpu("to_device")
+        return placed

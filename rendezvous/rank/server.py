@@ -1,0 +1,331 @@
+"""The rank server on an asyncio loop (public name: ``rendezvous.aio.Server``).
+
+One per rank. It holds this rank's waiting table, serves RecvTensor to the
+other ranks, and recvs from them. Everything here runs on one event loop;
+the blocking :class:`rendezvous.Server` drives an instance of this class
+from its own loop thread.
+
+The server is where its parts are made and joined, each owned by it and
+handed to the others at construction:
+
+* the waiting table (:mod:`rendezvous.table`) and the producer's servicer
+  (:mod:`rendezvous.rpc.servicer`) with its retry cache;
+* the data planes (:mod:`rendezvous.transport`): inline, plus MPI's under
+  ``grpc+mpi``;
+* the MPI half of the rank (:class:`rendezvous.mpi.rank.MpiRank`), when
+  MPI is in use: nothing else here knows MPI;
+* the peer clients (:mod:`rendezvous.rank.peers`) and the tensors fetched
+  and not yet delivered (:mod:`rendezvous.rank.kept`);
+* the receive-buffer cache, the GPU backends and their pinned pools, the
+  counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import grpc
+
+from rendezvous import frames
+from rendezvous.buffers import RecvBuffers
+from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
+from rendezvous.config import Config, Protocol
+from rendezvous.devices import Devices, Placement
+from rendezvous.errors import Aborted, FailedPrecondition, Unavailable
+from rendezvous.keys import Key, TaskName, as_key
+from rendezvous.lifecycle import State
+from rendezvous.paths import Path
+from rendezvous.rpc.options import server_options
+from rendezvous.rpc.peer import PeerClient
+from rendezvous.rpc.retry import RetryCache
+from rendezvous.rpc.servicer import RecvTensorServicer
+from rendezvous.stats import Stats
+from rendezvous.table import PendingEntry, Received, WaitingTable
+from rendezvous.transport import Fetched, Planes
+from rendezvous.transport.inline import InlinePlane
+
+from .kept import Kept
+from .peers import Peers
+from .receiver import Receiver
+from .setup import GrpcSetup, add_port
+
+__all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port", "Fetched"]
+
+log = logging.getLogger("rendezvous")
+PROTOCOLS = tuple(p.value for p in Protocol)
+
+
+class Server:
+    """A rank server. Construct anywhere; ``await start()`` inside the loop it will live on.
+
+    ``cluster`` is TensorFlow's cluster shape (dict, :class:`ClusterSpec`, or a
+    JSON file path); this server is task ``task_index`` of job ``job_name`` and
+    binds to that task's address (port 0: the OS picks; see :attr:`target`).
+    """
+
+    def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
+                 protocol: str = "grpc", *, config: Config | None = None,
+                 grpc_setup: GrpcSetup | None = None, stats: Stats | None = None,
+                 devices: Devices | None = None, buffers: RecvBuffers | None = None, **overrides: Any) -> None:
+        self.protocol = Protocol.parse(protocol)
+        self.cluster = ClusterSpec.from_any(cluster)
+        self.task = TaskName(job_name, 0, int(task_index))
+        self.bind_address = self.cluster.address(self.task)  # UnknownTask if absent
+        cfg = self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
+        #: With requests over MPI, whether this loop polls MPI itself while traffic
+        #: is expected (the fastest for a program that is all asyncio). The
+        #: blocking Server turns it off: its loop thread, spinning, would keep the
+        #: GIL from the caller's threads; its MPI thread polls instead.
+        self.poll_on_loop = True
+        self.table = WaitingTable()
+        self._stats = stats if stats is not None else Stats()
+        #: GPU backends and their pinned pools (cupy by default, imported only when used)
+        self.devices = devices if devices is not None else Devices()
+        #: large receive buffers, reused once dropped (see rendezvous.buffers)
+        self.buffers = buffers if buffers is not None else RecvBuffers(cfg.recv_cache_bytes)
+        self._staging = (cfg.gpu_staging_chunk_bytes, cfg.gpu_staging_depth)
+        self._setup = grpc_setup or GrpcSetup()
+        self._retry = RetryCache(cfg.retry_window, cfg.retry_cache_bytes)
+        #: the data planes, most preferred first: MPI's joins at start under grpc+mpi
+        self.planes = Planes([InlinePlane(chunk_bytes=cfg.chunk_bytes, buffers=self.buffers,
+                                          devices=self.devices, staging=self._staging, stats=self._stats)])
+        self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
+                                           retry=self._retry, max_waiting=cfg.max_waiting_calls)
+        #: this rank's part of its MPI job (rendezvous.mpi.rank.MpiRank), or None
+        self.mpi: Any = None
+        if cfg.uses_mpi(self.protocol):
+            from rendezvous.mpi.rank import MpiRank  # imports mpi4py: never with MPI_DISABLED=1
+
+            self.mpi = MpiRank.join(cfg)
+        self._grpc: grpc.aio.Server | None = None
+        self._target: str | None = None
+        self.peers = Peers(self._make_peer)
+        #: tensors fetched and not delivered, for the next recv of their key and step
+        self.kept = Kept()
+        self._receiver = Receiver(self.task, self.table, self.peers, self.kept, self.devices, self._stats,
+                                  self._staging, lambda: self._state)
+        self._stopped: asyncio.Event | None = None
+        self._state = State.NEW
+
+    # -- lifecycle ----------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        """``host:port`` this server listens on (the real port once started)."""
+        return self._target or self.bind_address
+
+    @property
+    def mpi_ranks(self) -> dict[TaskName, int]:
+        """The MPI rank of every task in this rank's MPI job (empty without MPI)."""
+        return self.mpi.ranks if self.mpi is not None else {}
+
+    async def start(self) -> None:
+        """Bind and start serving. Raises Unavailable if the address cannot be bound."""
+        if self._state is not State.NEW:
+            raise FailedPrecondition(f"server is {self._state}; start() is allowed once")
+        self._state = State.STARTING
+        host, _ = parse_address(self.bind_address)
+        self._stopped = asyncio.Event()
+        setup = self._setup
+        # Chunked replies allocate chunk-sized frames: keep them reusable (a
+        # process-wide allocator setting, applied by the server that needs it).
+        frames.prime_allocator(self.config.chunk_bytes)
+        server = grpc.aio.server(interceptors=setup.interceptors or None,
+                                 options=server_options(self.config.max_request_bytes, self.config.keepalive_time,
+                                                        self.config.keepalive_timeout))
+        server.add_generic_rpc_handlers(self.servicer.handlers())
+        for add_service in setup.services:
+            add_service(server)
+        try:
+            port = add_port(server, self.bind_address, setup.server_credentials)
+        except BaseException:
+            self._state = State.NEW  # nothing started: start() may be tried again
+            raise
+        await server.start()
+        self._grpc = server
+        self._target = f"{host}:{port}"
+        self.cluster = self.cluster.with_address(self.task, self._target)
+        if self.mpi is not None:
+            try:
+                await self._start_mpi()
+            except BaseException:
+                await server.stop(0)
+                self._state = State.NEW
+                raise
+        self._state = State.SERVING
+        log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
+        if self.protocol is Protocol.GRPC_MPI:
+            sys.stderr.write(self.describe() + "\n")  # one write: ranks' lines must not interleave
+            sys.stderr.flush()
+
+    async def _start_mpi(self) -> None:
+        """The MPI half starts (a collective: every rank of the job reaches it), and
+        the job's addresses join the cluster."""
+        addresses = await self.mpi.start(self.task, self._target, servicer=self.servicer, stats=self._stats,
+                                         buffers=self.buffers, devices=self.devices,
+                                         delivered=self._retry.delivered, loop_polls=self.poll_on_loop)
+        self.planes.register(self.mpi.plane)
+        for task, address in addresses.items():
+            if task in self.cluster:
+                self.cluster = self.cluster.with_address(task, address)
+            else:
+                log.warning("MPI rank %d runs %s, which is not in the cluster", self.mpi.ranks[task], task)
+        outside = [str(t) for t in self.cluster.tasks() if t not in addresses]
+        if outside:
+            log.info("tasks outside this MPI job, served over gRPC: %s", ", ".join(outside))
+
+    def describe(self) -> str:
+        """One line: who this rank is and how it moves tensors (printed at start-up)."""
+        line = f"rendezvous: {self.task} on {self.target}, protocol {self.protocol}"
+        if self.mpi is not None:
+            return f"{line}; {self.mpi.describe()}"
+        if self.protocol is Protocol.GRPC_MPI:
+            return line + "; MPI_DISABLED=1: MPI off, all transfers over gRPC"
+        return line
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: refuse new recvs (UNAVAILABLE), fail waiters, let replies in flight
+        finish for ``grace`` seconds, then cancel the rest. Idempotent."""
+        if self._state.ending:
+            if self._stopped is not None:
+                await self._stopped.wait()
+            return
+        self._state = State.STOPPING
+        # Drain: no new waits; waiters fail; tensors already produced are still
+        # served to requests arriving within the grace period.
+        self.servicer.begin_drain()
+        drained = Unavailable(f"server {self.task} is shutting down")
+        self.table.fail_waiters(drained)
+        await self.peers.close()
+        if self._grpc is not None:
+            # The peers' streams stay open for good, so gRPC's own grace would
+            # always run out: wait only while something is left to deliver.
+            loop = asyncio.get_running_loop()
+            end = loop.time() + (grace or 0.0)
+            while loop.time() < end and (self.servicer.busy() or self.table.stats()["tensors"]):
+                await asyncio.sleep(0.005)
+            # End the streams after their last reply; gRPC then waits (briefly)
+            # for those handlers to send their status before it cancels the rest.
+            self.servicer.close_streams()
+            await self._grpc.stop(max(0.2, min(1.0, end - loop.time())))
+        if self.mpi is not None:
+            await self.mpi.close_requests()  # the MPI streams end (their replies were written above)
+        unconsumed = self.table.stats().get("tensors", 0)
+        self.table.close(drained)
+        if unconsumed:
+            log.warning("task %s stopped with %d produced tensors never consumed", self.task, unconsumed)
+        if self.mpi is not None:
+            await self.mpi.stop(grace or 5.0)
+        self.planes.close()
+        self._retry.close()
+        self._state = State.STOPPED
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        if self._stopped is None:
+            raise FailedPrecondition("server was never started")
+        await self._stopped.wait()
+
+    join = wait_for_termination
+
+    async def __aenter__(self) -> "Server":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(0)
+
+    def update_cluster(self, cluster: ClusterLike) -> None:
+        """Replace peer addresses (e.g. after every rank bound port 0).
+
+        Peers already connected keep their channel."""
+        spec = ClusterSpec.from_any(cluster)
+        self.cluster = spec.with_address(self.task, self.target)
+
+    # -- data ---------------------------------------------------------------
+
+    def prepare_send(self, key: Key | str, tensor: Any, is_dead: bool = False) -> tuple[str, Any]:
+        """Validate a send and return (canonical key, array); callable from any thread."""
+        k = as_key(key)
+        src = k.src_task
+        if src is not None and src != self.task:
+            raise FailedPrecondition(
+                f"key {k.format()!r} is produced by {src}; this server is {self.task} and can only send its own")
+        # GPU tensors stay on their device (a DeviceTensor with a ready event on
+        # the caller's current stream: call this on the producer's thread).
+        return k.format(), (None if is_dead else self.devices.import_tensor(tensor))
+
+    def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
+        """Produce ``tensor`` under ``key`` for step ``step_id`` (on the loop thread).
+
+        The array is not copied: do not modify it until it has been received.
+        Raises InvalidKey, or the step's error if it was aborted."""
+        canonical, arr = self.prepare_send(key, tensor, is_dead)
+        self.table.send(step_id, canonical, arr, is_dead)
+
+    async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                   device: str | Placement | None = None) -> Any:
+        """The tensor sent under ``key`` in ``step_id`` (None if it is dead).
+
+        It lands where the key's ``dst_device`` says (``GPU:N``: a cupy array on
+        device N; otherwise numpy), or on ``device`` ("cpu", "gpu:N") if given.
+        Local keys are served from this rank's table with no copy when the
+        tensor is already where it should be; remote keys by RecvTensor to the
+        producing task. Raises DeadlineExceeded after ``timeout`` seconds,
+        Aborted if the step is aborted, UnknownTask for a task outside the
+        cluster, PeerUnavailable if the producer is gone."""
+        return (await self.recv_item(key, step_id, timeout, device)).value
+
+    async def recv_item(self, key: Key | str, step_id: int = 0,
+                        timeout: float | None = None, device: str | Placement | None = None) -> Received:
+        """:meth:`recv` as ``Received(value, is_dead)``."""
+        return (await self.fetch(key, step_id, timeout, device)).item
+
+    async def fetch(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                    device: str | Placement | None = None) -> Fetched:
+        """:meth:`recv_item` with the path the tensor took (``Fetched``): what a
+        daemon reports for its local clients' recvs."""
+        return await self._receiver.fetch(key, step_id, timeout, device)
+
+    def keep(self, step_id: int, key: str, item: Received, why: str) -> None:
+        """Hold ``item``, fetched by a recv but never delivered (a daemon's local
+        client went away), for the next recv of ``key`` in ``step_id``, in front:
+        it was the oldest. Dropped if the step is over."""
+        self._receiver.keep(step_id, key, item, why)
+
+    def abort(self, step_id: int, message: str = "aborted") -> None:
+        """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
+        error = Aborted(message)
+        self.table.abort(step_id, error)
+        self.peers.end_step(step_id, error)
+        self.kept.drop_step(step_id)
+
+    def cleanup(self, step_id: int) -> None:
+        """Abort the step's waiters and forget the step (its ids may be reused)."""
+        self.table.cleanup(step_id)
+        self._retry.drop_step(step_id)
+        self.peers.end_step(step_id, Aborted(f"step {step_id} cleaned up"))
+        self.kept.drop_step(step_id)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served,
+        served_bytes}}; "mpi" also has "in_flight" (MPI operations posted and not complete)."""
+        snap = self._stats.snapshot()
+        mpi = self.mpi.stats() if self.mpi is not None else {"in_flight": 0, "cuda_aware": 0}
+        snap[Path.MPI]["in_flight"] = mpi["in_flight"]
+        snap["gpu"] = {**self._stats.gpu_snapshot(), "cuda_aware": mpi["cuda_aware"]}
+        return snap
+
+    def pending(self) -> list[PendingEntry]:
+        """Every non-empty queue of the waiting table: what it holds, how many, the oldest's age."""
+        return self.table.pending()
+
+    def _make_peer(self, task: TaskName) -> PeerClient:
+        return PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
+                          credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
+                          on_unclaimed=self._receiver.unclaimed,
+                          open_call=self.mpi.open_call(task) if self.mpi is not None else None)

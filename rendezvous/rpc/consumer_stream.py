@@ -1,0 +1,298 @@
+"""The consumer's end of one RecvTensor stream: :class:`ConsumerStream`.
+
+A :class:`~rendezvous.rpc.peer.PeerClient` keeps one stream per peer (a
+gRPC stream-stream call, or its MPI stand-in) and every recv is a call on
+it. The stream's writer sends requests and cancels (queued ones packed into
+one message); its reader matches reply frames to calls by ``call_id``,
+hands each reply's first frame to the data plane it names, feeds later
+chunks to the assembly that plane returned, and settles each call exactly
+once: its recv gets the tensor (or the error), or, if the recv gave up, the
+tensor goes to the oldest recv of the same key and step waiting on the
+stream, or to the rank server to keep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from rendezvous import frames
+from rendezvous.errors import Internal, InvalidArgument, PeerUnavailable, RendezvousError, ResourceExhausted, \
+    from_status
+from rendezvous.paths import Path
+from rendezvous.table import Received
+from rendezvous.tensors import decode_meta
+from rendezvous.transport import Fetched
+
+if TYPE_CHECKING:
+    from .peer import PeerClient
+
+__all__ = ["ConsumerStream", "Broken", "Pending"]
+
+log = logging.getLogger("rendezvous.client")
+#: queued requests packed into one stream message up to about this size (a
+#: request with the longest key, 16,384 characters, still fits once more): below
+#: the 64 KiB that every producer's max_request_bytes allows
+_BATCH_REQUEST_BYTES = 32 << 10
+
+
+class Broken(Exception):
+    """The stream carrying a call broke; the call may be re-sent."""
+
+    def __init__(self, error: RendezvousError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Pending:
+    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan", "request_id",
+                 "settled")
+
+    def __init__(self, future: asyncio.Future, key: str, step_id: int, placement: Any = None,
+                 request_id: int = 0) -> None:
+        self.future = future  # resolves to a Fetched
+        self.request_id = request_id
+        self.assembly: Any = None  # a reply being assembled from chunk frames
+        self.path = Path.GRPC
+        self.key = key
+        self.step_id = step_id
+        self.placement = placement  # where the tensor should land
+        self.orphan = False  # its recv gave up; the reply, if one comes, is still taken
+        #: the producer's answer is in: a tensor (delivered to this recv, handed to
+        #: another, or kept by the server) or an error. Nothing is left to settle;
+        #: in particular its request_id must never be asked again (that would be
+        #: answered from the producer's retry cache with the same tensor).
+        self.settled = False
+
+
+class ConsumerStream:
+    """One RecvTensorStream call and its reader and writer tasks."""
+
+    def __init__(self, client: "PeerClient", call: Any, inline_path: Path = Path.GRPC) -> None:
+        self.inline_path = inline_path  # how frames travel: the path of a tensor inside them
+        self.client = client
+        self.call = call
+        self.pending: dict[int, Pending] = {}
+        #: calls whose bytes are on their way another way (an MPI transfer posted)
+        self.moving: dict[int, Pending] = {}
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self.alive = True
+        self.reader = asyncio.create_task(self._read())
+        self.writer = asyncio.create_task(self._write())
+
+    def submit(self, call_id: int, pending: Pending, request: bytes) -> None:
+        self.pending[call_id] = pending
+        self.outbox.put_nowait(request)
+
+    def cancel(self, call_id: int, p: Pending) -> bool:
+        """The recv of ``call_id`` (``p``) gave up. True when this stream settles
+        the call: its answer is already in (the tensor went to another recv or to
+        the server), its bytes are on their way (kept when they land), or the
+        call stays as an orphan until the producer answers the cancel: with
+        CANCELLED (nothing was sent), or with the reply it had already started,
+        which is received and kept, never dropped. False when the stream broke
+        before the producer answered: nobody knows whether it took the tensor."""
+        if p.settled:
+            return True
+        if self.moving.get(call_id) is p:  # its bytes are on their way: they are kept when they land
+            p.orphan = True
+            return True
+        if self.pending.get(call_id) is not p:
+            return False  # the stream broke and dropped it, unanswered
+        if not self.alive:
+            del self.pending[call_id]
+            return False
+        p.orphan = True
+        self.outbox.put_nowait(frames.cancel_request(call_id))
+        return True
+
+    async def _write(self) -> None:
+        outbox = self.outbox
+        try:
+            while True:
+                first = await outbox.get()
+                if outbox.empty():
+                    await self.call.write(first)
+                    continue
+                # Everything queued while the last write was in flight goes as one
+                # message, up to a size every producer accepts (max_request_bytes >= 64 KiB).
+                queued = [first]
+                size = len(first)
+                while not outbox.empty() and size < _BATCH_REQUEST_BYTES:
+                    queued.append(outbox.get_nowait())
+                    size += len(queued[-1]) + 4
+                await self.call.write(frames.batch_requests(queued))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the reader sees the status; just stop
+            log.debug("stream writer to %s stopped: %r", self.client.task, exc)
+
+    async def _read(self) -> None:
+        error: RendezvousError = PeerUnavailable(f"stream to {self.client.describe()} closed")
+        try:
+            while True:
+                buf = await self.call.read()
+                if buf is grpc.aio.EOF:
+                    break
+                self._dispatch(buf)
+        except grpc.aio.AioRpcError as exc:
+            error = _status_error(exc, self.client)
+        except asyncio.CancelledError:
+            error = PeerUnavailable(f"stream to {self.client.describe()} was closed locally")
+        except RendezvousError as exc:  # a frame we cannot parse: the peer is broken
+            error = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
+            self.call.cancel()
+        finally:
+            self.alive = False
+            self.writer.cancel()
+            broken = Broken(error)
+            for p in self.moving.values():
+                # Its bytes travel outside this stream (MPI) and are received
+                # whenever they come, then kept for the next recv: the recv fails
+                # now, within the keepalive bound, and is not re-sent.
+                p.orphan = True
+                if not p.future.done():
+                    p.future.set_exception(PeerUnavailable(
+                        f"{error.message}; the tensor for {p.key!r} was on its way outside the stream "
+                        "and is kept for the next recv of its key when it lands"))
+            for p in self.pending.values():
+                if p.orphan:  # its cancel may never have reached the producer
+                    self.client.unsettled(p.step_id, p.key, p.request_id)
+                if not p.future.done():
+                    p.future.set_exception(broken)
+            self.pending.clear()
+
+    def _dispatch(self, buf: bytes) -> None:
+        for frame in frames.iter_stream_frames(buf):
+            self._dispatch_frame(buf, frame)
+
+    def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
+        p = self.pending.get(frame.call_id)
+        planes = self.client.planes
+        if p is None:
+            # Cancelled or timed out: drop the rest of its reply. A plane whose
+            # bytes are already on their way takes them (drain).
+            if frame.head is not None and not frame.head.is_dead:
+                planes.drain(buf, frame.head)
+            return
+        if frame.error is not None:  # the producer's answer: an error (or CANCELLED for an orphan)
+            self.pending.pop(frame.call_id, None)
+            p.settled = True
+            if not p.future.done():
+                p.future.set_exception(frame.error)
+            return
+        try:
+            if frame.head is not None:
+                head = frame.head
+                if head.tensor is not None:
+                    head.decoded = _check_announced(buf, head.tensor, self.client)
+                if head.is_dead:
+                    self._finish(frame.call_id, p, Fetched(Received(None, True), self.inline_path))
+                    return
+                # an orphan's bytes land on the host: whoever takes it places it
+                arrival = planes.receive(buf, head, None if p.orphan else p.placement)
+                p.path = self.inline_path if arrival.path is Path.GRPC else arrival.path
+                if arrival.pending is not None:
+                    self.pending.pop(frame.call_id, None)
+                    self.moving[frame.call_id] = p
+                    task = asyncio.ensure_future(arrival.pending)
+                    task.add_done_callback(lambda t, c=frame.call_id, p=p, a=arrival:
+                                           self._settle(c, p, t, a.path, a.placed))
+                elif arrival.assembly is not None:
+                    p.assembly = arrival.assembly
+                else:
+                    self._finish(frame.call_id, p, Fetched(Received(arrival.value, False), p.path,
+                                                           arrival.placed))
+            elif frame.chunk is not None:
+                if p.assembly is None:
+                    raise Internal("chunk arrived before its reply's header")
+                a, b = frame.chunk
+                if p.assembly.add(memoryview(buf)[a:b]):
+                    self._finish(frame.call_id, p, Fetched(Received(p.assembly.result(), False), p.path))
+        except MemoryError:
+            # under max_tensor_bytes but more than this process can hold: that recv
+            # fails; the stream and every other recv on it go on
+            self.pending.pop(frame.call_id, None)
+            p.settled = True
+            if not p.future.done():
+                p.future.set_exception(ResourceExhausted(
+                    f"out of memory for the tensor {self.client.describe()} announced for {p.key!r}"))
+        except RendezvousError as exc:
+            self.pending.pop(frame.call_id, None)
+            p.settled = True
+            if isinstance(exc, InvalidArgument):  # the reply, not the request, is wrong
+                exc = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    def _finish(self, call_id: int, p: Pending, fetched: Fetched) -> None:
+        self.pending.pop(call_id, None)
+        self._deliver(p, fetched)
+
+    def _deliver(self, p: Pending, fetched: Fetched) -> None:
+        p.settled = True
+        if not p.orphan and not p.future.done():
+            p.future.set_result(fetched)
+            return
+        # Its recv gave up, but the tensor was produced and is here: the oldest
+        # recv of the same key and step still waiting on this stream takes it
+        # (its own request is cancelled, and whatever answers that becomes an
+        # orphan in turn), else the server keeps it for the next recv.
+        # (After a break that is the client's new stream: the recv asked again.)
+        kept = Fetched(fetched.item, fetched.path, placed=False)
+        stream = self if self.alive else self.client.live_stream()
+        for call_id, other in (stream.pending.items() if stream is not None else ()):
+            if (not other.orphan and other.key == p.key and other.step_id == p.step_id
+                    and not other.future.done()):
+                other.future.set_result(kept)
+                stream.cancel(call_id, other)  # type: ignore[union-attr]
+                return
+        self.client.unclaimed(p.step_id, p.key, kept)
+
+    def _settle(self, call_id: int, p: Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
+        """A reply whose bytes came another way (a plane's pending transfer) is done."""
+        if self.moving.get(call_id) is p:
+            del self.moving[call_id]
+        p.settled = True
+        if task.cancelled():
+            if not p.future.done():
+                p.future.cancel()
+        elif task.exception() is not None:
+            if not p.orphan and not p.future.done():
+                p.future.set_exception(task.exception())
+        else:
+            self._deliver(p, Fetched(Received(task.result(), False), path, placed))
+
+    def close(self) -> None:
+        self.alive = False
+        self.call.cancel()
+
+
+def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> tuple[Any, int, int]:
+    """Refuse a reply announcing more bytes than ``max_tensor_bytes``, before
+    anything is allocated for it (a chunk buffer, an MPI receive). Returns
+    what ``decode_meta`` said, so the reply is not parsed again."""
+    decoded = decode_meta(buf, *span)
+    meta = decoded[0]
+    limit = client.config.max_tensor_bytes
+    size = math.prod(meta.shape) * meta.dtype.itemsize  # strings: their object array
+    if size > limit:
+        raise ResourceExhausted(f"{client.describe()} announced a tensor of {size} bytes "
+                                f"(dtype {meta.dtype}, shape {meta.shape}); the limit is {limit} (max_tensor_bytes)")
+    return decoded
+
+
+def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
+    """The error a stream's final status means for the recvs still on it. Our
+    servicer ends a stream with OK or INVALID_ARGUMENT (per-call errors travel
+    as error frames), so INTERNAL there is gRPC's own report of a transport torn
+    down under it (a peer killed mid-reply: "Internal error from Core"): the
+    peer is gone, as with UNAVAILABLE, and the recvs may be re-sent."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
+        return PeerUnavailable(f"lost {client.describe()}: {exc.details()}")
+    return from_status(code, exc.details() or "")

@@ -1,0 +1,229 @@
+"""Requests over MPI (rendezvous/mpi/control.py) on their own: two ranks'
+``MpiRequests`` joined by a scripted engine that carries each envelope from
+one to the other (no MPI), and a scripted stream handler on the producer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from rendezvous.mpi import control
+from rendezvous.mpi.control import REPLY_TAG, REQUEST_TAG, MpiRequests
+from rendezvous.paths import Path
+
+from conftest import run, until
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Wire:
+    """Two ranks' engines: what one rank isends on a tag reaches the other
+    rank's listener for that tag, in order, one loop turn later."""
+
+    def __init__(self) -> None:
+        self.engines = {0: Engine(self, 0), 1: Engine(self, 1)}
+        self.sent: list[tuple[int, int, int, bytes]] = []  # (from, to, tag, message)
+        self.hold = False  # keep sends unfinished (what MPI does while a peer does not receive)
+        self.unfinished: list[asyncio.Future] = []
+
+    def carry(self, source: int, dest: int, tag: int, message: bytes) -> asyncio.Future:
+        self.sent.append((source, dest, tag, bytes(message)))
+        loop = asyncio.get_running_loop()
+        deliver = self.engines[dest].listeners[tag]
+        loop.call_soon(deliver, [(source, bytes(message))])
+        done = loop.create_future()
+        if self.hold:
+            self.unfinished.append(done)
+        else:
+            done.set_result(None)
+        return done
+
+
+class Engine:
+    """What MpiRequests uses of the progress engine."""
+
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self.wire = wire
+        self.rank = rank
+        self.listeners: dict[int, object] = {}
+        self.expecting: list = []
+
+    def listen(self, comm, tag, deliver) -> None:
+        self.listeners[tag] = deliver
+
+    def expect_while(self, waiting) -> None:
+        self.expecting.append(waiting)
+
+    def isend(self, buf, dest, tag, chunk, comm=None) -> asyncio.Future:
+        return self.wire.carry(self.rank, dest, tag, buf)
+
+
+class Handler:
+    """A scripted producer: the streams it is given, each with its requests and context."""
+
+    def __init__(self) -> None:
+        self.streams: asyncio.Queue = asyncio.Queue()
+
+    async def serve_stream(self, requests, context, inline_path: Path = Path.GRPC) -> None:
+        stream = Stream(requests, context, inline_path)
+        self.streams.put_nowait(stream)
+        await stream.finished
+
+
+class Stream:
+    def __init__(self, requests, context, inline_path: Path) -> None:
+        self.context = context
+        self.inline_path = inline_path
+        self.received: asyncio.Queue = asyncio.Queue()
+        self.ended = asyncio.Event()  # the consumer's requests ended
+        self.finished = asyncio.get_running_loop().create_future()
+        asyncio.ensure_future(self._read(requests))
+
+    async def _read(self, requests) -> None:
+        async for message in requests:
+            self.received.put_nowait(message)
+        self.ended.set()
+
+
+def pair() -> tuple[Wire, MpiRequests, MpiRequests, Handler]:
+    """Rank 0 the consumer, rank 1 the producer (each could be both)."""
+    wire = Wire()
+    handler = Handler()
+    consumer = MpiRequests(wire.engines[0], comm=None, rank=0, servicer=Handler())
+    producer = MpiRequests(wire.engines[1], comm=None, rank=1, servicer=handler)
+    consumer.start()
+    producer.start()
+    return wire, consumer, producer, handler
+
+
+def test_a_stream_carries_requests_and_replies_and_ends_with_its_status():
+    async def main():
+        wire, consumer, producer, handler = pair()
+        call = consumer.open_call(1)
+        await call.write(b"request one")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        # replies inside these frames travel by MPI: the handler is told so (stats count them there)
+        assert stream.inline_path is Path.MPI
+        assert await asyncio.wait_for(stream.received.get(), 5) == b"request one"
+        await stream.context.write(b"reply one")
+        await stream.context.write(b"reply two")
+        assert await asyncio.wait_for(call.read(), 5) == b"reply one"
+        assert await asyncio.wait_for(call.read(), 5) == b"reply two"
+        stream.finished.set_result(None)  # the handler returns: a clean end
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+        assert all(tag in (REQUEST_TAG, REPLY_TAG) for _, _, tag, _ in wire.sent)
+        assert not producer._serving and not consumer._calls
+    run(main())
+
+
+def test_an_abort_ends_the_consumers_reads_with_its_code():
+    async def main():
+        _, consumer, _, handler = pair()
+        call = consumer.open_call(1)
+        await call.write(b"bad")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        with pytest.raises(control._Aborted):
+            await stream.context.abort(grpc.StatusCode.INVALID_ARGUMENT, "call_id 3 is already in use")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), 5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in use" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError):  # a call that ended takes no more writes
+            await call.write(b"more")
+    run(main())
+
+
+def test_a_consumer_that_closes_its_stream_ends_the_producers_requests():
+    async def main():
+        wire, consumer, producer, handler = pair()
+        call = consumer.open_call(1)
+        await call.write(b"r")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call.cancel()
+        call.cancel()  # twice is fine
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), 5)
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        await asyncio.wait_for(stream.ended.wait(), 5)  # its requests iterator ended
+        # frames the producer still writes for a closed stream go nowhere
+        await stream.context.write(b"late")
+        stream.finished.set_result(None)
+        await until(lambda: not producer._serving, what="the producer's side to end")
+        assert not consumer._calls
+    run(main())
+
+
+def test_streams_to_one_rank_are_kept_apart():
+    async def main():
+        _, consumer, producer, handler = pair()
+        a, b = consumer.open_call(1), consumer.open_call(1)
+        assert a.stream_id != b.stream_id
+        await a.write(b"to a")
+        await b.write(b"to b")
+        first = await asyncio.wait_for(handler.streams.get(), 5)
+        second = await asyncio.wait_for(handler.streams.get(), 5)
+        assert await first.received.get() == b"to a" and await second.received.get() == b"to b"
+        await second.context.write(b"for b")
+        await first.context.write(b"for a")
+        assert await asyncio.wait_for(a.read(), 5) == b"for a"
+        assert await asyncio.wait_for(b.read(), 5) == b"for b"
+        for s in (first, second):
+            s.finished.set_result(None)
+        await until(lambda: not producer._serving, what="both streams to end")
+    run(main())
+
+
+def test_malformed_messages_are_dropped_and_the_rank_goes_on(caplog):
+    async def main():
+        wire, consumer, producer, handler = pair()
+        with caplog.at_level(logging.WARNING, logger="rendezvous.mpi"):
+            producer._requests_arrived([(0, b"short")])
+            consumer._replies_arrived([(1, b"\x01")])
+            consumer._replies_arrived([(1, control._HEAD.pack(999, control._DATA) + b"for nobody")])
+        assert sum("malformed control message" in r.getMessage() for r in caplog.records) == 2
+        call = consumer.open_call(1)
+        await call.write(b"still works")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        assert await stream.received.get() == b"still works"
+        stream.finished.set_result(None)
+    run(main())
+
+
+def test_writes_return_at_once_until_too_much_is_unsent():
+    """A stream hands its messages to MPI and goes on; only above 32 MiB unsent does
+    a write wait for the oldest send to finish."""
+    async def main():
+        wire, consumer, _, handler = pair()
+        call = consumer.open_call(1)
+        wire.hold = True
+        await asyncio.wait_for(call.write(b"x" * (8 << 20)), 1)  # below the bound: at once
+        await asyncio.wait_for(call.write(b"y" * (8 << 20)), 1)
+        blocked = asyncio.ensure_future(call.write(b"z" * (20 << 20)))  # 36 MiB unsent: waits
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not blocked.done()
+        wire.unfinished[0].set_result(None)  # the oldest send finished
+        await asyncio.wait_for(blocked, 5)
+    run(main())
+
+
+def test_close_ends_every_call_and_every_stream_served():
+    async def main():
+        _, consumer, producer, handler = pair()
+        call = consumer.open_call(1)
+        await call.write(b"r")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        closing = asyncio.ensure_future(producer.close())
+        await asyncio.wait_for(stream.ended.wait(), 5)  # the producer ends the requests it serves
+        stream.finished.set_result(None)
+        await asyncio.wait_for(closing, 5)
+        await consumer.close()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(call.read(), 5)
+        # a closed rank takes no new streams
+        producer._requests_arrived([(0, control._HEAD.pack(77, control._DATA) + b"new")])
+        assert not producer._serving
+    run(main())
