@@ -18,7 +18,6 @@ a later transfer; ``close`` may be called twice.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -43,13 +43,20 @@ from .options import SERVICE, TF_SERVICE
 from .producer_stream import ProducerStream
 from .retry import RetryCache
 
-__all__ = ["RecvTensorServicer"]
+__all__ = ["RecvTensorServicer", "Taken"]
 
 log = logging.getLogger("rendezvous.server")
 # Checked request keys remembered, at most this many of at most this length:
 # a bound in bytes (about 16 MiB with the canonical strings), whatever is sent.
 _CACHED_KEYS = 1 << 13
 _CACHED_KEY_CHARS = 1024
+
+
+class Taken(NamedTuple):
+    """A tensor taken for a request: the item, and its key in canonical form."""
+
+    item: Received
+    key: str
 
 
 class RecvTensorServicer:
@@ -96,8 +103,8 @@ class RecvTensorServicer:
 
     # -- taking a tensor ----------------------------------------------------
 
-    async def take(self, req: pb.RecvTensorRequest) -> tuple[Received, str]:
-        """Wait for the tensor ``req`` asks for; (item, canonical key).
+    async def take(self, req: pb.RecvTensorRequest) -> Taken:
+        """Wait for the tensor ``req`` asks for.
 
         While draining, only tensors already produced (or answers already
         given, by request_id) are served; a recv that would wait gets
@@ -106,19 +113,19 @@ class RecvTensorServicer:
         step = req.step_id
         if self.draining:
             if req.request_id and self.retry.has(req.request_id):
-                return await self.retry.run(step, req.request_id, self._never, canonical), canonical
+                return Taken(await self.retry.run(step, req.request_id, self._never, canonical), canonical)
             item = self.table.try_take(step, canonical)
             if item is None:
                 raise Unavailable(f"server {self.task} is draining; not accepting new recvs")
-            return item, canonical
+            return Taken(item, canonical)
         if req.request_id:
             item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical), canonical)
         else:
             item = await self.table.recv(step, canonical)
-        return item, canonical
+        return Taken(item, canonical)
 
-    def take_now(self, req: pb.RecvTensorRequest) -> tuple[Received, str] | None:
-        """(item, key) if the tensor is already produced, else None (then use
+    def take_now(self, req: pb.RecvTensorRequest) -> Taken | None:
+        """The tensor if it is already produced, else None (then use
         :meth:`take`). Retries of a known request_id always go through take."""
         if self.draining:
             return None
@@ -131,7 +138,7 @@ class RecvTensorServicer:
             return None
         if rid:
             self.retry.record(req.step_id, rid, item, key)
-        return item, key
+        return Taken(item, key)
 
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
         raw = req.rendezvous_key
