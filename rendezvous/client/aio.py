@@ -38,7 +38,7 @@ from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import GRPC_METHODS, ClientCore, Copy, Op, Pending, Router
+from .core import GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, drive_async
 from .segments import Segments
 
 __all__ = ["Client"]
@@ -229,22 +229,7 @@ class Client:
     async def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key``; returns once the daemon holds it."""
         await self.connect()
-        plan = self._core.send_plan(key, tensor, step_id, is_dead)
-        outcome: Any = None
-        error: BaseException | None = None
-        while True:  # the steps of rendezvous.client.core.drive, awaited
-            try:
-                step = plan.throw(error) if error is not None else plan.send(outcome)
-            except StopIteration:
-                return
-            outcome, error = None, None
-            try:
-                if isinstance(step, Copy):
-                    await self._copy(step)
-                else:
-                    outcome = await self._do(step)
-            except Exception as exc:
-                error = exc
+        await drive_async(self._core.send_plan(key, tensor, step_id, is_dead), self._do, self._copy)
 
     async def _copy(self, step: Copy) -> None:
         assert self._link is not None

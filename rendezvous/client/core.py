@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import struct
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,7 +36,7 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
 
-__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "GRPC_METHODS"]
+__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "drive_async", "GRPC_METHODS"]
 
 #: the gRPC method of each operation, for a client without a session socket
 GRPC_METHODS = {Kind.SEND: "Send", Kind.RECV: "Recv", Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
@@ -158,10 +158,24 @@ def drive(plan: SendPlan, do: Callable[[Op], Any], copy: Callable[[int, np.ndarr
             return stop.value
         outcome, error = None, None
         try:
-            if isinstance(step, Copy):
-                copy(step.seg_id, step.arr)
-            else:
-                outcome = do(step)
+            outcome = copy(step.seg_id, step.arr) if isinstance(step, Copy) else do(step)
+        except Exception as exc:  # handed to the plan, which decides
+            error = exc
+
+
+async def drive_async(plan: SendPlan, do: Callable[[Op], Awaitable[Any]],
+                      copy: Callable[[Copy], Awaitable[None]]) -> Hop:
+    """:func:`drive`, each step awaited."""
+    outcome: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = plan.throw(error) if error is not None else plan.send(outcome)
+        except StopIteration as stop:
+            return stop.value
+        outcome, error = None, None
+        try:
+            outcome = await (copy(step) if isinstance(step, Copy) else do(step))
         except Exception as exc:  # handed to the plan, which decides
             error = exc
 
