@@ -6,8 +6,11 @@ explicit overrides (flags, keyword arguments) > environment > defaults.
 Unknown names are rejected with the name in the message. The environment is
 read when a server is built, never at import.
 
-``MPI_DISABLED`` and ``MPI_OPTIMAL_PATH`` keep TensorFlow's reading: the
-first character ``1`` means on, anything else off.
+Switches (``MPI_DISABLED``, ``MPI_OPTIMAL_PATH`` and every boolean field) read
+``1``/``true``/``yes``/``on`` as on and ``0``/``false``/``no``/``off`` as off, in
+any case; TensorFlow's reading stays (a value starting with ``1`` is on). Any
+other value is refused at start-up, naming the variable, so that a switch never
+silently means the opposite of what was written.
 """
 
 from __future__ import annotations
@@ -41,9 +44,21 @@ class Protocol(StrEnum):
                 f"protocol must be {' or '.join(p.value for p in cls)}, got {value!r}") from None
 
 
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
 def env_flag(value: str) -> bool:
-    """TensorFlow's toggle reading: on when the first character is '1'."""
-    return value[:1] == "1"
+    """A switch's value: ``1/true/yes/on`` on, ``0/false/no/off`` off (any case,
+    surrounding blanks ignored). TensorFlow read its MPI toggles as "on when the
+    first character is 1", so ``10`` or ``1 # MPI on`` stay on. Anything else
+    raises ValueError: a switch read wrongly is worse than one refused."""
+    word = value.strip().lower()
+    if word in _ON or word[:1] == "1":
+        return True
+    if word in _OFF:
+        return False
+    raise ValueError(f"{value!r} is not a switch value: use 1, true, yes or on, or 0, false, no or off")
 
 
 def _knob(default: Any, env: str, doc: str, *, parse: Any = None, secret: bool = False) -> Any:
@@ -137,7 +152,7 @@ class Config:
         "", "RENDEZVOUS_TLS_CA", "PEM CA bundle that peers' certificates must chain to; empty: the system roots.")
     tls_client_auth: bool = _knob(
         False, "RENDEZVOUS_TLS_CLIENT_AUTH",
-        "`1`: mutual TLS: peers must present a certificate signed by `tls_ca`.", parse=env_flag)
+        "On (`1`, `true`, `yes`, `on`): mutual TLS: peers must present a certificate signed by `tls_ca`.", parse=env_flag)
     token: str = _knob(
         "", "RENDEZVOUS_TOKEN", "Shared secret every RPC must carry (`authorization: Bearer ...`); peers "
         "send it too. Empty: no token.", secret=True)
@@ -338,7 +353,9 @@ def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
         if kind is bool:
             return env_flag(str(raw))
         return kind(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as exc:
+        if parse is not None or type(f.default) is bool:  # a switch: env_flag says why
+            raise InvalidArgument(f"{source}: {exc}") from None
         raise InvalidArgument(f"{source}: cannot read {raw!r} as {type(f.default).__name__}") from None
 
 

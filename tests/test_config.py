@@ -28,12 +28,68 @@ def test_unknown_and_bad_values_are_named():
         Config.load({"chunk_bytes": 10}, env={})
 
 
-@pytest.mark.parametrize("raw,on", [("1", True), ("1yes", True), ("0", False), ("true", False), ("", False)])
-def test_tensorflow_toggle_reading(raw, on):
+@pytest.mark.parametrize("raw,on", [
+    ("1", True), ("true", True), ("TRUE", True), ("Yes", True), ("on", True), (" on\n", True),
+    ("0", False), ("false", False), ("False", False), ("NO", False), ("off", False),
+    ("1yes", True), ("10", True),  # TensorFlow's reading: starts with 1
+])
+def test_switch_reading(raw, on):
     assert env_flag(raw) is on
+
+
+@pytest.mark.parametrize("raw", ["garbage", "2", "-1", "y", "enable", "0x1", "none"])
+def test_switch_values_that_mean_nothing_are_refused(raw):
+    with pytest.raises(ValueError, match="not a switch value"):
+        env_flag(raw)
+
+
+BOOLEAN_VARIABLES = [env for env, (name, default, _) in ENV_VARS.items()
+                     if isinstance(default, bool) or name == "cuda_aware"]
+
+
+def test_every_boolean_variable_is_a_switch():
+    assert {"MPI_DISABLED", "MPI_OPTIMAL_PATH", "RENDEZVOUS_MPI_REQUESTS", "RENDEZVOUS_TLS_CLIENT_AUTH",
+            "RENDEZVOUS_UVLOOP", "RENDEZVOUS_CUDA_AWARE"} <= set(BOOLEAN_VARIABLES)
+
+
+@pytest.mark.parametrize("env", BOOLEAN_VARIABLES)
+def test_switches_read_as_written_and_refuse_the_rest(env):
+    name = ENV_VARS[env][0]
+    # mutual TLS is valid only with a certificate, its key and a CA
+    needs = {"RENDEZVOUS_TLS_CERT": "c.pem", "RENDEZVOUS_TLS_KEY": "k.pem", "RENDEZVOUS_TLS_CA": "ca.pem"} \
+        if env == "RENDEZVOUS_TLS_CLIENT_AUTH" else {}
+    for word, on in (("true", True), ("on", True), ("yes", True), ("false", False), ("off", False), ("0", False)):
+        assert getattr(Config.load(env={env: word, **needs}), name) is on, (env, word)
+    with pytest.raises(InvalidArgument, match=f"^{env}: 'maybe' is not a switch value"):
+        Config.load(env={env: "maybe", **needs})
+
+
+def test_switch_in_a_config_file_is_refused_with_the_file_and_key(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('mpi_disabled = "sure"\n')
+    with pytest.raises(InvalidArgument, match="c.toml: mpi_disabled: 'sure' is not a switch value"):
+        Config.load(env={}, file=path)
+    path.write_text('mpi_disabled = "yes"\n')
+    assert Config.load(env={}, file=path).mpi_disabled is True
 
 
 def test_readme_lists_every_variable():
     text = README.read_text()
     missing = [env for env in ENV_VARS if f"`{env}`" not in text]
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+def test_readme_defaults_are_the_real_defaults():
+    import re
+
+    wrong, checked = [], set()
+    for env, name, default in re.findall(r"^\| `([A-Z_]+)`(?: \(`(\w+)`\))? \| `([^`]*)` \|", README.read_text(), re.M):
+        if env not in ENV_VARS or default in ENV_VARS:  # the toggles' table is no defaults table
+            continue
+        checked.add(env)
+        real = ENV_VARS[env][1]
+        shown = {True: "1", False: "0"}.get(real, str(real)) if isinstance(real, bool) else str(real)
+        if default != shown:
+            wrong.append((env, default, shown))
+    assert len(checked) >= 30, sorted(set(ENV_VARS) - checked)  # the rest show a blank or words ("see above")
+    assert not wrong, f"README's defaults differ from Config's: {wrong}"
