@@ -231,7 +231,7 @@ def _run(title: str, cluster: str, steps: int, env: dict[str, str],
     print(f"\n=== {title} ===", flush=True)
     launch = [*_mpiexec(), *placement, "-n", str(1 + WORKERS), sys.executable]
     cmd = [*launch, "-m", "mpi4py", __file__, "--cluster", cluster, "--steps", str(steps)]
-    if env.get("MPI_DISABLED", "")[:1] == "1":
+    if env.get("MPI_DISABLED") == "1":  # this launcher sets it itself, as "1"
         # no MPI at all in the ranks: plain python, not python -m mpi4py
         cmd = [*launch, __file__, "--cluster", cluster, "--steps", str(steps)]
     # the run's own toggles only: a MPI_DISABLED from the caller's shell must not leak into run 1

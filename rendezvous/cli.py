@@ -64,15 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.cli import add_arguments as bench_arguments  # stdlib only at import
 
     bench_arguments(b)
-    sub.add_parser("bench-steps", add_help=False,
-                   help="one training step's gradient exchange (ResNet-50, BERT-base, many small tensors) "
-                        "against raw MPI, gloo and raw gRPC; 'rendezvous bench-steps --help' for its flags")
-    sub.add_parser("bench-daemon", add_help=False,
-                   help="rendezvousd: the local hop against memcpy, small tensors against bare gRPC, two daemons "
-                        "against raw MPI, peak RSS; 'rendezvous bench-daemon --help' for its flags")
-    sub.add_parser("bench-scale", add_help=False,
-                   help="per-rank connections, threads, fds and memory as the number of peers grows; "
-                        "'rendezvous bench-scale --help' for its flags")
+    from .bench import daemon as bench_daemon, scale as bench_scale, steps as bench_steps  # stdlib only at import
+
+    for name, module in (("bench-steps", bench_steps), ("bench-daemon", bench_daemon), ("bench-scale", bench_scale)):
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+                                            epilog=module.EPILOG))
     return p
 
 
@@ -98,7 +94,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
                    help="under grpc+mpi, ask the ranks of the MPI job for tensors with MPI messages "
                         "(env RENDEZVOUS_MPI_REQUESTS=1)")
     p.add_argument("--grace", type=float, metavar="S",
-                   help="seconds replies in flight may take to finish at shutdown (default 5)")
+                   help="seconds a drain keeps serving what was produced here, until all is consumed (default 10)")
     p.add_argument("--config", metavar="FILE", help="TOML file of config fields (env RENDEZVOUS_CONFIG)")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective config and where each value came from, then exit")
@@ -163,18 +159,6 @@ def _load_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     _quiet_grpc()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench-steps"]:  # its own flags: see rendezvous.bench.steps
-        from .bench.steps import main as steps
-
-        return steps(argv[1:])
-    if argv[:1] == ["bench-daemon"]:  # its own flags: see rendezvous.bench.daemon
-        from .bench.daemon import main as daemon_bench
-
-        return daemon_bench(argv[1:])
-    if argv[:1] == ["bench-scale"]:  # its own flags: see rendezvous.bench.scale
-        from .bench.scale import main as scale_bench
-
-        return scale_bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -187,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import run as bench
 
         return bench(args)
+    if args.command in ("bench-steps", "bench-daemon", "bench-scale"):
+        from importlib import import_module
+
+        return import_module(f".bench.{args.command[6:]}", __package__).run(args)
     _parser().print_help()
     return 2
 

@@ -112,6 +112,11 @@ class Config:
         64 << 30, "RENDEZVOUS_MAX_TENSOR_BYTES",
         "Largest tensor a peer's reply (or a local client) may announce; bigger ones fail with "
         "RESOURCE_EXHAUSTED before anything is allocated.")
+    timeline: str = _knob(
+        "", "RENDEZVOUS_TIMELINE",
+        "File to write a timeline to: every send and recv (its wait, its transfer, path, bytes, peer) as "
+        "Chrome trace events, which Perfetto (ui.perfetto.dev) and chrome://tracing open. `{task_index}` and "
+        "`{job_name}` are replaced, so that each rank writes its own file. Empty: off.")
     # -- the per-node daemon (rendezvousd; `rendezvous serve` reads the first five too)
     cluster: str = _knob(
         "", "RENDEZVOUS_CLUSTER", "Cluster spec: a JSON file, or inline JSON.")
@@ -120,7 +125,10 @@ class Config:
         -1, "RENDEZVOUS_TASK_INDEX", "This task's index; -1: the launcher's rank (mpiexec, srun), else 0.")
     protocol: str = _knob("grpc", "RENDEZVOUS_PROTOCOL", "`grpc`, or `grpc+mpi` (MPI data plane between the ranks).")
     grace: float = _knob(
-        5.0, "RENDEZVOUS_GRACE", "Seconds replies in flight may take to finish once a drain starts.")
+        10.0, "RENDEZVOUS_GRACE",
+        "Seconds `stop()` (and a daemon's drain) keeps serving what this rank produced, until every produced "
+        "tensor is consumed and every reply in flight has finished; what is left then is dropped and logged. "
+        "`stop(grace=0)` drops at once.")
     local_address: str = _knob(
         "", "RENDEZVOUS_LOCAL_ADDRESS",
         "Where local clients reach the daemon: `unix:PATH` or `HOST:PORT`; `{job_name}` and `{task_index}` "

@@ -50,7 +50,7 @@ from .dtypes import (
 )
 from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 
-__all__ = ["MAX_TYPED_FIELD_BYTES", "TensorMeta", "encode_meta", "encode_header", "encode_tensor", "decode_tensor",
+__all__ = ["MAX_TYPED_FIELD_BYTES", "TensorMeta", "encode_meta", "check_sendable", "encode_header", "encode_tensor", "decode_tensor",
            "decode_meta", "empty_like_meta", "announced_bytes", "check_announced"]
 
 # Decoding TensorFlow's typed fields expands them (a splat of one value fills
@@ -109,6 +109,15 @@ def _string_items(arr: np.ndarray) -> list[bytes]:
                 raise UnsupportedDType(
                     f"object array holds a {type(x).__name__}; only bytes objects can be sent (as DT_STRING)")
     return items
+
+
+def check_sendable(arr: np.ndarray) -> None:
+    """Raise UnsupportedDType, naming what is wrong, for an array that cannot be
+    encoded: a dtype with no TensorFlow DataType (numpy unicode, structured,
+    datetime), or an object array holding anything but bytes. Called by
+    ``send`` so that the producer, not the consumer, hears of it."""
+    if dtype_to_proto(arr.dtype) == DT_STRING and arr.dtype == OBJECT:
+        _string_items(arr)
 
 
 def encode_header(arr: np.ndarray) -> tuple[bytes, memoryview | None]:

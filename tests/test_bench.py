@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import io
 import json
 import math
 import os
@@ -267,19 +268,61 @@ def test_json_round_trip(tmp_path):
         report.load(path)
 
 
+def _shown(doc: dict, width: int = 200) -> str:
+    """``report.show``'s output on a console that is not a terminal."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    report.show(doc, Console(file=buf, width=width))
+    return buf.getvalue()
+
+
+def _row(text: str, *cells: str) -> str:
+    """The one line of ``text`` holding every cell, in order (a table row)."""
+    found = [line for line in text.splitlines()
+             if all(c in line for c in cells) and _in_order(line, cells)]
+    assert len(found) == 1, (cells, text)
+    return found[0]
+
+
+def _in_order(line: str, cells: tuple[str, ...]) -> bool:
+    at = 0
+    for c in cells:
+        at = line.find(c, at)
+        if at < 0:
+            return False
+        at += len(c)
+    return True
+
+
 @pytest.mark.timeout(10)
-def test_render_shows_every_cell_ratio_and_target():
+def test_show_draws_every_cell_ratio_and_target():
+    pytest.importorskip("rich")
     doc = _doc()
-    text = report.render(doc)
-    for label in doc["contenders"].values():
-        assert label in text
-    for size in ("1 KiB", "1 MiB", "16 MiB", "128 MiB"):
-        assert size in text
-    assert "MISSED optimal path bandwidth at 1 MiB vs raw MPI: 0.80 >= 0.9" in text
-    assert "met    default path bandwidth at 16 MiB vs raw gRPC unary: 2.00 >= 1" in text
+    text = _shown(doc)
+    assert "\x1b" not in text  # not a terminal: no colours, no cursor moves
+    for cell in doc["transfers"]:
+        label = doc["contenders"][cell["contender"]]
+        _row(text, label, report.figure(cell["median_us"]), report.figure(cell["p99_us"]),
+             report.figure(cell["gbps"], 3), report.figure(cell["vs_mpi"]["gbps"]), str(cell["samples"]))
+    lines = text.splitlines()
+    for size in ("1 KiB", "1 MiB", "16 MiB", "128 MiB"):  # on the first row of its size only
+        assert [line.split()[2] for line in lines if line.startswith(size + " ")] == ["raw"], size
+    _row(text, "MISSED", "optimal path bandwidth at 1 MiB vs raw MPI", "0.80", ">= 0.9")
+    _row(text, "met", "default path bandwidth at 16 MiB vs raw gRPC unary", "2.00", ">= 1")
+    _row(text, "size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n")
     assert "1000 recvs outstanding" in text and "rank 1 3.00% of a core" in text
     assert "n/a" not in text
-    assert "not measured" in report.render(_doc(with_gloo=False))
+    without = _shown(_doc(with_gloo=False))
+    _row(without, "n/a", "optimal path bandwidth at 1 MiB vs gloo", "-", ">= 2", "gloo not measured")
+
+
+@pytest.mark.timeout(10)
+def test_show_prints_labels_as_written():
+    pytest.importorskip("rich")
+    doc = _doc()
+    doc["contenders"]["mpi"] = "raw [bold]MPI[/bold] :smile:"  # neither markup nor emoji codes
+    assert "raw [bold]MPI[/bold] :smile:" in _shown(doc)
 
 
 @pytest.mark.timeout(10)
@@ -319,36 +362,47 @@ def test_peak_rss_sees_one_allocation():
     assert rss.peak() < base + 16 * MiB
 
 
-class _Sink:
-    def __init__(self, tty: bool) -> None:
-        self.text = ""
-        self.tty = tty
+@pytest.mark.timeout(10)
+def test_progress_in_a_log_is_a_plain_line_per_tenth():
+    from rich.console import Console
 
-    def write(self, s: str) -> None:
-        self.text += s
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return self.tty
+    buf = io.StringIO()
+    bar = Progress(out=Console(file=buf, width=80), name="bench-x")
+    for i in range(1, 101):
+        bar.update(i, 100, f"step {i}")
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 11  # one per tenth reached: 1% (tenth 0), 10%, ..., 100%
+    assert lines[0].startswith("bench-x:   1% after ") and lines[0].endswith("(step 1)")
+    assert lines[-1].startswith("bench-x: 100% after ") and lines[-1].endswith("(step 100)")
+    assert "\r" not in buf.getvalue() and "\x1b" not in buf.getvalue()
 
 
 @pytest.mark.timeout(10)
-def test_progress_bar_on_a_terminal_and_in_a_log():
-    tty = _Sink(True)
-    bar = Progress(tty)
+def test_progress_on_a_terminal_is_rich_bar():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    bar = Progress(out=Console(file=buf, width=100, force_terminal=True, color_system=None))
     bar.update(5, 10, "1 MiB mpi")
-    assert "\r[" in tty.text and "50%" in tty.text and "1 MiB mpi" in tty.text
     bar.close()
-    assert tty.text.endswith("\n")
-    log = _Sink(False)
-    bar = Progress(log)
-    for i in range(1, 101):
-        bar.update(i, 100, f"step {i}")
-    lines = log.text.splitlines()
-    assert len(lines) == 11 and "\r" not in log.text  # the first, then one line per tenth
-    assert "100%" in lines[-1]
+    text = buf.getvalue()
+    assert "\x1b[?25l" in text and text.endswith("\x1b[?25h")  # the cursor hidden while drawing, then shown
+    last = text.rstrip("\x1b[?25h").rstrip("\n").split("\r")[-1]
+    assert "50%" in last and "1 MiB mpi" in last and "━" in last
+    assert "after" not in text  # not the plain lines
+
+
+@pytest.mark.timeout(10)
+def test_progress_stays_within_bounds():
+    from rich.console import Console
+
+    buf = io.StringIO()
+    bar = Progress(out=Console(file=buf, width=80), name="b")
+    bar.update(0, 0, "nothing to do")  # no division by zero
+    bar.update(7, 5, "overshoot")
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("b:   0%") and lines[1].startswith("b: 100%")
 
 
 @pytest.mark.timeout(10)
@@ -501,6 +555,7 @@ def test_tiny_run_of_the_gpu_contenders_on_the_fake_gpu(tmp_path):
     assert {("gpu_staged", 65536), ("gpu_serial", 1024), ("d2h", 65536)} <= cells
 
 
+@pytest.mark.timeout(10)
 def test_model_shapes_match_the_published_architectures():
     from rendezvous.bench import models
 

@@ -120,7 +120,7 @@ def test_sigterm_drains_a_recv_in_flight_then_restart_works_at_once(procs, sockd
         assert waiter.p.wait(30) == 0
     assert daemon.p.wait(30) == 0, "".join(daemon.err)
     drained = json.loads(daemon.wait_err("never consumed"))
-    assert drained["level"] == "WARNING" and "1 produced tensors never consumed" in drained["message"]
+    assert drained["level"] == "WARNING" and "1 produced tensor(s) never consumed" in drained["message"]
     assert not (sockdir / "d.sock").exists()
     # restart at once on the same socket and the same port
     port = int(target.rsplit(":", 1)[1])

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from rendezvous.config import env_flag
+
 pytestmark = pytest.mark.mpi
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "mpi_scenarios.py")
@@ -146,7 +148,10 @@ TOGGLES = [
     ({"MPI_DISABLED": "1"}, "grpc"),
     ({"MPI_DISABLED": "1", "MPI_OPTIMAL_PATH": "1"}, "grpc"),
     ({"MPI_DISABLED": "1", "MPI_OPTIMAL_PATH": "0"}, "grpc"),
-    ({"MPI_DISABLED": "true"}, "mpi"),  # only a leading '1' means on, as in TensorFlow
+    # words read as written (once only a leading '1' meant on: "true" kept MPI on)
+    ({"MPI_DISABLED": "true"}, "grpc"),
+    ({"MPI_DISABLED": "no", "MPI_OPTIMAL_PATH": "false"}, "grpc"),
+    ({"MPI_DISABLED": "Off", "MPI_OPTIMAL_PATH": "on"}, "mpi"),
     # requests over MPI: every transfer between the ranks is MPI's, even inline ones
     ({"RENDEZVOUS_MPI_REQUESTS": "1"}, "mpi"),
     ({"RENDEZVOUS_MPI_REQUESTS": "1", "MPI_OPTIMAL_PATH": "0"}, "mpi"),
@@ -163,10 +168,10 @@ def test_toggles(env, large_path):
         assert s[large_path]["transfers"] >= 2, s  # 1024 B and 1 MiB
         if large_path == "grpc":
             assert s["mpi"]["transfers"] == 0
-        disabled = env.get("MPI_DISABLED", "")[:1] == "1"
+        disabled = env_flag(env.get("MPI_DISABLED", "0"))
         assert r["mpi_disabled"] is disabled
         assert r["mpi_imported"] is (not disabled), "MPI_DISABLED=1 must not import mpi4py"
-    if env.get("MPI_DISABLED", "")[:1] == "1":
+    if env_flag(env.get("MPI_DISABLED", "0")):
         assert "MPI_DISABLED=1: MPI off" in out
     else:
         assert "MPI_OPTIMAL_PATH=" in out and "thread level MULTIPLE" in out

@@ -33,6 +33,11 @@ Per command:
 * ``bench-scale``: :mod:`.scale` (the command, one job per setup and size),
   :mod:`.scale_rank` (one rank).
 
-Nothing here is imported by the library itself; matplotlib (the plot) and
-torch (gloo) are optional and imported only when used.
+Each command's module gives ``add_arguments`` (its flags, for the
+``rendezvous`` parser), ``run`` (the command) and ``main`` (the same from a
+command line); importing it costs nothing beyond the standard library.
+
+Nothing here is imported by the library itself; rich (the progress bar and
+the terminal's tables), matplotlib (the plot) and torch (gloo) are optional
+and imported only when used.
 """

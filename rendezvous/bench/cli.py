@@ -3,8 +3,9 @@
 Run outside MPI, the command starts ``mpiexec -n 2 python -m mpi4py -m
 rendezvous bench ...`` (the launcher next to this Python, or
 ``RENDEZVOUS_MPIEXEC``), draws a progress bar from rank 0's progress lines,
-and once the job is done prints the table and writes the plot. Run under
-``mpiexec -n 2`` directly, rank 0 does all of that itself.
+and once the job is done prints the tables (rich, :func:`.report.show`) and
+writes the plot. Run under ``mpiexec -n 2`` directly, rank 0 does all of
+that itself.
 
 ``python -m mpi4py`` makes an uncaught exception on either rank call
 ``MPI_Abort``, so a failing rank ends the job instead of leaving the other
@@ -112,10 +113,15 @@ def run(args: argparse.Namespace) -> int:
     from rendezvous.rank.launch import launcher_rank
 
     opts = _options(args)  # fail on bad flags before launching anything
+    child = os.environ.get(_CHILD_ENV) == "1"
+    if not child:
+        from .report import need_rich
+
+        need_rich("bench")  # it draws the progress and the tables: refuse now, not after the run
     where = launcher_rank()
     if where is None:
         return _launch(args)
-    return _rank(args, opts, child=os.environ.get(_CHILD_ENV) == "1")
+    return _rank(args, opts, child=child)
 
 
 # -- a rank -------------------------------------------------------------------------
@@ -128,6 +134,7 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
     from .procs import emit
     from .worker import run_rank
 
+    bar = None
     if child:
         def progress(done: int, total: int, label: str) -> None:
             emit(_PROGRESS, [done, total, label])
@@ -141,6 +148,8 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
         raw = loop.run_until_complete(run_rank(opts, progress))
     finally:
         loop.close()
+        if bar is not None:
+            bar.close()
     if raw is None:
         return 0
     raw.update(outstanding=opts.outstanding, rate_bytes=opts.rate_bytes)
@@ -149,7 +158,6 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(doc, out / JSON_NAME)
     if not child:
-        bar.close()
         _show(doc, out)
     return 0
 
@@ -157,13 +165,14 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
 def _show(doc: dict[str, Any], out: Path) -> None:
     from . import report
 
-    print(report.render(doc))
+    con = report.console(sys.stdout)
+    report.show(doc, con)
     (out / MARKDOWN_NAME).write_text(report.markdown(doc))
-    print(f"\nresults: {out / JSON_NAME} (tables in Markdown: {out / MARKDOWN_NAME})")
+    con.print(f"\nresults: {out / JSON_NAME} (tables in Markdown: {out / MARKDOWN_NAME})", soft_wrap=True)
     if report.write_plot(doc, out / PLOT_NAME):
-        print(f"plot:    {out / PLOT_NAME}")
+        con.print(f"plot:    {out / PLOT_NAME}", soft_wrap=True)
     else:
-        print("plot:    not drawn: matplotlib is not installed (pip install 'rendezvous[bench]')")
+        con.print("plot:    not drawn: matplotlib is not installed (pip install 'rendezvous[bench]')")
 
 
 # -- the launcher -----------------------------------------------------------------
@@ -188,8 +197,7 @@ def _launch(args: argparse.Namespace) -> int:
         if done is not None:
             bar.update(*done)
         else:
-            bar.clear()
-            sys.stdout.write(text)
+            bar.write(text)
 
     try:
         job = procs.run("the benchmark job", cmd, args.timeout, env={**os.environ, _CHILD_ENV: "1"}, on_line=line)

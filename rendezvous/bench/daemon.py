@@ -65,11 +65,19 @@ from typing import Any
 from .procs import BenchError
 from .stats import format_size, parse_size
 
-__all__ = ["main", "CONTENDERS", "options", "document"]
+__all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "CONTENDERS",
+           "document"]
 
 JSON_NAME = "daemon.json"
 MARKDOWN_NAME = "daemon.md"
 MiB = 1 << 20
+#: ``rendezvous --help``'s line for the command, its own --help's description and epilog
+HELP = ("rendezvousd: the local hop against memcpy, small tensors against bare gRPC, two daemons against raw "
+        "MPI, peak RSS")
+DESCRIPTION = ("Measure rendezvousd and its local clients on this machine: the local hop against a memcpy, 1 KiB "
+               "tensors and the rate against bare gRPC, two daemons under mpiexec -n 2 against raw MPI, and every "
+               "process's peak RSS, the contenders taking turns round by round. See BENCHMARKS.md.")
+EPILOG = f"Writes {JSON_NAME} and {MARKDOWN_NAME} into --out."
 
 #: every contender the run measures (the keys of the results document's "contenders")
 CONTENDERS = {
@@ -161,17 +169,16 @@ def _sizes(text: str, flag: str) -> list[int]:
     return sizes
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rendezvous bench-daemon", description=__doc__.split("\n\n")[0],
-                                epilog="Writes daemon.json and daemon.md into --out.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``rendezvous bench-daemon``."""
     p.add_argument("--quick", action="store_true",
                    help=f"sizes {_QUICK['sizes']} (cross-node {_QUICK['cross_sizes']}), fewer samples: "
                         "about 2 minutes on 2 cores")
-    p.add_argument("--sizes", help=f"local-hop sizes (default {_FULL['sizes']})")
-    p.add_argument("--aio-sizes", default="1K,1M,64M",
+    p.add_argument("--sizes", metavar="LIST", help=f"local-hop sizes (default {_FULL['sizes']})")
+    p.add_argument("--aio-sizes", default="1K,1M,64M", metavar="LIST",
                    help="sizes (of --sizes) at which the asyncio client runs the local hop too (default 1K,1M,64M)")
-    p.add_argument("--cross-sizes", help=f"cross-node sizes (default {_FULL['cross_sizes']})")
-    p.add_argument("--scenarios", default="local,small,cross",
+    p.add_argument("--cross-sizes", metavar="LIST", help=f"cross-node sizes (default {_FULL['cross_sizes']})")
+    p.add_argument("--scenarios", default="local,small,cross", metavar="LIST",
                    help="which scenarios to run: any of local (the local hop), small (1 KiB tensors and the "
                         "rate), cross (two daemons and raw MPI); default all")
     p.add_argument("--samples", type=int, metavar="N",
@@ -189,14 +196,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment setting for every daemon started (repeatable), e.g. "
                         "RENDEZVOUS_RETRY_CACHE_BYTES=0")
-    p.add_argument("--out", default="bench-results", metavar="DIR", help="where daemon.json and daemon.md go")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help=f"where {JSON_NAME} and {MARKDOWN_NAME} go (default bench-results)")
     p.add_argument("--timeout", type=float, default=1500.0, metavar="S",
                    help="seconds the whole run may take (default 1500)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """``rendezvous bench-daemon``'s parser on its own (:func:`main`)."""
+    p = argparse.ArgumentParser(prog="rendezvous bench-daemon", description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(p)
     return p
 
 
-def options(argv: list[str] | None) -> argparse.Namespace:
-    args = _parser().parse_args(argv)
+def options(flags: argparse.Namespace) -> argparse.Namespace:
+    """``flags`` (from :func:`add_arguments`) checked, with the defaults of a full
+    or ``--quick`` run filled in and sizes in bytes (a copy)."""
+    args = argparse.Namespace(**vars(flags))
     base = _QUICK if args.quick else _FULL
     args.sizes = _sizes(args.sizes or base["sizes"], "--sizes")
     args.cross_sizes = _sizes(args.cross_sizes or base["cross_sizes"], "--cross-sizes")
@@ -234,13 +250,16 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = options(argv)
+def run(flags: argparse.Namespace) -> int:
+    """Run ``rendezvous bench-daemon`` with ``flags`` (from :func:`add_arguments`)."""
+    args = options(flags)
+    from .report import Progress, need_rich
+
+    need_rich("bench-daemon")
     from .daemon_fleet import Fleet, daemon_env
     from .daemon_scenarios import Bench
-    from .report import Progress
 
-    bar = Progress(sys.stderr)
+    bar = Progress(sys.stderr, "bench-daemon")
     fleet = Fleet(args.timeout, daemon_env(args.pool_bytes, args.daemon_env))
     bench = Bench(args, fleet, bar.update)
 
@@ -255,13 +274,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rendezvous bench-daemon: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 1
     finally:
+        bar.close()
         signal.signal(signal.SIGTERM, old)
         fleet.close()
-    bar.close()
     from .report import daemon_markdown, save
 
     save(args.out, doc, daemon_markdown(doc), JSON_NAME, MARKDOWN_NAME)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rendezvous bench-daemon`` from a command line."""
+    return run(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -8,13 +8,23 @@ decided here and nowhere else.
 * figures: :func:`figure` (precision by magnitude: ``rendezvous bench``,
   ``bench-scale``), :func:`decimals` (fixed decimals below 100:
   ``bench-daemon``), :func:`whole` (counts);
-* tables: :func:`text_table` (the terminal), :func:`markdown_table`;
+* tables: :func:`markdown_table` (every file); on the terminal, rich's
+  tables (:func:`show`) drawn on :func:`console`;
 * files: :func:`write_json` and :func:`load` (``bench.json``, checked
   against its schema), :func:`save` (the other commands' JSON and Markdown,
   printed too), :func:`write_plot` (``bench.png``);
-* the pages: :func:`render` and :func:`markdown` (``rendezvous bench``),
-  :func:`steps_markdown`, :func:`daemon_markdown`, :func:`scale_markdown`;
-* :class:`Progress`: the progress bar of ``bench`` and ``bench-daemon``.
+* the pages: :func:`show` (the terminal) and :func:`markdown`
+  (``rendezvous bench``), :func:`steps_markdown`, :func:`daemon_markdown`,
+  :func:`scale_markdown`;
+* :class:`Progress`: the progress of ``bench``, ``bench-daemon`` and
+  ``bench-scale``.
+
+What is drawn on a terminal (the progress bar, ``rendezvous bench``'s
+tables) is drawn with rich, the ``bench`` extra, imported only when drawing
+(:func:`need_rich` lets a command refuse to start without it); the files
+are plain Markdown and JSON, written without it. On anything but a terminal
+(a log, a pipe) rich's tables come out as plain text, and the progress as a
+plain line at every tenth of the run.
 
 The documents themselves (what is measured, the ratios, the targets) are
 built by :mod:`rendezvous.bench.results`.
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,10 +42,14 @@ from typing import Any
 
 from .stats import format_size
 
-__all__ = ["figure", "decimals", "whole", "text_table", "markdown_table", "write_json", "load", "save", "render",
-           "markdown", "write_plot", "steps_markdown", "daemon_markdown", "scale_markdown", "Progress"]
+__all__ = ["figure", "decimals", "whole", "markdown_table", "write_json", "load", "save", "need_rich", "console",
+           "show", "markdown", "write_plot", "steps_markdown", "daemon_markdown", "scale_markdown", "Progress",
+           "NO_RICH"]
 
 MiB = 1 << 20
+NO_RICH = "rich, which draws the progress bar and tables, is not installed (pip install 'rendezvous[bench]')"
+#: the width of a console that is not a terminal: wide enough that no table wraps in a log
+LOG_WIDTH = 200
 
 
 # -- figures and tables -----------------------------------------------------------------
@@ -71,14 +86,6 @@ def whole(value: float) -> str:
 
 def _mib(n: float) -> str:
     return f"{n / MiB:.0f}"
-
-
-def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns padded to their widest cell, the first two left-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
-                                  for i, (c, w) in enumerate(zip(cells, widths)))
-    return [fmt(header), fmt(["-" * w for w in widths]), *[fmt(r) for r in rows]]
 
 
 def markdown_table(header: list[str], rows: list[list[str]], numbers_from: int | None = 2) -> list[str]:
@@ -121,6 +128,31 @@ def save(out: str | Path, doc: Mapping[str, Any], text: str, json_name: str, md_
     print(f"results: {out / json_name} (Markdown: {out / md_name})")
 
 
+# -- the terminal ----------------------------------------------------------------------------
+
+def need_rich(command: str) -> None:
+    """Refuse to start ``rendezvous <command>`` without rich (before anything runs,
+    not when its results are ready to draw)."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"rendezvous {command}: {NO_RICH}") from None
+
+
+def console(file: Any = None) -> Any:
+    """A rich console on ``file`` (default stdout) that prints text as given (no
+    markup, emoji or highlighting). Not a terminal: no colours, no cursor moves,
+    and :data:`LOG_WIDTH` columns, so no table wraps in a log."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        raise SystemExit(NO_RICH) from None
+    out = Console(file=sys.stdout if file is None else file, markup=False, emoji=False, highlight=False)
+    if not out.is_terminal:
+        out.width = LOG_WIDTH
+    return out
+
+
 # -- rendezvous bench -----------------------------------------------------------------------
 
 def _transfer_rows(doc: Mapping[str, Any], every_size: bool) -> list[list[str]]:
@@ -156,34 +188,62 @@ def _rss_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     return rows
 
 
-def render(doc: Mapping[str, Any]) -> str:
-    """``rendezvous bench``'s results as text tables, then the targets."""
-    lines = [f"rendezvous bench ({'quick' if doc['quick'] else 'full'}), {doc['created']}",
-             "  " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()), ""]
-    lines.append("Round trips rank 1 -> rank 0 (bandwidth from the median; x = bandwidth ratio, same run;"
-                 " cpu = CPU time per transfer of the consumer / producer process)")
-    lines += text_table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n"],
-                        _transfer_rows(doc, every_size=False))
+def show(doc: Mapping[str, Any], out: Any = None) -> None:
+    """Draw ``rendezvous bench``'s results on the rich console ``out`` (default: a
+    :func:`console` on stdout): tables of the transfers, the rate and the peak
+    RSS, the idle CPU, then the targets."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    out = console(sys.stdout) if out is None else out
+
+    def table(header: list[str], rows: list[list[str]], caption: str, groups: int | None = None) -> None:
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+        for i, h in enumerate(header):
+            t.add_column(Text(h), justify="left" if i < 2 else "right", no_wrap=i == 1)
+        for i, row in enumerate(rows):
+            last_of_group = groups is not None and i + 1 < len(rows) and rows[i + 1][groups] != ""
+            t.add_row(*(Text(c) for c in row), end_section=last_of_group)
+        out.print(Text(caption, style="bold"), soft_wrap=True)
+        out.print(t)
+        out.print()
+
+    out.print(Text(f"rendezvous bench ({'quick' if doc['quick'] else 'full'}), {doc['created']}", style="bold"),
+              soft_wrap=True)
+    out.print(Text("  " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()), style="dim"),
+              soft_wrap=True)
+    out.print()
+    table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n"],
+          _transfer_rows(doc, every_size=False),
+          "Round trips rank 1 -> rank 0 (bandwidth from the median; x = bandwidth ratio, same run; "
+          "cpu = CPU time per transfer of the consumer / producer process)", groups=0)
     if doc.get("rate"):
         r = doc["rate"]
-        lines += ["", f"Rate: {format_size(r['bytes'])} tensors, {r['outstanding']} recvs outstanding"]
-        lines += text_table(["contender", "", "per s", "best", "x mpi", "x grpc", "errors"], _rate_rows(doc))
+        table(["contender", "", "per s", "best", "x mpi", "x grpc", "errors"], _rate_rows(doc),
+              f"Rate: {format_size(r['bytes'])} tensors, {r['outstanding']} recvs outstanding")
     if doc.get("rss"):
-        lines += ["", f"Peak RSS during one {format_size(doc['rss']['size'])} transfer (added over the rank's "
-                      "baseline; producer = rank 1, consumer = rank 0)"]
-        lines += text_table(["contender", "rank", "base MiB", "peak MiB", "added MiB", "x size", "x mpi"],
-                            _rss_rows(doc))
+        table(["contender", "rank", "base MiB", "peak MiB", "added MiB", "x size", "x mpi"], _rss_rows(doc),
+              f"Peak RSS during one {format_size(doc['rss']['size'])} transfer (added over the rank's baseline; "
+              "producer = rank 1, consumer = rank 0)")
     if doc.get("idle"):
-        lines += ["", "Idle: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of a core over "
-                                           f"{r['seconds']:.0f} s" for r in doc["idle"])]
-    lines += ["", "Targets"]
+        out.print(Text("Idle: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of a core over "
+                                            f"{r['seconds']:.0f} s" for r in doc["idle"])), soft_wrap=True)
+        out.print()
+    notes = any(t["note"] for t in doc["targets"])
+    targets = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for h, justify in (("", "left"), ("target", "left"), ("measured", "right"), ("required", "left"),
+                       *((("note", "left"),) if notes else ())):
+        targets.add_column(Text(h), justify=justify)
     for t in doc["targets"]:
-        mark = {True: "met   ", False: "MISSED", None: "n/a   "}[t["ok"]]
-        note = f" ({t['note']})" if t["note"] else ""
-        lines.append(f"  {mark} {t['what']}: {figure(t['measured'])} {t['op']} {t['limit']:g}{note}")
+        mark = {True: Text("met", style="green"), False: Text("MISSED", style="bold red"),
+                None: Text("n/a", style="dim")}[t["ok"]]
+        targets.add_row(mark, Text(t["what"]), Text(figure(t["measured"])), Text(f"{t['op']} {t['limit']:g}"),
+                        *((Text(t["note"] or "", style="dim"),) if notes else ()))
+    out.print(Text("Targets", style="bold"))
+    out.print(targets)
     for n in doc["notes"]:
-        lines.append(f"note: {n}")
-    return "\n".join(lines)
+        out.print(Text(f"note: {n}"), soft_wrap=True)
 
 
 def markdown(doc: Mapping[str, Any]) -> str:
@@ -528,41 +588,57 @@ def _scale_kinds(doc: dict[str, Any]) -> list[str]:
 # -- progress ---------------------------------------------------------------------------------
 
 class Progress:
-    """A one-line progress bar on a terminal; occasional plain lines otherwise."""
+    """The progress of a run (``update(done, total, label)``). On a terminal,
+    rich's bar with the fraction done, the time so far and ``label``; elsewhere a
+    plain line at every tenth: ``bench: 40% after 12s (1 MiB mpi)``, ``bench``
+    being ``name``. Lines the run prints meanwhile go through :meth:`write`,
+    above the bar. :meth:`close` leaves the bar as it last was."""
 
-    def __init__(self, stream: Any, width: int = 28) -> None:
-        self.stream = stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.width = width
+    def __init__(self, stream: Any = None, name: str = "bench", *, out: Any = None) -> None:
+        self.console = out if out is not None else console(sys.stderr if stream is None else stream)
+        self.name = name
         self.start = time.monotonic()
-        self.shown = False
         self.last_tenth = -1
+        self._bar: Any = None
+        self._task: Any = None
 
     def update(self, done: int, total: int, label: str) -> None:
         total = max(total, 1)
-        frac = min(1.0, done / total)
-        elapsed = time.monotonic() - self.start
-        if self.tty:
-            filled = int(frac * self.width)
-            bar = "#" * filled + "." * (self.width - filled)
-            text = f"\r[{bar}] {frac:4.0%} {elapsed:5.0f}s  {label}"
-            self.stream.write(text[:120].ljust(100))
-            self.shown = True
-        else:
-            tenth = int(frac * 10)
-            if tenth == self.last_tenth:
-                return
-            self.last_tenth = tenth
-            self.stream.write(f"bench: {frac:4.0%} after {elapsed:.0f}s ({label})\n")
-        self.stream.flush()
+        done = min(max(done, 0), total)
+        if self.console.is_terminal:
+            if self._bar is None:
+                self._open()
+            self._bar.update(self._task, completed=done, total=total, description=label)
+            return
+        tenth = done * 10 // total
+        if tenth == self.last_tenth:
+            return
+        self.last_tenth = tenth
+        from rich.text import Text
 
-    def clear(self) -> None:
-        if self.tty and self.shown:
-            self.stream.write("\r" + " " * 100 + "\r")
-            self.stream.flush()
+        self.console.print(Text(f"{self.name}: {done / total:4.0%} after {time.monotonic() - self.start:.0f}s "
+                                f"({label})"), soft_wrap=True)
+
+    def _open(self) -> None:
+        from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
+
+        # Another stream's lines go above the bar only when that stream is the
+        # terminal too; a redirected stdout stays where it was sent.
+        stdout_here = bool(getattr(sys.stdout, "isatty", lambda: False)())
+        self._bar = Bar(BarColumn(bar_width=28), TaskProgressColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.description}", markup=False), console=self.console,
+                        redirect_stdout=stdout_here, redirect_stderr=self.console.file is sys.stderr)
+        self._task = self._bar.add_task("", total=1)
+        self._bar.start()
+
+    def write(self, text: str) -> None:
+        """Print ``text`` (a line another process wrote) on stdout; above the bar
+        when both are on the terminal."""
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
     def close(self) -> None:
-        if self.tty and self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.shown = False
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

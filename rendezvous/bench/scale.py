@@ -59,11 +59,18 @@ from .control import Listener
 from .procs import NO_MPIEXEC, BenchError, Group, environ, mpiexec
 from .scale_rank import BIG_BYTES, JOB, SMALL_BYTES
 
-__all__ = ["main", "SETUPS", "SMALL_BYTES", "JobFailed", "run_job", "build"]
+__all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "SETUPS",
+           "SMALL_BYTES", "JobFailed", "run_job", "build"]
 
 SETUPS = ("grpc", "grpc+mpi")
 JSON_NAME = "scale.json"
 MARKDOWN_NAME = "scale.md"
+#: ``rendezvous --help``'s line for the command, its own --help's description and epilog
+HELP = "per-rank connections, threads, fds and memory as the number of peers grows"
+DESCRIPTION = ("Run jobs of each of --ranks ranks on this machine (plain processes over gRPC; under mpiexec with "
+               "grpc+mpi) and measure what one rank holds before and after a full-mesh exchange: connections, "
+               "threads, descriptors, memory, and its start-up. See BENCHMARKS.md.")
+EPILOG = f"Writes {JSON_NAME} and {MARKDOWN_NAME} into --out."
 
 
 # -- one job --------------------------------------------------------------------------------
@@ -201,9 +208,8 @@ def build(runs: list[dict[str, Any]], args: dict[str, Any], seconds: float) -> d
 
 # -- the command -----------------------------------------------------------------------------------
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rendezvous bench-scale", description=__doc__.split("\n\n")[0],
-                                epilog=f"Writes {JSON_NAME} and {MARKDOWN_NAME} into --out.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``rendezvous bench-scale``."""
     p.add_argument("--ranks", default="2,4,8", metavar="LIST", help="job sizes, comma-separated (default 2,4,8)")
     p.add_argument("--setups", default=",".join(SETUPS), metavar="LIST",
                    help=f"any of {', '.join(SETUPS)} (default both)")
@@ -215,11 +221,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="seconds each job (one setup, one N) may take before all its processes are killed "
                         "(default 300)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """``rendezvous bench-scale``'s parser on its own (:func:`main`)."""
+    p = argparse.ArgumentParser(prog="rendezvous bench-scale", description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(p)
     return p
 
 
-def options(argv: list[str] | None) -> argparse.Namespace:
-    args = _parser().parse_args(argv)
+def options(flags: argparse.Namespace) -> argparse.Namespace:
+    """``flags`` (from :func:`add_arguments`) checked, as lists and bytes (a copy)."""
+    args = argparse.Namespace(**vars(flags))
     try:
         args.ranks = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     except ValueError:
@@ -244,26 +257,38 @@ def options(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = options(argv)
+def run(flags: argparse.Namespace) -> int:
+    """Run ``rendezvous bench-scale`` with ``flags`` (from :func:`add_arguments`)."""
+    args = options(flags)
+    from .report import Progress, need_rich
+
+    need_rich("bench-scale")
+    jobs = [(setup, n) for setup in args.setups for n in args.ranks]
+    bar = Progress(sys.stderr, "bench-scale")
     t0 = time.monotonic()
     runs = []
     try:
-        for setup in args.setups:
-            for n in args.ranks:
-                print(f"bench-scale: {setup}, {n} ranks ...", file=sys.stderr, flush=True)
-                run = run_job(setup, n, args.timeout, args.big)
-                print(f"bench-scale: {setup}, {n} ranks: {run['wall_s']:.1f} s", file=sys.stderr, flush=True)
-                runs.append(run)
+        for i, (setup, n) in enumerate(jobs):
+            bar.update(i, len(jobs), f"{setup}, {n} ranks")
+            runs.append(run_job(setup, n, args.timeout, args.big))
+        bar.update(len(jobs), len(jobs), "done")
     except (BenchError, KeyboardInterrupt) as exc:
+        bar.close()
         print(f"rendezvous bench-scale: {exc if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 1
+    finally:
+        bar.close()
     doc = build(runs, {"ranks": args.ranks, "setups": args.setups, "big_bytes": args.big, "timeout": args.timeout},
                 time.monotonic() - t0)
     from .report import save, scale_markdown
 
     save(args.out, doc, scale_markdown(doc), JSON_NAME, MARKDOWN_NAME)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rendezvous bench-scale`` from a command line."""
+    return run(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -32,13 +32,14 @@ import argparse
 import asyncio
 import sys
 import time
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .models import MODELS, nbytes, shapes
 
-__all__ = ["main", "CONTENDERS"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "CONTENDERS"]
 
 CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "blocking", "grpc", "gloo")
 #: rendezvous contenders: (job, optimal path, requests over MPI)
@@ -46,6 +47,13 @@ _SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
             "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True)}
 _RESULT = "@steps-result "
 _RAW_METHOD = "/rendezvous.bench.Steps/Get"
+#: ``rendezvous --help``'s line for the command, its own --help's description and epilog
+HELP = ("one training step's gradient exchange (ResNet-50, BERT-base, many small tensors) against raw MPI, "
+        "gloo and raw gRPC")
+DESCRIPTION = ("Exchange whole training steps' gradients (ResNet-50, BERT-base, 2,000 small tensors) between two "
+               "ranks under mpiexec -n 2 (launched for you), the contenders taking turns step by step: raw MPI, "
+               "rendezvous's paths, the blocking Server, raw gRPC, gloo. See BENCHMARKS.md.")
+EPILOG = "Writes steps.json and steps.md into --out."
 
 
 def _key(job: str, model: str, i: int) -> str:
@@ -55,6 +63,8 @@ def _key(job: str, model: str, i: int) -> str:
 
 def _produce(tensors: list[tuple[int, ...]], step: int) -> list[np.ndarray]:
     """A fresh float32 array per parameter, its first element the step (checked)."""
+    import numpy as np
+
     out = []
     for shape in tensors:
         arr = np.empty(shape, np.float32)
@@ -65,6 +75,8 @@ def _produce(tensors: list[tuple[int, ...]], step: int) -> list[np.ndarray]:
 
 
 def _check(arrays: list[Any], tensors: list[tuple[int, ...]], step: int) -> None:
+    import numpy as np
+
     if len(arrays) != len(tensors):
         raise AssertionError(f"{len(arrays)} tensors received, {len(tensors)} sent")
     for arr, shape in zip(arrays, tensors):
@@ -161,6 +173,8 @@ class _Rank:
             self._pending_sends = produced  # raw MPI and gloo send inside the step
 
     async def _mpi(self, model: str, tensors: list, step: int) -> float | None:
+        import numpy as np
+
         MPI = self.MPI
         if self.rank == 1:
             reqs = [self.comm.Isend([a, MPI.FLOAT], 0, i) for i, a in enumerate(self._pending_sends)]
@@ -216,6 +230,8 @@ class _Rank:
         return await self._rendezvous("default_mr", model, tensors, step)
 
     async def _grpc(self, model: str, tensors: list, step: int) -> float | None:
+        import numpy as np
+
         if self.rank == 1:
             return None  # the server answers on this loop until the barrier
         # At most 64 calls in flight: with thousands at once grpc.aio cancels some
@@ -333,42 +349,82 @@ async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) ->
     return took
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rendezvous bench-steps", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=7, help="timed steps per model and contender (default 7)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"any of {', '.join(MODELS)}")
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"any of {', '.join(CONTENDERS)}")
-    p.add_argument("--out", default="bench-results", help="where steps.json and steps.md go")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole run may take")
+# -- the command ---------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``rendezvous bench-steps``."""
+    p.add_argument("--steps", type=int, default=7, metavar="N",
+                   help="timed steps per model and contender, after one untimed warm-up (default 7)")
+    p.add_argument("--models", default=",".join(MODELS), metavar="LIST",
+                   help=f"comma-separated, any of {', '.join(MODELS)} (default all)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), metavar="LIST",
+                   help=f"comma-separated, any of {', '.join(CONTENDERS)} (default all; gloo only if torch "
+                        "is installed)")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="where steps.json and steps.md go (default bench-results)")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                   help="seconds the whole run may take (default 1800)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """``rendezvous bench-steps``'s parser on its own (:func:`main`, and the ranks
+    this command launches)."""
+    p = argparse.ArgumentParser(prog="rendezvous bench-steps", description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    bad = [m for m in args.models if m not in MODELS] + [c for c in args.contenders if c not in CONTENDERS]
-    if bad or args.steps < 1:
-        raise SystemExit(f"rendezvous bench-steps: unknown {', '.join(bad)}" if bad else "--steps must be >= 1")
+def options(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` checked, with ``models`` and ``contenders`` as lists (a copy)."""
+    opts = argparse.Namespace(**vars(args))
+    opts.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    opts.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    bad = [m for m in opts.models if m not in MODELS] + [c for c in opts.contenders if c not in CONTENDERS]
+    if bad:
+        raise SystemExit(f"rendezvous bench-steps: unknown {', '.join(bad)}")
+    if not opts.models or not opts.contenders:
+        raise SystemExit("rendezvous bench-steps: --models and --contenders must name at least one each")
+    if args.steps < 1:
+        raise SystemExit("rendezvous bench-steps: --steps must be >= 1")
+    if args.timeout <= 0:
+        raise SystemExit("rendezvous bench-steps: --timeout must be positive")
+    return opts
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The flags that reproduce ``args`` (handed to the ranks)."""
+    return ["--steps", str(args.steps), "--models", args.models, "--contenders", args.contenders,
+            "--out", str(args.out), "--timeout", repr(float(args.timeout))]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``rendezvous bench-steps`` with ``args`` (from :func:`add_arguments`):
+    outside MPI, launch the two ranks and write the results; as a rank, measure."""
+    opts = options(args)
     from rendezvous.rank.launch import launcher_rank
 
     if launcher_rank() is None:
-        return _launch(args, argv if argv is not None else sys.argv[1:])
+        return _launch(opts, _argv(args))
     from rendezvous.config import Config
     from rendezvous.lifecycle import new_event_loop
 
     loop = new_event_loop(Config.load().uvloop)
     try:
-        doc = loop.run_until_complete(run_rank(args))
+        doc = loop.run_until_complete(run_rank(opts))
     finally:
         loop.close()
-    if "blocking" in args.contenders:
-        doc = _merge_blocking(doc, _run_blocking(args))
+    if "blocking" in opts.contenders:
+        doc = _merge_blocking(doc, _run_blocking(opts))
     if doc is not None:
         from .procs import emit
 
         emit(_RESULT, doc)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rendezvous bench-steps`` from a command line (also how the ranks start)."""
+    return run(parser().parse_args(argv))
 
 
 def _launch(args: argparse.Namespace, argv: list[str]) -> int:

@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 from .server import Server as AsyncServer
 from rendezvous.cluster import ClusterLike
 from rendezvous.config import Config
-from rendezvous.errors import FailedPrecondition
+from rendezvous.errors import FailedPrecondition, Unavailable
 from rendezvous.keys import Key, as_key
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
-from rendezvous.table import Received
+from rendezvous.table import PendingEntry, Received
 
 __all__ = ["Server", "new_event_loop"]
 T = TypeVar("T")
@@ -48,13 +48,15 @@ class Server:
         (Ctrl-C, ``timeout``), the coroutine is cancelled; if it had finished
         already, its result goes to ``orphaned`` on the loop (a recv's tensor is
         kept for the next recv of its key, never dropped)."""
-        if self._loop is None:
-            coro.close()
-            raise FailedPrecondition("server is not started; call start() first")
+        self._check_running(coro)
         if threading.current_thread() is self._thread:
             coro.close()
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop closed in between: the server stopped
+            coro.close()
+            raise self._stopped_error() from None
         try:
             return fut.result(timeout)
         except BaseException:
@@ -66,6 +68,18 @@ class Server:
                 except RuntimeError:
                     pass  # the loop is closed: the server stopped, and its tensors with it
             raise
+
+    def _check_running(self, coro: Coroutine[Any, Any, Any] | None = None) -> None:
+        """Raise FailedPrecondition before start() and Unavailable after stop()."""
+        if self._loop is None or self._loop.is_closed():
+            if coro is not None:
+                coro.close()
+            if self._loop is None:
+                raise FailedPrecondition("server is not started; call start() first")
+            raise self._stopped_error()
+
+    def _stopped_error(self) -> Unavailable:
+        return Unavailable(f"server {self._aio.task} is stopped")
 
     @property
     def aio(self) -> AsyncServer:
@@ -125,7 +139,9 @@ class Server:
             loop.close()
 
     def stop(self, grace: float | None = None) -> None:
-        """Drain and stop (see :meth:`rendezvous.aio.Server.stop`). Idempotent."""
+        """Drain and stop (see :meth:`rendezvous.aio.Server.stop`): by default,
+        wait up to the ``grace`` setting (10 s) for this rank's produced
+        tensors to be consumed. Idempotent."""
         if self._loop is None or self._thread is None:
             return
         if self._thread.is_alive():
@@ -144,10 +160,11 @@ class Server:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop(0)
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop(None if exc_type is None else 0)  # as aio.Server.__aexit__
 
     def update_cluster(self, cluster: ClusterLike) -> None:
+        """Replace peer addresses (see :meth:`rendezvous.aio.Server.update_cluster`)."""
         self._call(_as_coro(self._aio.update_cluster, cluster))
 
     # -- data ---------------------------------------------------------------
@@ -156,10 +173,13 @@ class Server:
         """Produce ``tensor`` under ``key``; returns once it is queued or handed over.
 
         The array is not copied: do not modify it until it has been received."""
-        if self._loop is None:
-            raise FailedPrecondition("server is not started; call start() first")
+        self._check_running()
         canonical, arr = self._aio.prepare_send(key, tensor, is_dead)
-        self._aio.table.send_threadsafe(self._loop, step_id, canonical, arr, is_dead).result()
+        try:
+            done = self._aio.table.send_threadsafe(self._loop, step_id, canonical, arr, is_dead)
+        except RuntimeError:  # the loop closed in between: the server stopped
+            raise self._stopped_error() from None
+        done.result()
 
     def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
              device: str | None = None) -> Any:
@@ -178,15 +198,19 @@ class Server:
         return self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
+        """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
         self._call(_as_coro(self._aio.abort, step_id, message))
 
     def cleanup(self, step_id: int) -> None:
+        """Abort the step's waiters and forget the step."""
         self._call(_as_coro(self._aio.cleanup, step_id))
 
     def stats(self) -> dict[str, dict[str, int]]:
+        """Transfers, bytes and errors by path (see :meth:`rendezvous.aio.Server.stats`)."""
         return self._aio.stats()
 
-    def pending(self) -> list[Any]:
+    def pending(self) -> list[PendingEntry]:
+        """What waits in this rank's table: produced tensors and waiting recvs, with ages."""
         return self._call(_as_coro(self._aio.pending))
 
 

@@ -28,6 +28,7 @@ import sys
 from typing import Any
 
 import grpc
+import numpy as np
 
 from rendezvous import frames
 from rendezvous.buffers import RecvBuffers
@@ -43,11 +44,14 @@ from rendezvous.rpc.peer import PeerClient
 from rendezvous.rpc.retry import RetryCache
 from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
+from rendezvous.dtypes import dtype_to_proto
+from rendezvous.tensors import check_sendable
 from rendezvous.table import PendingEntry, Received, WaitingTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane
 
 from .kept import Kept
+from .launch import launcher_rank
 from .peers import Peers
 from .receiver import Receiver
 from .setup import GrpcSetup, add_port
@@ -56,6 +60,16 @@ __all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port", "Fetched"]
 
 log = logging.getLogger("rendezvous")
 PROTOCOLS = tuple(p.value for p in Protocol)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
 
 
 class Server:
@@ -174,7 +188,13 @@ class Server:
             else:
                 log.warning("MPI rank %d runs %s, which is not in the cluster", self.mpi.ranks[task], task)
         outside = [str(t) for t in self.cluster.tasks() if t not in addresses]
-        if outside:
+        if len(addresses) == 1 and outside and launcher_rank() is None:
+            # Started as a plain process: MPI makes each one a world of its own.
+            _warn_once(f"protocol grpc+mpi outside an MPI launcher: task {self.task} is an MPI world of one "
+                       f"rank, so every tensor to or from the {len(outside)} other task(s) of the cluster goes "
+                       "over gRPC. Start the job with mpiexec (e.g. mpiexec -n N python -m mpi4py train.py), "
+                       "or set MPI_DISABLED=1 to run over gRPC without this warning.")
+        elif outside:
             log.info("tasks outside this MPI job, served over gRPC: %s", ", ".join(outside))
 
     def describe(self) -> str:
@@ -187,12 +207,19 @@ class Server:
         return line
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: refuse new recvs (UNAVAILABLE), fail waiters, let replies in flight
-        finish for ``grace`` seconds, then cancel the rest. Idempotent."""
+        """Drain and stop. Idempotent.
+
+        New recvs are refused (UNAVAILABLE) and this rank's own waiting recvs
+        fail with UNAVAILABLE; tensors this rank produced are still served, for
+        up to ``grace`` seconds (default: the ``grace`` setting, 10 s), until
+        every one has been consumed and every reply in flight has finished.
+        Whatever is left then is dropped and logged with its keys.
+        ``stop(0)`` drops at once."""
         if self._state.ending:
             if self._stopped is not None:
                 await self._stopped.wait()
             return
+        grace = self.config.grace if grace is None else max(0.0, float(grace))
         self._state = State.STOPPING
         # Drain: no new waits; waiters fail; tensors already produced are still
         # served to requests arriving within the grace period.
@@ -204,7 +231,11 @@ class Server:
             # The peers' streams stay open for good, so gRPC's own grace would
             # always run out: wait only while something is left to deliver.
             loop = asyncio.get_running_loop()
-            end = loop.time() + (grace or 0.0)
+            end = loop.time() + grace
+            produced = self.table.stats()["tensors"]
+            if produced and grace > 0:
+                log.info("task %s stopping: waiting up to %gs for %d produced tensor(s) to be consumed "
+                         "(the grace; stop(grace=0) drops them)", self.task, grace, produced)
             while loop.time() < end and (self.servicer.busy() or self.table.stats()["tensors"]):
                 await asyncio.sleep(0.005)
             # End the streams after their last reply; gRPC then waits (briefly)
@@ -213,10 +244,13 @@ class Server:
             await self._grpc.stop(max(0.2, min(1.0, end - loop.time())))
         if self.mpi is not None:
             await self.mpi.close_requests()  # the MPI streams end (their replies were written above)
-        unconsumed = self.table.stats().get("tensors", 0)
+        left = [e for e in self.table.pending() if e.kind == "tensor"]
         self.table.close(drained)
-        if unconsumed:
-            log.warning("task %s stopped with %d produced tensors never consumed", self.task, unconsumed)
+        if left:
+            count = sum(e.count for e in left)
+            shown = ", ".join(f"{e.key} (step {e.step_id})" for e in left[:3])
+            log.warning("task %s stopped with %d produced tensor(s) never consumed, dropped after a grace of %gs: "
+                        "%s%s", self.task, count, grace, shown, ", ..." if len(left) > 3 else "")
         if self.mpi is not None:
             await self.mpi.stop(grace or 5.0)
         self.planes.close()
@@ -236,8 +270,10 @@ class Server:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop(0)
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        # A block that ended normally delivers what it produced (the default
+        # grace); one that raised stops at once.
+        await self.stop(None if exc_type is None else 0)
 
     def update_cluster(self, cluster: ClusterLike) -> None:
         """Replace peer addresses (e.g. after every rank bound port 0).
@@ -255,9 +291,17 @@ class Server:
         if src is not None and src != self.task:
             raise FailedPrecondition(
                 f"key {k.format()!r} is produced by {src}; this server is {self.task} and can only send its own")
+        if is_dead:
+            return k.format(), None
         # GPU tensors stay on their device (a DeviceTensor with a ready event on
         # the caller's current stream: call this on the producer's thread).
-        return k.format(), (None if is_dead else self.devices.import_tensor(tensor))
+        value = self.devices.import_tensor(tensor)
+        # refused here, where the producer hears of it, not at the consumer
+        if type(value) is np.ndarray:
+            check_sendable(value)
+        else:
+            dtype_to_proto(value.dtype)
+        return k.format(), value
 
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key`` for step ``step_id`` (on the loop thread).

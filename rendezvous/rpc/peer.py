@@ -181,8 +181,12 @@ class PeerClient:
             if asked and not orphaned:
                 self.unsettled(step_id, key, request_id)
             if isinstance(exc, TimeoutError):
+                why = "" if self._connected_once or self._open_call is not None else (
+                    f": it was never reached (no server answered at {self.address} yet; "
+                    f"is it started, and is that its address?)")
                 raise DeadlineExceeded(
-                    f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s") from None
+                    f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s{why}"
+                ) from None
             raise
 
     async def _get_stream(self, deadline: float | None) -> ConsumerStream:
