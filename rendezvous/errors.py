@@ -15,6 +15,7 @@ import grpc
 __all__ = [
     "RendezvousError",
     "InvalidArgument",
+    "AlreadyExists",
     "InvalidKey",
     "UnsupportedDType",
     "Aborted",
@@ -109,6 +110,12 @@ class FailedPrecondition(RendezvousError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class AlreadyExists(RendezvousError):
+    """Something claimed twice: a rank joining a bootstrap that another process joined as."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class ResourceExhausted(RendezvousError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -149,6 +156,7 @@ _BY_CODE: dict[grpc.StatusCode, type[RendezvousError]] = {
         Unavailable,
         NotFound,
         FailedPrecondition,
+        AlreadyExists,
         ResourceExhausted,
         Unauthenticated,
         Internal,

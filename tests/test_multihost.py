@@ -375,3 +375,23 @@ def test_a_pulled_cable_during_an_mpi_transfer_fails_the_recv_in_bound_and_the_t
     a.send(key(0, 1, "after"), 4 << 20, seed=9)
     b.recv_ok(key(0, 1, "after"), 4 << 20, seed=9)
     assert nodes[0].daemon.poll() is None
+
+
+def test_a_job_bootstrapped_from_rank_0s_address_forms_across_hosts(hosts, tmp_path):
+    """No cluster file and no MPI: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE as
+    torchrun sets them; ranks 1 and 2 bind port 0 on their own host's address
+    and join through rank 0 (README's torchrun example, run as written)."""
+    from test_bootstrap import readme_example
+
+    script = tmp_path / "ring.py"
+    script.write_text(readme_example("# ring.py") + "print('cluster', rendezvous.__name__, server.target)\n")
+    env = {**_env(), "MASTER_ADDR": hosts.hosts[0].address, "MASTER_PORT": "29500", "WORLD_SIZE": "3"}
+    procs = [h.popen([sys.executable, str(script)], env={**env, "RANK": str(i)}, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True) for i, h in enumerate(hosts.hosts)]
+    for i, (h, p) in enumerate(zip(hosts.hosts, procs)):
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-3000:]
+        assert f"rank {i}: 3 steps exchanged" in out
+        target = out.split("cluster rendezvous ")[1].strip()
+        assert target.startswith(f"{h.address}:"), (target, h.address)  # its own host's address
+        assert i == 0 or not target.endswith(":29500")

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 
+from .bootstrap import Bootstrap
 from .server import Server as AsyncServer
-from rendezvous.cluster import ClusterLike
+from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, Unavailable
 from rendezvous.keys import Key, as_key
@@ -39,6 +40,16 @@ class Server:
         self._aio.poll_on_loop = False  # the caller's threads need the GIL (see aio.Server.poll_on_loop)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_env(cls, job_name: str = "worker", protocol: str = "grpc", *,
+                 env: Mapping[str, str] | None = None, **kwargs: Any) -> "Server":
+        """A server for a job launched as ``torchrun`` launches one (``MASTER_ADDR``,
+        ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): see
+        :meth:`rendezvous.aio.Server.from_env`. ``start()`` returns once every
+        rank has joined."""
+        boot = Bootstrap.from_env(env)
+        return cls(boot.cluster(job_name), job_name, boot.rank, protocol, bootstrap=boot, **kwargs)
 
     # -- plumbing -----------------------------------------------------------
 
@@ -101,6 +112,11 @@ class Server:
     @property
     def config(self) -> Config:
         return self._aio.config
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """Every task's address as this rank knows it (real ports once started)."""
+        return self._aio.cluster
 
     # -- lifecycle ----------------------------------------------------------
 

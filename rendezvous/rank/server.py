@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -50,6 +51,7 @@ from rendezvous.table import PendingEntry, Received, WaitingTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane
 
+from .bootstrap import Bootstrap, JoinTable, exchange_through_store, join as bootstrap_join
 from .kept import Kept
 from .launch import launcher_rank
 from .peers import Peers
@@ -83,8 +85,12 @@ class Server:
     def __init__(self, cluster: ClusterLike, job_name: str, task_index: int,
                  protocol: str = "grpc", *, config: Config | None = None,
                  grpc_setup: GrpcSetup | None = None, stats: Stats | None = None,
-                 devices: Devices | None = None, buffers: RecvBuffers | None = None, **overrides: Any) -> None:
+                 devices: Devices | None = None, buffers: RecvBuffers | None = None,
+                 bootstrap: Bootstrap | None = None, **overrides: Any) -> None:
         self.protocol = Protocol.parse(protocol)
+        #: how the other ranks' addresses are learnt at start when they bound port 0
+        #: (see from_env); None: the cluster as given (and MPI's exchange under grpc+mpi)
+        self.bootstrap = bootstrap
         self.cluster = ClusterSpec.from_any(cluster)
         self.task = TaskName(job_name, 0, int(task_index))
         self.bind_address = self.cluster.address(self.task)  # UnknownTask if absent
@@ -124,6 +130,18 @@ class Server:
         self._stopped: asyncio.Event | None = None
         self._state = State.NEW
 
+    @classmethod
+    def from_env(cls, job_name: str = "worker", protocol: str = "grpc", *,
+                 env: Mapping[str, str] | None = None, **kwargs: Any) -> "Server":
+        """A server for a job launched the way ``torchrun`` launches one:
+        ``MASTER_ADDR``/``MASTER_PORT`` (rank 0's address), ``RANK`` and
+        ``WORLD_SIZE`` from the environment. This rank is task ``RANK`` of
+        ``job_name``; rank 0 binds the known address, every other rank an
+        OS-chosen port, and ``start()`` returns once every rank has joined
+        (bounded by ``connect_timeout``). See :mod:`rendezvous.rank.bootstrap`."""
+        boot = Bootstrap.from_env(env)
+        return cls(boot.cluster(job_name), job_name, boot.rank, protocol, bootstrap=boot, **kwargs)
+
     # -- lifecycle ----------------------------------------------------------
 
     @property
@@ -151,6 +169,10 @@ class Server:
                                  options=server_options(self.config.max_request_bytes, self.config.keepalive_time,
                                                         self.config.keepalive_timeout))
         server.add_generic_rpc_handlers(self.servicer.handlers())
+        joins = None
+        if self.bootstrap is not None and self.bootstrap.hosts_joins:
+            joins = JoinTable(self.bootstrap, self.task.job)
+            server.add_generic_rpc_handlers((joins.handlers(),))
         for add_service in setup.services:
             add_service(server)
         try:
@@ -162,18 +184,43 @@ class Server:
         self._grpc = server
         self._target = f"{host}:{port}"
         self.cluster = self.cluster.with_address(self.task, self._target)
-        if self.mpi is not None:
-            try:
+        try:
+            if self.bootstrap is not None:
+                await self._join(joins)
+            if self.mpi is not None:
                 await self._start_mpi()
-            except BaseException:
-                await server.stop(0)
-                self._state = State.NEW
-                raise
+        except BaseException:
+            await server.stop(0)
+            self._state = State.NEW
+            raise
         self._state = State.SERVING
         log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
         if self.protocol is Protocol.GRPC_MPI:
             sys.stderr.write(self.describe() + "\n")  # one write: ranks' lines must not interleave
             sys.stderr.flush()
+
+    async def _join(self, joins: JoinTable | None) -> None:
+        """Learn every rank's address from rank 0 (:mod:`rendezvous.rank.bootstrap`)."""
+        boot = self.bootstrap
+        assert boot is not None
+        limit = self.config.connect_timeout
+        if joins is not None:  # rank 0: wait for the others' joins
+            joins.set_own(self._target or self.bind_address)
+            try:
+                await asyncio.wait_for(joins.complete.wait(), limit)
+            except TimeoutError:
+                raise Unavailable(f"rank(s) {', '.join(map(str, joins.missing()))} of {boot.world_size} never "
+                                  f"joined at {self._target} within {limit:g}s (connect_timeout)") from None
+            addresses = [joins.addresses[r] for r in range(boot.world_size)]
+        elif boot.agent_store:  # torchrun's agent hosts a store at the master address
+            addresses = await asyncio.to_thread(exchange_through_store, boot, self.task.job,
+                                                self._target or self.bind_address, limit)
+        else:
+            addresses = await bootstrap_join(boot, self.task.job, self._target or self.bind_address, limit,
+                                             credentials=self._setup.channel_credentials,
+                                             metadata=self._setup.metadata)
+        self.cluster = ClusterSpec.from_any({self.task.job: addresses})
+        log.info("task %s: the job's %d ranks joined through %s", self.task, boot.world_size, boot.master)
 
     async def _start_mpi(self) -> None:
         """The MPI half starts (a collective: every rank of the job reaches it), and
