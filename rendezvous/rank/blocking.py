@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from .bootstrap import Bootstrap
 from .server import Server as AsyncServer
+from rendezvous import interop
 from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, Unavailable
@@ -198,20 +199,30 @@ class Server:
         done.result()
 
     def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
-             device: str | None = None) -> Any:
+             device: str | None = None, framework: str | None = None) -> Any:
         """Block until the tensor is here (None if dead): numpy, or a cupy array when
-        the key's dst_device (or ``device="gpu:N"``) is a GPU; errors as in the aio form."""
-        return self.recv_item(key, step_id, timeout, device).value
+        the key's dst_device (or ``device="gpu:N"``) is a GPU, or a torch tensor
+        sharing that memory with ``framework="torch"``; errors as in the aio form."""
+        return self.recv_item(key, step_id, timeout, device, framework).value
 
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
-                  device: str | None = None) -> Received:
+                  device: str | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
         canonical = as_key(key).format()
 
         def keep(item: Received) -> None:
             self._aio.keep(step_id, canonical, item, why="was received after its caller was interrupted")
 
-        return self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
+        if framework is None:
+            return self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
+        interop.check_framework(framework)  # before anything is taken
+        item = self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
+        try:
+            interop.convertible(item.value, framework)
+        except BaseException:
+            self._call(_as_coro(self._aio.keep, step_id, canonical, item, f"has no {framework} form"))
+            raise
+        return Received(interop.convert(item.value, framework), item.is_dead)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from rendezvous import frames
+from rendezvous import frames, interop
 from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
@@ -359,22 +359,34 @@ class Server:
         self.table.send(step_id, canonical, arr, is_dead)
 
     async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
-                   device: str | Placement | None = None) -> Any:
+                   device: str | Placement | None = None, framework: str | None = None) -> Any:
         """The tensor sent under ``key`` in ``step_id`` (None if it is dead).
 
         It lands where the key's ``dst_device`` says (``GPU:N``: a cupy array on
-        device N; otherwise numpy), or on ``device`` ("cpu", "gpu:N") if given.
-        Local keys are served from this rank's table with no copy when the
-        tensor is already where it should be; remote keys by RecvTensor to the
-        producing task. Raises DeadlineExceeded after ``timeout`` seconds,
-        Aborted if the step is aborted, UnknownTask for a task outside the
-        cluster, PeerUnavailable if the producer is gone."""
-        return (await self.recv_item(key, step_id, timeout, device)).value
+        device N; otherwise numpy), or on ``device`` ("cpu", "gpu:N") if given;
+        ``framework="torch"`` hands it over as a ``torch.Tensor`` sharing that
+        memory (see :mod:`rendezvous.interop`). Local keys are served from this
+        rank's table with no copy when the tensor is already where it should
+        be; remote keys by RecvTensor to the producing task. Raises
+        DeadlineExceeded after ``timeout`` seconds, Aborted if the step is
+        aborted, UnknownTask for a task outside the cluster, PeerUnavailable if
+        the producer is gone."""
+        return (await self.recv_item(key, step_id, timeout, device, framework)).value
 
-    async def recv_item(self, key: Key | str, step_id: int = 0,
-                        timeout: float | None = None, device: str | Placement | None = None) -> Received:
+    async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                        device: str | Placement | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        return (await self.fetch(key, step_id, timeout, device)).item
+        if framework is None:
+            return (await self.fetch(key, step_id, timeout, device)).item
+        interop.check_framework(framework)
+        item = (await self.fetch(key, step_id, timeout, device)).item
+        try:
+            interop.convertible(item.value, framework)
+        except BaseException:
+            # refused after it arrived: it stays for the next recv of its key
+            self.keep(step_id, as_key(key).format(), item, why=f"has no {framework} form")
+            raise
+        return Received(interop.convert(item.value, framework), item.is_dead)
 
     async def fetch(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                     device: str | Placement | None = None) -> Fetched:
