@@ -12,6 +12,7 @@ from .cluster import ClusterSpec
 from .config import Config
 from .errors import (
     Aborted,
+    AlreadyExists,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -46,6 +47,7 @@ __all__ = [
     "InvalidKey",
     "UnsupportedDType",
     "Aborted",
+    "AlreadyExists",
     "DeadlineExceeded",
     "Unavailable",
     "PeerUnavailable",

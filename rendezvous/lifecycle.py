@@ -62,10 +62,11 @@ def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, annou
     on a fresh loop, print ``announce(server)`` once the signal handlers are in
     place (whoever reads that line may signal at once), drain with ``stop(server)``
     on the first signal. 0 after a clean drain; 1 on a start-up error (printed as
-    ``prog: CODE: message``) or a second signal (after ``before_exit(server)``)."""
+    ``prog: CODE: message``) or a second signal (after ``before_exit(server)``);
+    a server with an ``exit_status`` (a daemon running a program) exits with it."""
     out = sys.stdout if out is None else out
 
-    async def main() -> None:
+    async def main() -> int:
         server = await start()
         loop = asyncio.get_running_loop()
         first: tuple[int, float] | None = None
@@ -88,13 +89,13 @@ def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, annou
         out.write(announce(server) + "\n")
         out.flush()
         await server.wait_for_termination()
+        return int(getattr(server, "exit_status", 0))
 
     loop = new_event_loop(uvloop)
     try:
-        loop.run_until_complete(main())
+        return loop.run_until_complete(main())
     except RendezvousError as exc:
         print(f"{prog}: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1
     finally:
         loop.close()
-    return 0

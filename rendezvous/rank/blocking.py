@@ -21,7 +21,7 @@ from rendezvous import interop
 from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, Unavailable
-from rendezvous.keys import Key, as_key
+from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
 from rendezvous.table import PendingEntry, Received
@@ -100,18 +100,22 @@ class Server:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the server runs on (its own thread), once started."""
         return self._loop
 
     @property
     def target(self) -> str:
+        """``host:port`` this server listens on (the real port once started)."""
         return self._aio.target
 
     @property
-    def task(self):
+    def task(self) -> TaskName:
+        """This rank's task: ``/job:J/replica:0/task:T``."""
         return self._aio.task
 
     @property
     def config(self) -> Config:
+        """The effective settings (see :class:`rendezvous.Config`)."""
         return self._aio.config
 
     @property

@@ -48,6 +48,7 @@ from rendezvous.stats import Stats
 from rendezvous.dtypes import dtype_to_proto
 from rendezvous.tensors import check_sendable
 from rendezvous.table import PendingEntry, Received, WaitingTable
+from rendezvous.timeline import Timeline, TracedPlanes, TracedTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane
 
@@ -100,7 +101,9 @@ class Server:
         #: blocking Server turns it off: its loop thread, spinning, would keep the
         #: GIL from the caller's threads; its MPI thread polls instead.
         self.poll_on_loop = True
-        self.table = WaitingTable()
+        #: this rank's timeline (rendezvous.timeline; the ``timeline`` setting), or None: off
+        self.timeline = Timeline.for_task(cfg.timeline, self.cluster, self.task) if cfg.timeline else None
+        self.table = WaitingTable() if self.timeline is None else TracedTable(self.timeline)
         self._stats = stats if stats is not None else Stats()
         #: GPU backends and their pinned pools (cupy by default, imported only when used)
         self.devices = devices if devices is not None else Devices()
@@ -110,10 +113,12 @@ class Server:
         self._setup = grpc_setup or GrpcSetup()
         self._retry = RetryCache(cfg.retry_window, cfg.retry_cache_bytes)
         #: the data planes, most preferred first: MPI's joins at start under grpc+mpi
-        self.planes = Planes([InlinePlane(chunk_bytes=cfg.chunk_bytes, buffers=self.buffers,
-                                          devices=self.devices, staging=self._staging, stats=self._stats)])
+        inline = InlinePlane(chunk_bytes=cfg.chunk_bytes, buffers=self.buffers, devices=self.devices,
+                             staging=self._staging, stats=self._stats)
+        self.planes = Planes([inline]) if self.timeline is None else TracedPlanes([inline], self.timeline)
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
-                                           retry=self._retry, max_waiting=cfg.max_waiting_calls)
+                                           retry=self._retry, max_waiting=cfg.max_waiting_calls,
+                                           timeline=self.timeline)
         #: this rank's part of its MPI job (rendezvous.mpi.rank.MpiRank), or None
         self.mpi: Any = None
         if cfg.uses_mpi(self.protocol):
@@ -126,7 +131,7 @@ class Server:
         #: tensors fetched and not delivered, for the next recv of their key and step
         self.kept = Kept()
         self._receiver = Receiver(self.task, self.table, self.peers, self.kept, self.devices, self._stats,
-                                  self._staging, lambda: self._state)
+                                  self._staging, lambda: self._state, self.timeline)
         self._stopped: asyncio.Event | None = None
         self._state = State.NEW
 
@@ -302,11 +307,14 @@ class Server:
             await self.mpi.stop(grace or 5.0)
         self.planes.close()
         self._retry.close()
+        if self.timeline is not None:
+            self.timeline.close()  # the closing bracket: the file is plain JSON from here
         self._state = State.STOPPED
         if self._stopped is not None:
             self._stopped.set()
 
     async def wait_for_termination(self) -> None:
+        """Wait until the server has stopped (``join`` is the same)."""
         if self._stopped is None:
             raise FailedPrecondition("server was never started")
         await self._stopped.wait()
