@@ -104,3 +104,21 @@ def test_bad_config_file_stops_the_daemon_naming_the_key(tmp_path):
     assert out.returncode == 2 and "grace" in out.stderr
     out = _rendezvousd("--job-name", "node")
     assert out.returncode == 2 and "--cluster and --job-name" in out.stderr
+
+
+def test_print_config_shows_the_local_address_the_daemon_will_use(tmp_path):
+    """Not an empty string: the default socket as resolved (and why), or the
+    setting with {job_name} and {task_index} replaced."""
+    out = _rendezvousd("--print-config", env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(" = ")[0]: line for line in out.stdout.splitlines() if " = " in line}
+    assert lines["local_address"] == (f'local_address = "unix:{tmp_path}/rendezvous/rendezvousd.sock"  '
+                                      "# default, under $XDG_RUNTIME_DIR")
+    out = _rendezvousd("--print-config", env={"XDG_RUNTIME_DIR": ""})
+    assert 'local_address = "unix:/run/rendezvous/rendezvousd.sock"  # default; XDG_RUNTIME_DIR is unset' in \
+        out.stdout
+    out = _rendezvousd("--print-config", "--cluster", '{"node": ["127.0.0.1:0", "127.0.0.1:0"]}', "--job-name",
+                       "node", "--task-index", "1", "--local", "unix:/tmp/{job_name}-{task_index}.sock")
+    assert ('local_address = "unix:/tmp/node-1.sock"  # flag --local: unix:/tmp/{job_name}-{task_index}.sock'
+            in out.stdout), out.stdout
+    assert tomllib.loads(out.stdout)["local_address"] == "unix:/tmp/node-1.sock"

@@ -333,6 +333,10 @@ def test_health_reflection_and_draining(sockdir):
         d = Daemon(config(sockdir, grace=10.0))
         await d.start()
         try:
+            # reflection lists exactly what each port serves: no LocalRendezvous on the rank port
+            ops = {"rendezvous.v1.Admin", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+            expected = {d.target: ops | {"rendezvous.v1.Rendezvous"},
+                        d.local_target: ops | {"rendezvous.v1.LocalRendezvous"}}
             for target in (d.target, d.local_target):
                 async with grpc.aio.insecure_channel(target) as ch:
                     check = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -343,8 +347,12 @@ def test_health_reflection_and_draining(sockdir):
                     stub = reflection_pb2_grpc.ServerReflectionStub(ch)
                     call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
                     services = {s.name async for r in call for s in r.list_services_response.service}
-                    assert {"rendezvous.v1.Rendezvous", "rendezvous.v1.LocalRendezvous",
-                            "grpc.health.v1.Health"} <= services
+                    assert services == expected[target], target
+                    # health answers for the whole server and each service it serves
+                    for name in {""} | services - ops | {"rendezvous.v1.Admin"}:
+                        answer = await health_pb2_grpc.HealthStub(ch).Check(
+                            health_pb2.HealthCheckRequest(service=name), timeout=5)
+                        assert answer.status == health_pb2.HealthCheckResponse.SERVING, (target, name)
             # a tensor nobody consumes keeps the drain going for the grace period:
             # health reads NOT_SERVING all that time
             async with Client(d.local_target) as c:
@@ -421,13 +429,76 @@ def test_stall_warning_names_key_and_producer(sockdir, caplog):
 
 
 def test_json_log_lines():
-    from rendezvous.daemon.setup import JsonFormatter
+    """python-json-logger writes the fields the docs name: time (UTC, ms, Z),
+    level, logger, message, the extra= fields, and an exception's traceback."""
+    from rendezvous.daemon.setup import json_formatter
 
     record = logging.LogRecord("rendezvous.daemon", logging.WARNING, __file__, 1, "recv of %s waits", ("k",), None)
-    record.producer = "/job:node/replica:0/task:1"
-    line = json.loads(JsonFormatter().format(record))
-    assert line["message"] == "recv of k waits" and line["level"] == "WARNING"
-    assert line["producer"] == "/job:node/replica:0/task:1" and line["time"].endswith("Z")
+    record.created, record.msecs = 1700000000.25, 250.0
+    record.producer, record.key, record.step_id = "/job:node/replica:0/task:1", "k", 7
+    line = json.loads(json_formatter().format(record))
+    assert line == {"time": "2023-11-14T22:13:20.250Z", "level": "WARNING", "logger": "rendezvous.daemon",
+                    "message": "recv of k waits", "producer": "/job:node/replica:0/task:1", "key": "k",
+                    "step_id": 7}
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = logging.LogRecord("rendezvous", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    line = json.loads(json_formatter().format(failed))
+    assert line["message"] == "failed" and "ValueError: boom" in line["exception"]
+
+
+def test_a_daemon_that_does_not_answer_is_waited_for_at_most_connect_timeout(sockdir):
+    """Sockets that accept connections and never speak (a hung daemon): the
+    blocking client gives up after ``connect_timeout``; the asyncio client after
+    ``connect_timeout`` or a recv's own timeout, whichever is smaller; both
+    with Unavailable naming the socket, on the session socket and over gRPC."""
+    from rendezvous.client import Client as BlockingClient
+
+    hung = []
+    for name in ("d.sock", "d.sock.session"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(sockdir / name))
+        s.listen(16)
+        hung.append(s)
+    address = f"unix:{sockdir}/d.sock"
+    try:
+        for shm_ok in (None, False):
+            started = time.monotonic()
+            with pytest.raises(errors.Unavailable, match="within 0.5s"):
+                BlockingClient(address, connect_timeout=0.5, shm_ok=shm_ok)
+            assert time.monotonic() - started < 5, shm_ok
+
+        async def main():
+            for shm_ok in (None, False):
+                c = Client(address, connect_timeout=30, shm_ok=shm_ok)
+                started = time.monotonic()
+                with pytest.raises(errors.Unavailable, match=f"{sockdir}/d.sock.* within 0.5s"):
+                    await c.recv(key(0, 0, "x"), timeout=0.5)
+                assert time.monotonic() - started < 5, shm_ok
+                await c.close()
+                c = Client(address, connect_timeout=0.3, shm_ok=shm_ok)
+                with pytest.raises(errors.Unavailable, match="within 0.3s"):
+                    await c.recv(key(0, 0, "x"), timeout=30)
+                await c.close()
+        run(main())
+    finally:
+        for s in hung:
+            s.close()
+
+
+def test_a_client_fails_at_once_where_no_daemon_ever_started(sockdir):
+    """The asyncio client (the blocking one: tests/test_daemon_cli.py): no socket
+    file, no wait."""
+    async def main():
+        c = Client(f"unix:{sockdir}/none.sock", connect_timeout=30)
+        with pytest.raises(errors.Unavailable, match=f"{sockdir}/none.sock does not exist.*rendezvousd"):
+            await c.recv(key(0, 0, "x"))
+        await c.close()
+
+    started = time.monotonic()
+    run(main())
+    assert time.monotonic() - started < 5
 
 
 def test_a_second_daemon_on_the_same_socket_is_refused_and_a_stale_socket_replaced(sockdir):

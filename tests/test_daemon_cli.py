@@ -172,3 +172,51 @@ def test_a_killed_daemon_fails_waiting_clients_and_a_restart_takes_over(procs, s
         assert c.recv(key("after"), step_id=1, timeout=10).sum() == sum(range(1 << 17))
     again.p.send_signal(signal.SIGTERM)
     assert again.p.wait(30) == 0
+
+
+def _rendezvous(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rendezvous", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def test_stats_pending_and_health_of_a_daemon_from_the_shell(procs, sockdir):
+    """Against a running rendezvousd: with no --from the commands find the daemon
+    where it listens (RENDEZVOUS_LOCAL_ADDRESS), over its local socket; with
+    --from its rank port, the same answers; health turns NOT_SERVING (exit 1)
+    once it drains, and unreachable (exit 2) once it is gone."""
+    daemon, target, local, _ = start_daemon(procs, sockdir, 0, "--grace", "30")
+    here = {"RENDEZVOUS_LOCAL_ADDRESS": local}
+    with Client(local) as c:
+        c.send(key("left"), np.ones(4), step_id=7)
+        health = _rendezvous("health", env=here)
+        assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
+        stats = _rendezvous("stats", env=here)
+        assert stats.returncode == 0 and stats.stdout.startswith(f"/job:node/replica:0/task:0 at {local}")
+        assert "daemon: " in stats.stdout and "sessions 1" in stats.stdout, stats.stdout
+        for where in ((), ("--from", target)):
+            data = json.loads(_rendezvous("stats", "--json", *where, env=here).stdout)
+            assert data["table"]["tensors"] == 1 and data["daemon"]["sessions"] == 1, where
+            pending = json.loads(_rendezvous("pending", "--json", *where, env=here).stdout)
+            assert [(e["kind"], e["step_id"], e["key"]) for e in pending["entries"]] == \
+                [("tensor", 7, key("left"))], where
+        daemon.p.send_signal(signal.SIGTERM)  # the unconsumed tensor keeps it draining for its grace
+        daemon.wait_err("draining")
+        health = _rendezvous("health", "--from", target)
+        assert (health.returncode, health.stdout.strip()) == (1, "NOT_SERVING")
+    daemon.p.send_signal(signal.SIGINT)  # a second signal: gone at once
+    daemon.p.wait(30)
+    gone = _rendezvous("health", env=here)
+    assert gone.returncode == 2 and gone.stdout.strip() == "unreachable" and local in gone.stderr
+
+
+def test_a_client_without_a_daemon_fails_at_once_naming_the_socket(sockdir):
+    """No socket file: Unavailable at once (not after connect_timeout), naming the
+    path and how to start a daemon."""
+    import time
+
+    from rendezvous import errors
+
+    started = time.monotonic()
+    with pytest.raises(errors.Unavailable, match=f"{sockdir}/none.sock does not exist.*rendezvousd"):
+        Client(f"unix:{sockdir}/none.sock", connect_timeout=30)
+    assert time.monotonic() - started < 5

@@ -38,7 +38,7 @@ from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, drive_async
+from .core import GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, check_socket, connect_within, drive_async
 from .segments import Segments
 
 __all__ = ["Client"]
@@ -122,7 +122,13 @@ class _AioLink(Router):
 
 
 class Client:
-    """An asyncio client of the node's rendezvousd. Connects on first use or in ``async with``."""
+    """An asyncio client of the node's rendezvousd. Connects on first use or in ``async with``.
+
+    A ``unix:`` address whose socket does not exist fails at once (Unavailable
+    naming the path); a daemon that exists but does not answer is waited for
+    up to ``connect_timeout`` seconds (default 30), or a recv's own
+    ``timeout`` when that is smaller, then Unavailable. ``shm_ok`` and
+    ``token`` as for :class:`rendezvous.client.Client`."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, shm_ok: bool | None = None,
                  connect_timeout: float = 30.0) -> None:
@@ -155,12 +161,15 @@ class Client:
         """Whether this client talks over the session socket (shared memory)."""
         return self._link is not None
 
-    async def connect(self) -> "Client":
-        """Connect (Unavailable if no daemon answers in time). Idempotent."""
+    async def connect(self, timeout: float | None = None) -> "Client":
+        """Connect (Unavailable if no daemon answers within ``connect_timeout``, or
+        ``timeout`` if smaller). Idempotent."""
         if self._closed:
             raise Unavailable("client is closed")
         if self._connected:
             return self
+        check_socket(self.address)
+        within = connect_within(self._connect_timeout, timeout)
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -168,43 +177,45 @@ class Client:
                 return self
             path = session_socket(self.address) if self._shm_ok is not False else None
             if path is not None:
-                await self._connect_session(path)
+                await self._connect_session(path, within)
             else:
-                self._core.attached(await self._connect_grpc(), None)
+                self._core.attached(await self._connect_grpc(within), None)
             self._connected = True
         return self
 
-    async def _connect_session(self, path: str) -> None:
+    async def _connect_session(self, path: str, within: float) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, path), self._connect_timeout)
+            await asyncio.wait_for(loop.sock_connect(sock, path), within)
         except (OSError, TimeoutError) as exc:
             sock.close()
             raise Unavailable(f"cannot connect to the daemon's session socket {path}: {exc}") from None
         link = _AioLink(sock)
         try:
             hello = lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString()
-            info = lpb.AttachResponse.FromString(bytes(await link.call(Op(Kind.HELLO, hello, self._connect_timeout))))
+            info = lpb.AttachResponse.FromString(bytes(await link.call(Op(Kind.HELLO, hello, within))))
+        except TimeoutError:
+            link.close()
+            raise Unavailable(f"no rendezvousd answers on {path} within {within:g}s") from None
         except BaseException:
             link.close()
             raise
         self._core.attached(info, link.segments)
         self._link = link
 
-    async def _connect_grpc(self) -> lpb.AttachResponse:
+    async def _connect_grpc(self, within: float) -> lpb.AttachResponse:
         channel = grpc.aio.insecure_channel(self._target, options=local_channel_options())
         try:
-            await asyncio.wait_for(channel.channel_ready(), self._connect_timeout)
+            await asyncio.wait_for(channel.channel_ready(), within)
             session = channel.unary_stream(messages.METHOD + "Attach")(
                 lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString(),
                 metadata=self._metadata)
             first = await session.read()
         except TimeoutError:
             await channel.close()
-            raise Unavailable(f"no rendezvousd answers at {self.address} within "
-                              f"{self._connect_timeout:g}s") from None
+            raise Unavailable(f"no rendezvousd answers at {self.address} within {within:g}s") from None
         except grpc.RpcError as exc:
             await channel.close()
             raise messages.error_from(exc) from None
@@ -240,7 +251,7 @@ class Client:
 
     async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        await self.connect()
+        await self.connect(timeout)
         return self._core.received(await self._do(self._core.recv_op(key, step_id, timeout)))
 
     async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:

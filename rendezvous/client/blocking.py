@@ -55,7 +55,7 @@ from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
-from .core import GRPC_METHODS, ClientCore, Op, Pending, Router, drive
+from .core import GRPC_METHODS, ClientCore, Op, Pending, Router, check_socket, drive
 from .segments import Segments
 
 __all__ = ["Client", "token_metadata"]
@@ -95,7 +95,11 @@ class _BlockingLink(Router):
         self._cond = threading.Condition()
         self._error: RendezvousError | None = None
         hello = lpb.AttachRequest(client_id=client_id, pid=os.getpid()).SerializeToString()
-        self.info = lpb.AttachResponse.FromString(bytes(self.call(Op(Kind.HELLO, hello, timeout))))
+        try:
+            self.info = lpb.AttachResponse.FromString(bytes(self.call(Op(Kind.HELLO, hello, timeout))))
+        except DeadlineExceeded:
+            self.close()
+            raise Unavailable(f"no rendezvousd answers on {path} within {timeout:g}s") from None
 
     # -- writing ----------------------------------------------------------------
 
@@ -224,15 +228,19 @@ class _BlockingLink(Router):
 class Client:
     """A blocking client of the node's rendezvousd; usable from any thread.
 
-    Connects at construction (Unavailable if no daemon answers within
-    ``connect_timeout`` seconds). ``shm_ok``: use the session socket and
-    shared memory (default: when the daemon offers a session socket beside a
-    ``unix:`` address). ``token``: sent over TCP (default ``$RENDEZVOUS_TOKEN``)."""
+    Connects at construction. A ``unix:`` address whose socket does not exist
+    fails at once (Unavailable naming the path: no daemon runs there); a daemon
+    that exists but does not answer is waited for up to ``connect_timeout``
+    seconds (default 30), then Unavailable. ``shm_ok``: use the session
+    socket and shared memory (default: when the daemon offers a session
+    socket beside a ``unix:`` address). ``token``: sent over TCP (default
+    ``$RENDEZVOUS_TOKEN``)."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, shm_ok: bool | None = None,
                  connect_timeout: float = 30.0) -> None:
         self.address = address or default_address()
         target, _ = channel_target(self.address)
+        check_socket(self.address)
         self._metadata = token_metadata(self.address, token)
         self._core = ClientCore()
         self.client_id = secrets.token_hex(6)

@@ -18,6 +18,7 @@ caller, and the asyncio client awaits each step the same way.
 from __future__ import annotations
 
 import collections
+import os
 import struct
 import threading
 from collections.abc import Awaitable, Callable, Generator
@@ -25,9 +26,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rendezvous.errors import ResourceExhausted
+from rendezvous.errors import ResourceExhausted, Unavailable
 from rendezvous.keys import Key, as_key
 from rendezvous.local import messages
+from rendezvous.local.address import parse_local_address
 from rendezvous.local.frames import Kind, frame
 from rendezvous.paths import Hop
 from rendezvous.table import Received
@@ -36,10 +38,30 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
 
-__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "drive_async", "GRPC_METHODS"]
+__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "drive_async", "GRPC_METHODS",
+           "check_socket", "connect_within"]
 
 #: the gRPC method of each operation, for a client without a session socket
 GRPC_METHODS = {Kind.SEND: "Send", Kind.RECV: "Recv", Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
+
+
+def check_socket(address: str) -> None:
+    """Unavailable at once, naming the path, when ``address`` is a Unix socket
+    that does not exist: no daemon has started there (waiting for one would
+    only wait out the connect timeout)."""
+    if not address.startswith("unix:"):
+        return
+    _, path = parse_local_address(address)
+    if not os.path.exists(path):
+        raise Unavailable(f"no rendezvousd at {address}: {path} does not exist. Start the node's daemon "
+                          "(rendezvousd --cluster FILE --job-name JOB, or its systemd unit), or give the client "
+                          "the address it listens on (Client(address) or RENDEZVOUS_LOCAL_ADDRESS)")
+
+
+def connect_within(connect_timeout: float, timeout: float | None) -> float:
+    """How long a connection may take: ``connect_timeout``, or a call's own
+    ``timeout`` if that is smaller."""
+    return connect_timeout if timeout is None else max(0.0, min(connect_timeout, timeout))
 
 
 class Op(NamedTuple):

@@ -6,8 +6,12 @@ nodes over gRPC, and over MPI under ``grpc+mpi``). Beside it:
 
 * the local service (:mod:`rendezvous.daemon.service`) on a Unix socket (or
   TCP), through which the node's training processes send and recv;
-* gRPC health (``grpc.health.v1``; NOT_SERVING while draining) and server
-  reflection, on both the remote port and the local socket;
+* the Admin service (``Stats``, ``Pending``) and gRPC health
+  (``grpc.health.v1``; NOT_SERVING while draining), both
+  :class:`rendezvous.rpc.admin.Admin`: the rank server's own on the remote
+  port, the daemon's on the local socket, each answering for the whole node
+  (the local clients' recvs and sessions too); and server reflection on
+  both, listing what each serves;
 * Prometheus metrics on an HTTP port (:mod:`rendezvous.daemon.metrics`);
 * a stall watcher: a recv waiting longer than ``stall_warning`` seconds is
   logged once, naming its key and the producing task;
@@ -29,9 +33,11 @@ thread is the rank server's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -41,10 +47,11 @@ from rendezvous.cluster import parse_address
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, Unavailable
 from rendezvous.lifecycle import State
-from rendezvous.local.address import default_daemon_address, parse_local_address, session_path
+from rendezvous.local.address import parse_local_address, session_path
 from rendezvous.local.segments import available as shm_available
 from rendezvous.paths import AddressKind
-from rendezvous.rank.server import GrpcSetup, Server, add_port
+from rendezvous.rank.server import Server, add_port
+from rendezvous.rpc.admin import ADMIN_SERVICE, Admin
 from rendezvous.rpc.options import SERVICE as RANK_SERVICE
 from rendezvous.rpc.options import server_options
 
@@ -53,7 +60,8 @@ from .service import LocalServicer
 from .listener import SessionListener
 from .pool import Pool
 from .sessions import PoolBuffers
-from .setup import claim_socket, descriptor_budget, need_extra, pool_limit, resolve_identity
+from .setup import claim_socket, descriptor_budget, grpc_security, local_address, need_extra, pool_limit, \
+    resolve_identity
 
 __all__ = ["Daemon", "run"]
 
@@ -71,20 +79,12 @@ class Daemon:
         self.config = config
         found_cluster, job, index, self.index_source = resolve_identity(config) if cluster is None else \
             (cluster, config.job_name, max(config.task_index, 0), "argument")
-        token = auth.load_token(config)
         from .metrics import DaemonMetrics
 
         self.metrics = DaemonMetrics()
-        self._health: list[Any] = []
-        interceptors = (auth.TokenInterceptor(token, on_reject=lambda m: self.metrics.error("UNAUTHENTICATED")),) \
-            if token else ()
-        self._token = token
-        setup = GrpcSetup(server_credentials=auth.server_credentials(config),
-                              channel_credentials=auth.channel_credentials(config),
-                              metadata=auth.token_metadata(token), interceptors=interceptors,
-                              services=(self._add_ops_services,))
-        raw = config.local_address or default_daemon_address()
-        self.local_address = raw.replace("{job_name}", job).replace("{task_index}", str(index))
+        setup, self._token = grpc_security(config, on_reject=lambda m: self.metrics.error("UNAUTHENTICATED"))
+        setup = dataclasses.replace(setup, services=(self._add_rank_services,))
+        self.local_address, _ = local_address(config, job, index)
         self._kind, self._where = parse_local_address(self.local_address)
         #: the shared-memory pool of the session socket (Unix local sockets only)
         self.pool: Pool | None = None
@@ -99,6 +99,13 @@ class Daemon:
         self.server = Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup,
                                  buffers=buffers)
         self.local = LocalServicer(self.server, self.metrics)
+        #: Admin and health on the remote (rank) port: the rank server's own,
+        #: answering for the whole node
+        self.rank_admin: Admin = self.server.admin
+        self.rank_admin.provide(pending=self.local.pending, extra_stats=self.node_stats)
+        #: Admin and health on the local socket
+        self.local_admin = Admin(self.server, pending=self.local.pending, extra_stats=self.node_stats,
+                                 health_names=(RANK_SERVICE, LOCAL_SERVICE, ADMIN_SERVICE))
         self.sessions: SessionListener | None = None
         self._local_grpc: grpc.aio.Server | None = None
         self._socket_ino: int | None = None
@@ -120,16 +127,19 @@ class Daemon:
 
     # -- start ------------------------------------------------------------------
 
-    def _add_ops_services(self, server: grpc.aio.Server) -> None:
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    def _add_rank_services(self, server: grpc.aio.Server) -> None:
+        """The rank port's reflection."""
+        self._add_reflection(server, [RANK_SERVICE, *self.rank_admin.service_names])
+
+    @staticmethod
+    def _add_reflection(server: grpc.aio.Server, served: list[str]) -> None:
+        """Server reflection listing ``served`` (the services on that port) and itself."""
+        from grpc_health.v1 import health_pb2  # noqa: F401  (registers the descriptors reflection serves)
         from grpc_reflection.v1alpha import reflection
 
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        self._health.append(servicer)
-        names = [RANK_SERVICE, LOCAL_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, server)
+        from rendezvous.v1 import admin_pb2, local_pb2, rendezvous_pb2  # noqa: F401  (the same)
+
+        reflection.enable_server_reflection([*served, reflection.SERVICE_NAME], server)
 
     async def start(self) -> None:
         """Start the rank server (collective under grpc+mpi), the local service, metrics."""
@@ -153,8 +163,6 @@ class Daemon:
         log.info("rendezvousd %s serving on %s; local clients at %s", self.task, self.target, self.local_target)
 
     async def _start_local(self) -> None:
-        from rendezvous.v1 import local_pb2  # noqa: F401  (registers the service for reflection)
-
         limit = self.config.max_tensor_bytes + (1 << 20)  # an inline send carries its tensor
         interceptors = None
         if self._kind is AddressKind.TCP and self._token:
@@ -162,7 +170,8 @@ class Daemon:
                                                   on_reject=lambda m: self.metrics.error("UNAUTHENTICATED"))]
         server = grpc.aio.server(interceptors=interceptors, options=server_options(limit))
         server.add_generic_rpc_handlers(self.local.handlers())
-        self._add_ops_services(server)
+        self.local_admin.add_to(server)
+        self._add_reflection(server, [LOCAL_SERVICE, *self.local_admin.service_names])
         if self._kind is AddressKind.UNIX:
             path = self._where
             claim_socket(path)
@@ -212,14 +221,21 @@ class Daemon:
         """Scrape-time values (on the loop thread)."""
         table = self.server.table.stats()
         entries = self.server.pending()
-        now = time.monotonic()
-        waits = list(self.local.waits.values())
         return {
             "stats": self.server.stats(),
             "tensors": table["tensors"],
             "waiters": table["waiters"],
             "keys": table["keys"],
             "oldest": max((e.oldest_age_s for e in entries), default=0.0),
+            **self.node_stats(),
+        }
+
+    def node_stats(self) -> dict[str, Any]:
+        """What the daemon adds to its rank server's counters: local clients' recvs
+        waiting and the oldest's age, sessions, the pool, whether it drains."""
+        now = time.monotonic()
+        waits = list(self.local.waits.values())
+        return {
             "local_waits": len(waits),
             "local_oldest": max((now - w.started for w in waits), default=0.0),
             "sessions": len(self.local.attached) + (len(self.sessions.sessions) if self.sessions else 0),
@@ -228,15 +244,12 @@ class Daemon:
         }
 
     async def _set_health(self, serving: bool) -> None:
-        from grpc_health.v1 import health_pb2
-
-        for servicer in self._health:
-            if serving:
-                status = health_pb2.HealthCheckResponse.SERVING
-                for name in ("", RANK_SERVICE, LOCAL_SERVICE):
-                    await servicer.set(name, status)
-            else:
-                await servicer.enter_graceful_shutdown()
+        """Health on both ports: SERVING overall and for the rank, local and admin
+        services; NOT_SERVING for good once draining."""
+        await self.rank_admin.set_serving(serving)
+        await self.local_admin.set_serving(serving)
+        if serving:
+            await self.rank_admin.set_status(LOCAL_SERVICE, True)
 
     async def _watch_stalls(self) -> None:
         limit = self.config.stall_warning
@@ -333,9 +346,28 @@ class Daemon:
 # -- the command line ---------------------------------------------------------------------
 
 
-def run(config: Config, out: Any = None) -> int:
-    """Run a daemon until SIGTERM/SIGINT; 0 after a clean drain. A second signal exits at once."""
+def run(config: Config, out: Any = None, command: Sequence[str] = ()) -> int:
+    """Run a daemon until SIGTERM/SIGINT; 0 after a clean drain. A second signal exits at once.
+
+    With a ``command`` (``rendezvousd ... -- COMMAND``), the daemon runs it once
+    serving and lives as long as it does, exiting with its status
+    (:mod:`rendezvous.daemon.child`)."""
     from rendezvous.lifecycle import run_until_signalled
+
+    if command:
+        from .child import WithChild
+
+        async def start_with_child() -> WithChild:
+            daemon = Daemon(config)
+            await daemon.start()
+            return await WithChild(daemon, command).start()
+
+        def exit_now(run: WithChild) -> None:
+            run.kill()
+            run.daemon.remove_socket()
+
+        return run_until_signalled(start_with_child, prog="rendezvousd", announce=lambda r: r.describe(),
+                                   stop=lambda r: r.stop(), uvloop=config.uvloop, out=out, before_exit=exit_now)
 
     async def start() -> Daemon:
         daemon = Daemon(config)

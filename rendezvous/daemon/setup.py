@@ -1,5 +1,7 @@
 """What a daemon needs before it starts: who it is, its logging, its limits,
-its socket, and the effective configuration shown by ``--print-config``."""
+its socket and its local address, how its gRPC port is secured, and the
+effective configuration shown by ``--print-config``. ``rendezvous serve``
+uses the identity, logging and security parts for a plain rank server too."""
 
 from __future__ import annotations
 
@@ -13,20 +15,25 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rendezvous import auth
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rendezvous.local.address import default_daemon_address
+from rendezvous.rank.setup import GrpcSetup
 
-__all__ = ["need_extra", "Identity", "resolve_identity", "JsonFormatter", "setup_logging", "render_config",
-           "pool_limit", "Descriptors", "descriptor_budget", "claim_socket"]
+__all__ = ["need_extra", "Identity", "resolve_identity", "local_address", "grpc_security",
+           "json_formatter", "setup_logging", "render_config", "pool_limit", "Descriptors", "descriptor_budget",
+           "claim_socket"]
 
 log = logging.getLogger("rendezvous.daemon")
 
 
 def need_extra() -> None:
+    """FailedPrecondition naming the daemon extra if a module of it is missing."""
     try:
-        import grpc_health.v1.health  # noqa: F401
         import grpc_reflection.v1alpha.reflection  # noqa: F401
         import prometheus_client  # noqa: F401
+        import pythonjsonlogger  # noqa: F401
     except ImportError as exc:
         raise FailedPrecondition(f"rendezvousd needs the daemon extra ({exc.name} is missing): "
                                  "pip install 'rendezvous[daemon]'") from None
@@ -66,35 +73,66 @@ def resolve_identity(config: Config) -> Identity:
     return Identity(cluster, config.job_name, index, source)
 
 
+def local_address(config: Config, job_name: str = "", task_index: int | None = None) -> tuple[str, str]:
+    """Where a daemon's local clients connect, and where that came from: the
+    ``local_address`` setting, else the default socket (under
+    ``$XDG_RUNTIME_DIR``, else ``/run/rendezvous``). ``{job_name}`` and
+    ``{task_index}`` are replaced when given."""
+    if config.local_address:
+        address, source = config.local_address, config.sources.get("local_address", "default")
+    else:
+        address = default_daemon_address()
+        source = ("default, under $XDG_RUNTIME_DIR" if os.environ.get("XDG_RUNTIME_DIR")
+                  else "default; XDG_RUNTIME_DIR is unset")
+    given = address
+    if job_name:
+        address = address.replace("{job_name}", job_name)
+    if task_index is not None and task_index >= 0:
+        address = address.replace("{task_index}", str(task_index))
+    return address, source if address == given else f"{source}: {given}"
+
+
+def grpc_security(config: Config, on_reject: Any = None) -> tuple[GrpcSetup, str]:
+    """A rank's :class:`GrpcSetup` from its TLS and token settings, and the token
+    (empty: none). ``on_reject(method)`` is called for each call refused for
+    its token."""
+    token = auth.load_token(config)
+    interceptors = (auth.TokenInterceptor(token, on_reject=on_reject),) if token else ()
+    return GrpcSetup(server_credentials=auth.server_credentials(config),
+                     channel_credentials=auth.channel_credentials(config),
+                     metadata=auth.token_metadata(token), interceptors=interceptors), token
+
+
 # -- logging ----------------------------------------------------------------------
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and any fields
-    passed with ``extra=`` (key, step_id, producer, ...)."""
-
-    _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for k, v in vars(record).items():
-            if k not in self._STANDARD and not k.startswith("_"):
-                out[k] = v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out)
+def json_formatter() -> logging.Formatter:
+    """python-json-logger's formatter, writing one JSON object per line: ``time``
+    (UTC, ISO 8601 with milliseconds and ``Z``), ``level``, ``logger``,
+    ``message``, every field passed with ``extra=`` (key, step_id, producer,
+    ...) and, for an exception, ``exception``."""
+    try:
+        from pythonjsonlogger.json import JsonFormatter
+    except ImportError:
+        try:
+            from pythonjsonlogger.jsonlogger import JsonFormatter  # python-json-logger 3.0
+        except ImportError:
+            raise FailedPrecondition("--log-format json needs python-json-logger: pip install "
+                                     "'rendezvous[daemon]'") from None
+    formatter = JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s",
+                              rename_fields={"asctime": "time", "levelname": "level", "name": "logger",
+                                             "exc_info": "exception"})
+    formatter.converter = time.gmtime
+    formatter.default_time_format = "%Y-%m-%dT%H:%M:%S"
+    formatter.default_msec_format = "%s.%03dZ"
+    return formatter
 
 
 def setup_logging(config: Config, level: int | None = None) -> None:
     """Root logging to stderr, text or JSON as the config says."""
     handler = logging.StreamHandler(sys.stderr)
     if config.log_format == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(json_formatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
@@ -106,12 +144,15 @@ def setup_logging(config: Config, level: int | None = None) -> None:
         logging.getLogger("rendezvous.client").setLevel(max(root.level, logging.WARNING))
 
 
-def render_config(config: Config, identity: Identity | None = None) -> str:
-    """The effective config as TOML, each value with where it came from (secrets masked)."""
-    lines = ["# rendezvousd: effective configuration (value  # source)"]
+def render_config(config: Config, identity: Identity | None = None, prog: str = "rendezvousd") -> str:
+    """The effective config as TOML, each value with where it came from (secrets
+    masked; the local address as the daemon resolves it)."""
+    lines = [f"# {prog}: effective configuration (value  # source)"]
     for name, value, source, secret in config.explain():
         if name == "task_index" and identity is not None:
             value, source = identity.task_index, identity.index_source
+        elif name == "local_address":
+            value, source = local_address(config, *((identity.job_name, identity.task_index) if identity else ()))
         if value is None:
             lines.append(f"# {name} is unset  ({source})")
             continue

@@ -40,6 +40,7 @@ from rendezvous.errors import Aborted, FailedPrecondition, Unavailable
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
+from rendezvous.rpc.admin import Admin
 from rendezvous.rpc.options import server_options
 from rendezvous.rpc.peer import PeerClient
 from rendezvous.rpc.retry import RetryCache
@@ -119,6 +120,8 @@ class Server:
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
                                            retry=self._retry, max_waiting=cfg.max_waiting_calls,
                                            timeline=self.timeline)
+        #: the Admin service (Stats, Pending) and gRPC health, on this server's port
+        self.admin = Admin(self)
         #: this rank's part of its MPI job (rendezvous.mpi.rank.MpiRank), or None
         self.mpi: Any = None
         if cfg.uses_mpi(self.protocol):
@@ -174,6 +177,7 @@ class Server:
                                  options=server_options(self.config.max_request_bytes, self.config.keepalive_time,
                                                         self.config.keepalive_timeout))
         server.add_generic_rpc_handlers(self.servicer.handlers())
+        self.admin.add_to(server)
         joins = None
         if self.bootstrap is not None and self.bootstrap.hosts_joins:
             joins = JoinTable(self.bootstrap, self.task.job)
@@ -199,6 +203,7 @@ class Server:
             self._state = State.NEW
             raise
         self._state = State.SERVING
+        await self.admin.set_serving(True)
         log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
         if self.protocol is Protocol.GRPC_MPI:
             sys.stderr.write(self.describe() + "\n")  # one write: ranks' lines must not interleave
@@ -273,6 +278,7 @@ class Server:
             return
         grace = self.config.grace if grace is None else max(0.0, float(grace))
         self._state = State.STOPPING
+        await self.admin.set_serving(False)
         # Drain: no new waits; waiters fail; tensors already produced are still
         # served to requests arriving within the grace period.
         self.servicer.begin_drain()

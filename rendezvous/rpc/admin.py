@@ -1,0 +1,172 @@
+"""Administration of a running rank server: the ``rendezvous.v1.Admin`` service
+(``Stats``, ``Pending``) and the standard ``grpc.health.v1.Health`` service.
+
+Every rank server carries one :class:`Admin` on its port, and a daemon one
+more on its local socket: ``rendezvous stats``, ``rendezvous pending`` and
+``rendezvous health`` (and ``grpc_health_probe``, Kubernetes' gRPC probe)
+ask them. Health is gRPC's own servicer (``grpcio-health-checking``): the
+overall status ``""`` and each name in :attr:`Admin.health_names` are SERVING
+once the server says so (:meth:`Admin.set_serving`), and NOT_SERVING for good
+from the moment it drains.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rendezvous.errors import InvalidArgument, RendezvousError, to_status
+from rendezvous.keys import parse_key
+from rendezvous.v1 import admin_pb2 as apb
+from rendezvous.v1 import local_pb2 as lpb
+
+from .options import SERVICE as RANK_SERVICE
+
+__all__ = ["Admin", "ADMIN_SERVICE", "HEALTH_SERVICE", "PENDING_BYTES", "pending_entries", "bounded_pending"]
+
+ADMIN_SERVICE = apb.DESCRIPTOR.services_by_name["Admin"].full_name  # rendezvous.v1.Admin
+HEALTH_SERVICE = "grpc.health.v1.Health"
+#: a Pending answer lists at most this many bytes of entries, and says how many it left out
+PENDING_BYTES = 1 << 20
+
+log = logging.getLogger("rendezvous.server")
+
+
+def pending_entries(server: Any) -> list[lpb.PendingEntry]:
+    """A rank server's waiting table as PendingEntry messages, each with the task
+    that produces its key."""
+    me = str(server.task)
+    out = []
+    for e in server.pending():
+        try:
+            producer = str(parse_key(e.key).src_task or me)
+        except RendezvousError:
+            producer = me
+        out.append(lpb.PendingEntry(step_id=e.step_id, rendezvous_key=str(e.key), kind=e.kind, count=e.count,
+                                    oldest_age_seconds=e.oldest_age_s, producer=producer))
+    return out
+
+
+def bounded_pending(entries: list[lpb.PendingEntry], max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
+    """One answer of at most about ``max_bytes``: the oldest entries first, and
+    the count of those left out."""
+    reply = lpb.PendingResponse()
+    size = 0
+    ordered = sorted(entries, key=lambda e: -e.oldest_age_seconds)
+    for i, entry in enumerate(ordered):
+        size += entry.ByteSize() + 4
+        if size > max_bytes:
+            reply.omitted = len(ordered) - i
+            break
+        reply.entries.append(entry)
+    return reply
+
+
+class Admin:
+    """The Admin and Health services of one rank server (``rendezvous.aio.Server``:
+    its ``task``, ``protocol``, ``stats()``, ``pending()`` and ``table``).
+
+    ``pending``: the entries a Pending call lists (default: the server's
+    waiting table); ``extra_stats``: what a Stats call adds under ``daemon``
+    (default: nothing). A daemon sets both (:meth:`provide`) to answer for the
+    node. ``health_names``: the services health reports besides ``""``."""
+
+    def __init__(self, server: Any, *, pending: Callable[[], list[lpb.PendingEntry]] | None = None,
+                 extra_stats: Callable[[], dict[str, Any]] | None = None,
+                 health_names: tuple[str, ...] = (RANK_SERVICE, ADMIN_SERVICE)) -> None:
+        self.server = server
+        self._pending = pending
+        self._extra_stats = extra_stats
+        self.health_names = list(health_names)
+        #: gRPC's health servicer (grpc.health.v1.Health)
+        self.health = health.aio.HealthServicer()
+
+    def provide(self, *, pending: Callable[[], list[lpb.PendingEntry]] | None = None,
+                extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Answer Pending from ``pending()`` and add ``extra_stats()`` to Stats."""
+        if pending is not None:
+            self._pending = pending
+        if extra_stats is not None:
+            self._extra_stats = extra_stats
+
+    # -- registration -------------------------------------------------------
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        """The Admin service, as generic handlers (health is added by :meth:`add_to`)."""
+        return [grpc.method_handlers_generic_handler(ADMIN_SERVICE, {
+            "Stats": grpc.unary_unary_rpc_method_handler(self._stats),
+            "Pending": grpc.unary_unary_rpc_method_handler(self._pending_call),
+        })]
+
+    def add_to(self, grpc_server: grpc.aio.Server) -> None:
+        """Register Admin and Health on ``grpc_server`` (before it starts)."""
+        grpc_server.add_generic_rpc_handlers(self.handlers())
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, grpc_server)
+
+    @property
+    def service_names(self) -> list[str]:
+        """The services :meth:`add_to` registers (what reflection may list)."""
+        return [ADMIN_SERVICE, HEALTH_SERVICE]
+
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING for ``""`` and every name in :attr:`health_names`; or, once
+        the server drains, NOT_SERVING for all of them, for good."""
+        if not serving:
+            await self.health.enter_graceful_shutdown()
+            return
+        for name in ("", *self.health_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_status(self, name: str, serving: bool) -> None:
+        """One name's status (ignored once the server drains); the name joins
+        :attr:`health_names`."""
+        if name and name not in self.health_names:
+            self.health_names.append(name)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(name, status)
+
+    # -- answers -------------------------------------------------------------
+
+    def stats(self) -> apb.StatsResponse:
+        """What Stats answers now."""
+        server = self.server
+        reply = apb.StatsResponse(task=str(server.task), protocol=str(server.protocol))
+        reply.paths.update(server.stats())
+        reply.table.update(server.table.stats())
+        if self._extra_stats is not None:
+            reply.daemon.update(self._extra_stats())
+        return reply
+
+    def pending(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
+        """What Pending answers now (at most about ``max_bytes`` of entries)."""
+        entries = self._pending() if self._pending is not None else pending_entries(self.server)
+        return bounded_pending(entries, max_bytes)
+
+    async def _stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            apb.StatsRequest.FromString(request)
+            return self.stats().SerializeToString()
+        except DecodeError as exc:
+            await context.abort(*to_status(InvalidArgument(f"malformed StatsRequest: {exc}")))
+        except Exception as exc:
+            await context.abort(*self._error(exc))
+
+    async def _pending_call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            lpb.PendingRequest.FromString(request)
+            return self.pending().SerializeToString()
+        except DecodeError as exc:
+            await context.abort(*to_status(InvalidArgument(f"malformed PendingRequest: {exc}")))
+        except Exception as exc:
+            await context.abort(*self._error(exc))
+
+    @staticmethod
+    def _error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        if not isinstance(exc, RendezvousError):
+            log.error("admin call failed", exc_info=exc)
+        return to_status(exc)
