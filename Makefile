@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# DEMO_ARGS='--timeline timeline' also writes each run's timeline (README, "Timeline").
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(BIN)/python examples/ps_training.py
+	$(BIN)/python examples/ps_training.py $(DEMO_ARGS)
 
 # The demo across three "hosts" (network namespaces; needs root): tests/netns.py.
 demo-hosts: $(STAMP)

@@ -24,6 +24,11 @@ The two runs must reach the same loss (the transport never changes a byte),
 and it says so, with each run's communication time per step. Each rank's
 numpy computes on one thread unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS
 is set: three ranks on a small machine would otherwise fight over its cores.
+
+With --timeline DIR every rank of each run writes a timeline of its sends
+and recvs (RENDEZVOUS_TIMELINE: DIR/mpi/ps-0.json, ... for run 1, DIR/grpc/
+for run 2), and each run's ranks are merged into one file, DIR/mpi.json and
+DIR/grpc.json, to open at ui.perfetto.dev or in chrome://tracing.
 """
 
 from __future__ import annotations
@@ -189,7 +194,8 @@ def rank_main(args: argparse.Namespace) -> int:
         print(f"this job needs exactly {1 + WORKERS} ranks, got {size}", file=sys.stderr)
         return 2
     job, index = ("ps", 0) if rank == 0 else ("worker", rank - 1)
-    server = rendezvous.Server(args.cluster, job, index, protocol=args.protocol)
+    overrides = {"timeline": os.path.join(args.timeline, TIMELINE_FILE)} if args.timeline else {}
+    server = rendezvous.Server(args.cluster, job, index, protocol=args.protocol, **overrides)
     server.start()
     try:
         if job == "ps":
@@ -263,6 +269,34 @@ def _run(title: str, cluster: str, steps: int, env: dict[str, str],
     return final, comm
 
 
+#: each rank's timeline file in a run's folder
+TIMELINE_FILE = "{job_name}-{task_index}.json"
+
+
+def _timeline_env(folder: str | None, run: str) -> dict[str, str]:
+    """The setting that makes each rank of ``run`` write its timeline under ``folder``."""
+    if folder is None:
+        return {}
+    return {"RENDEZVOUS_TIMELINE": os.path.join(folder, run, TIMELINE_FILE)}
+
+
+def _merge_timelines(folder: str, runs: dict[str, str]) -> None:
+    """Each run's rank files as one trace (all ranks in one view), and how to open it."""
+    from rendezvous.timeline import merge
+
+    print(f"\ntimelines of every send and recv, in {os.path.abspath(folder)}:")
+    for run, title in runs.items():
+        ranks = sorted(Path(folder, run).glob("*.json"))
+        if not ranks:
+            print(f"  {title}: no rank wrote a timeline", file=sys.stderr)
+            continue
+        merged = Path(folder, f"{run}.json")
+        merge(ranks, merged)
+        print(f"  {title}: {merged} (one file per rank in {Path(folder, run)}/: "
+              f"{', '.join(r.name for r in ranks)})")
+    print("open one at https://ui.perfetto.dev (\"Open trace file\") or in chrome://tracing", flush=True)
+
+
 def launcher_main(args: argparse.Namespace) -> int:
     if args.hosts:
         # One rank per host, in the order given: mpiexec places rank i on host i,
@@ -286,12 +320,14 @@ def launcher_main(args: argparse.Namespace) -> int:
         # main job"): the optimal path with requests over gRPC. Requests over MPI
         # measured slower here: the ranks use the blocking Server, whose MPI
         # thread, not its loop, polls for them.
-        fastest = {"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": "0"}
+        fastest = {"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": "0", **_timeline_env(args.timeline, "mpi")}
         with_mpi = _run("run 1: protocol grpc+mpi, MPI on, in its fastest setting for this job: "
                         "optimal path (MPI_OPTIMAL_PATH=1), requests over gRPC (RENDEZVOUS_MPI_REQUESTS=0)",
                         path, args.steps, fastest, args.timeout, placement)
         without = _run("run 2: protocol grpc+mpi with MPI_DISABLED=1 (gRPC only)", path, args.steps,
-                       {"MPI_DISABLED": "1"}, args.timeout, placement)
+                       {"MPI_DISABLED": "1", **_timeline_env(args.timeline, "grpc")}, args.timeout, placement)
+    if args.timeline:
+        _merge_timelines(args.timeline, {"mpi": "run 1 (MPI)", "grpc": "run 2 (gRPC only)"})
     print()
     if with_mpi is None or without is None:
         print("a run failed", file=sys.stderr)
@@ -320,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds each launched run may take")
     p.add_argument("--hosts", help="launch one rank per host: ps,worker0,worker1 (passed to mpiexec -hosts)")
     p.add_argument("--port", type=int, default=50051, help="the port each rank serves on with --hosts")
+    p.add_argument("--timeline", metavar="DIR",
+                   help="write each rank's timeline of sends and recvs under DIR (RENDEZVOUS_TIMELINE), "
+                        "and each run's ranks merged: DIR/mpi.json, DIR/grpc.json (open at ui.perfetto.dev)")
     args = p.parse_args(argv)
     return rank_main(args) if args.cluster else launcher_main(args)
 

@@ -1,4 +1,5 @@
-"""The main job (`make demo`): parameter-server training, with MPI and with MPI_DISABLED=1."""
+"""The main job (`make demo`): parameter-server training, with MPI and with MPI_DISABLED=1,
+each run writing its timeline."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from rendezvous.timeline import read_trace
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
-def test_parameter_server_job_converges_on_both_paths():
+def test_parameter_server_job_converges_on_both_paths(tmp_path):
+    timeline = tmp_path / "timeline"
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "ps_training.py"), "--steps", "21",
-                          "--timeout", "100"], capture_output=True, text=True, timeout=230)
+                          "--timeout", "100", "--timeline", str(timeline)], capture_output=True, text=True, timeout=230)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     runs = out.stdout.split("=== run ")[1:]
     assert len(runs) == 2
@@ -32,6 +36,17 @@ def test_parameter_server_job_converges_on_both_paths():
     assert int(mpi_row.group(1)) > 0, "parameters and gradients should move over MPI"
     assert int(re.search(r"MPI\s+(\d+)", grpc_run).group(1)) == 0
     assert "-> the same" in out.stdout
+    # --timeline: every rank's file, each run's ranks merged, and where to open them
+    assert "https://ui.perfetto.dev" in out.stdout and str(timeline / "mpi.json") in out.stdout
+    for run, path in (("mpi", "mpi"), ("grpc", "grpc")):
+        assert sorted(p.name for p in (timeline / run).iterdir()) == ["ps-0.json", "worker-0.json", "worker-1.json"]
+        events = read_trace(timeline / f"{run}.json")
+        names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+        assert names == {"/job:ps/replica:0/task:0", "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"}
+        grads = [e for e in events if e["ph"] == "X" and e["name"] == "recv grad_w"]
+        assert len(grads) == 2 * 21  # the ps's, from each worker at each step
+        assert {e["args"]["path"] for e in grads} == {path} and {e["args"]["bytes"] for e in grads} == {2 << 20}
+        assert sum(e["name"] == "serve grad_w" for e in events) == 2 * 21  # the workers'
 
 
 @pytest.mark.mpi

@@ -7,6 +7,10 @@ server, through the peer clients. The tensor then lands where the recv
 wants it (the key's ``dst_device``, or the caller's ``device``), copied off
 the loop when it must move between host and GPU. Whatever was fetched and
 could not be delivered is kept, never lost.
+
+With a timeline (:mod:`rendezvous.timeline`) each recv is a span: from the
+call until the producer's answer (or the table's tensor) came, until the
+bytes were all here, and the copy to its device, if any.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
+from rendezvous.timeline import RecvSpan, Timeline, now
 from rendezvous.transport import Fetched
 
 from .kept import Kept
@@ -34,7 +39,8 @@ class Receiver:
     """The recvs of one rank server (``state`` says what the server is now)."""
 
     def __init__(self, task: TaskName, table: WaitingTable, peers: Peers, kept: Kept, devices: Devices,
-                 stats: Stats, staging: tuple[int, int], state: Callable[[], State]) -> None:
+                 stats: Stats, staging: tuple[int, int], state: Callable[[], State],
+                 timeline: Timeline | None = None) -> None:
         self.task = task
         self.table = table
         self.peers = peers
@@ -43,10 +49,15 @@ class Receiver:
         self._stats = stats
         self._staging = staging
         self._state = state
+        #: the server's timeline, or None (off)
+        self.timeline = timeline
+        if timeline is not None:
+            self.fetch = self._fetch_traced  # type: ignore[method-assign]  # off, fetch is all there is
 
     async def fetch(self, key: Key | str, step_id: int, timeout: float | None,
-                    device: str | Placement | None) -> Fetched:
-        """The tensor of ``key`` in ``step_id``, on its device, with the path it took."""
+                    device: str | Placement | None, span: RecvSpan | None = None) -> Fetched:
+        """The tensor of ``key`` in ``step_id``, on its device, with the path it took
+        (what it saw on the way in ``span``, when one is given)."""
         k = as_key(key)
         canonical = k.format()
         explicit = parse_placement(device)
@@ -55,30 +66,55 @@ class Receiver:
         if err is not None:
             raise err
         if self.kept.has(step_id, canonical):
-            return await self._recv_kept(step_id, canonical, target)
+            return await self._recv_kept(step_id, canonical, target, span)
         src = k.src_task
         if src is None or src == self.task:
-            return await self._recv_local(step_id, canonical, timeout, target)
-        return await self._recv_remote(src, step_id, canonical, timeout, target)
+            return await self._recv_local(step_id, canonical, timeout, target, span)
+        return await self._recv_remote(src, step_id, canonical, timeout, target, span)
 
-    async def _recv_kept(self, step_id: int, key: str, target: Placement) -> Fetched:
+    async def _fetch_traced(self, key: Key | str, step_id: int, timeout: float | None,
+                            device: str | Placement | None) -> Fetched:
+        """:meth:`fetch`, written to the timeline as a span."""
+        span = RecvSpan(now())
+        try:
+            fetched = await Receiver.fetch(self, key, step_id, timeout, device, span)
+        except BaseException as exc:
+            self._recv_done(span, key, step_id, error=exc)
+            raise
+        self._recv_done(span, key, step_id, fetched)
+        return fetched
+
+    def _recv_done(self, span: RecvSpan, key: Key | str, step_id: int, fetched: Fetched | None = None,
+                   error: BaseException | None = None) -> None:
+        try:
+            self.timeline.recv_done(span, key, step_id, fetched, error)  # type: ignore[union-attr]
+        except RendezvousError:
+            pass  # not a key: no recv happened
+
+    async def _recv_kept(self, step_id: int, key: str, target: Placement, span: RecvSpan | None) -> Fetched:
         """A tensor fetched before and not delivered: it goes first."""
         item = self.kept.take(step_id, key)
+        if span is not None:
+            span.kept = True
+            span.answered = span.start
         try:
-            return Fetched(Received(await self._place(item.value, target), item.is_dead), Path.LOCAL, True)
+            return Fetched(Received(await self._place(item.value, target, span), item.is_dead), Path.LOCAL, True)
         except BaseException:
             self.kept.keep(step_id, key, item, front=True)
             raise
 
-    async def _recv_local(self, step_id: int, key: str, timeout: float | None, target: Placement) -> Fetched:
+    async def _recv_local(self, step_id: int, key: str, timeout: float | None, target: Placement,
+                          span: RecvSpan | None) -> Fetched:
         """From this rank's own table: the object that was sent, unless it must move device."""
         try:
             async with asyncio.timeout(timeout):
                 item = await self.table.recv(step_id, key)
         except TimeoutError:
             raise DeadlineExceeded(f"recv of {key!r} (step {step_id}) timed out after {timeout:g}s") from None
+        if span is not None:
+            span.answered = now()
         try:
-            placed = await self._place(item.value, target)
+            placed = await self._place(item.value, target, span)
         except BaseException:
             self._requeue(step_id, key, item)  # not delivered: it stays for a later recv
             raise
@@ -86,13 +122,17 @@ class Receiver:
         return Fetched(Received(placed, item.is_dead), Path.LOCAL, True)
 
     async def _recv_remote(self, src: TaskName, step_id: int, key: str, timeout: float | None,
-                           target: Placement) -> Fetched:
+                           target: Placement, span: RecvSpan | None) -> Fetched:
         """From the producing task, through its peer client (an abort of the step
         raises the step's error)."""
         if self._state() is not State.SERVING:
             raise Unavailable(f"server {self.task} is {self._state}")
+        asked = target
+        if span is not None:  # a placement object of its own, for the timeline to tell its answer
+            asked = Placement(target.kind, target.index)
+            self.timeline.watch(span, asked)  # type: ignore[union-attr]
         try:
-            fetched = await self.peers.recv(src, key, step_id, timeout, target)
+            fetched = await self.peers.recv(src, key, step_id, timeout, asked)
         except NotPlaced as exc:  # moved, but the device could not take it
             self._stats.error(self.peers[src].path)
             self.kept.keep(step_id, key, Received(exc.value, False))
@@ -100,11 +140,15 @@ class Receiver:
         except RendezvousError:
             self._stats.error(self.peers.get(src).path)
             raise
+        finally:
+            if span is not None:
+                span.got = now()
+                self.timeline.unwatch(asked)  # type: ignore[union-attr]
         item = fetched.item
         self._stats.received(fetched.path, payload_nbytes(item.value))
         if not fetched.placed:
             try:
-                item = Received(await self._place(item.value, target), item.is_dead)
+                item = Received(await self._place(item.value, target, span), item.is_dead)
             except BaseException:
                 self.kept.keep(step_id, key, item)
                 raise
@@ -130,12 +174,13 @@ class Receiver:
         except RendezvousError:
             pass  # the step ended meanwhile: its tensors are dropped anyway
 
-    async def _place(self, value: Any, target: Placement) -> Any:
+    async def _place(self, value: Any, target: Placement, span: RecvSpan | None = None) -> Any:
         """``value`` on ``target`` (already resolved); copies run off the loop."""
         if value is None:
             return None
         if not isinstance(value, DeviceTensor) and not self.devices.needs_copy(value, target, True):
             return value  # host data staying on the host (strings too): the object as it is
+        started = now() if span is not None else 0
         try:
             placed = await asyncio.get_running_loop().run_in_executor(
                 None, self.devices.place, value, target, True, self._staging)
@@ -144,6 +189,8 @@ class Receiver:
         except Exception as exc:  # out of device memory, a CUDA error: the caller keeps the tensor
             raise ResourceExhausted(f"cannot put the tensor on {target}: {type(exc).__name__}: {exc}; "
                                     "it is kept for the next recv of this key") from exc
+        if span is not None:
+            span.placing = (started, now())
         if isinstance(value, DeviceTensor) and not target.is_gpu:
             self._stats.gpu("to_host")
         elif not isinstance(value, DeviceTensor) or value.device != target.index:

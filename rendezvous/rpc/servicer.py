@@ -14,6 +14,10 @@ Every failure is answered with a status (``rendezvous.errors`` maps it); a bad
 request never takes the server down. How a reply carries its tensor is the
 server's data planes' choice (:class:`rendezvous.transport.Planes`); the
 servicer only writes the frames a plan gives it.
+
+With a timeline (:mod:`rendezvous.timeline`) every request served is a span
+on the producer: from its arrival until its reply was planned, waiting while
+its tensor was not produced yet.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from rendezvous.errors import (
 from rendezvous.keys import TaskName, parse_key
 from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
+from rendezvous.timeline import Timeline, now
 from rendezvous.transport import Path, Planes
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -63,13 +68,18 @@ class RecvTensorServicer:
     """Serves tensors from ``table`` to remote consumers, through ``planes``."""
 
     def __init__(self, table: WaitingTable, task: TaskName | None, *, stats: Stats,
-                 planes: Planes, retry: RetryCache, max_waiting: int = 1 << 16) -> None:
+                 planes: Planes, retry: RetryCache, max_waiting: int = 1 << 16,
+                 timeline: Timeline | None = None) -> None:
         self.table = table
         self.max_waiting = max_waiting  # recvs held waiting at once, all streams and unary calls
         self.task = task
         self.stats = stats
         self.planes = planes
         self.retry = retry
+        #: the server's timeline (its planes end the serve spans begun here), or None
+        self.timeline = timeline
+        if timeline is not None:
+            self.take = self._take_traced  # type: ignore[method-assign]  # off, take is all there is
         self.draining = False
         self._streams: set[ProducerStream] = set()
         self._unary_active = 0
@@ -124,6 +134,20 @@ class RecvTensorServicer:
             item = await self.table.recv(step, canonical)
         return Taken(item, canonical)
 
+    async def _take_traced(self, req: pb.RecvTensorRequest) -> Taken:
+        """:meth:`take`, its wait written to the timeline (the reply's planning ends
+        the span: :class:`rendezvous.timeline.TracedPlanes`)."""
+        timeline = self.timeline
+        assert timeline is not None
+        start = now()
+        try:
+            taken = await RecvTensorServicer.take(self, req)
+        except BaseException as exc:
+            timeline.serve_failed(req, start, exc)
+            raise
+        timeline.taken(req, taken.key, taken.item, start)
+        return taken
+
     def take_now(self, req: pb.RecvTensorRequest) -> Taken | None:
         """The tensor if it is already produced, else None (then use
         :meth:`take`). Retries of a known request_id always go through take."""
@@ -138,6 +162,8 @@ class RecvTensorServicer:
             return None
         if rid:
             self.retry.record(req.step_id, rid, item, key)
+        if self.timeline is not None:
+            self.timeline.taken(req, key, item, None)
         return Taken(item, key)
 
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
@@ -208,6 +234,8 @@ class RecvTensorServicer:
             # A dead-line shorter than the wait is enforced by gRPC itself. Unary
             # replies are always inline: TensorFlow's clients know no descriptors.
             plan = self.planes.inline.plan(req, item)
+            if self.timeline is not None:
+                self.timeline.served(req, plan.path)
             if plan.prepare is not None:
                 plan = await plan.prepare()
             reply = plan.unary()
