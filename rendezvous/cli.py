@@ -138,7 +138,7 @@ _FLAG_FIELDS = {
     "stall_warning": "stall_warning", "log_format": "log_format", "mpi_requests": "mpi_requests",
 }
 #: flags that act only in the daemon: `rendezvous serve` refuses them without --daemon
-_DAEMON_ONLY = ("local", "metrics_port", "metrics_host", "stall_warning")
+_DAEMON_ONLY = ("local", "metrics_port", "metrics_host")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
@@ -158,13 +158,14 @@ def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
                    help="seconds a drain keeps serving what was produced here, until all is consumed (default 10)")
     p.add_argument("--log-format", choices=["text", "json"],
                    help="log lines as text (default) or JSON objects (env RENDEZVOUS_LOG_FORMAT)")
+    p.add_argument("--stall-warning", type=float, metavar="S",
+                   help="log a recv waiting longer than this (default 60; 0: never)")
     p.add_argument("--config", metavar="FILE", help="TOML file of config fields (env RENDEZVOUS_CONFIG)")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective config and where each value came from, then exit")
     if daemon_flag:
         p.add_argument("--daemon", action="store_true",
-                       help="run rendezvousd: local clients, metrics, stall warnings (the same as the "
-                            "rendezvousd command)")
+                       help="run rendezvousd: local clients, metrics (the same as the rendezvousd command)")
     d = p.add_argument_group("daemon only (with --daemon)" if daemon_flag else "daemon")
     d.add_argument("--local", metavar="ADDRESS",
                    help="where local clients connect: unix:PATH or HOST:PORT; {job_name} and {task_index} are "
@@ -172,8 +173,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, daemon_flag: bool) -> None:
                         "/run/rendezvous/rendezvousd.sock)")
     d.add_argument("--metrics-port", type=int, metavar="PORT", help="Prometheus /metrics port; 0: any; -1: off")
     d.add_argument("--metrics-host", metavar="HOST", help="metrics bind address (default: this task's host)")
-    d.add_argument("--stall-warning", type=float, metavar="S",
-                   help="log a recv waiting longer than this (default 60; 0: never)")
+
 
 
 def daemon_parser() -> argparse.ArgumentParser:

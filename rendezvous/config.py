@@ -149,7 +149,8 @@ class Config:
         "cluster address.")
     stall_warning: float = _knob(
         60.0, "RENDEZVOUS_STALL_WARNING",
-        "Seconds a recv may wait before the daemon logs a warning naming the key and its producer; 0: never.")
+        "Seconds a recv may wait before a warning names its key and its producer (a rank server's recvs, and a "
+        "daemon's); 0: never.")
     log_format: str = _knob("text", "RENDEZVOUS_LOG_FORMAT", "`text`, or `json` (one object per line).")
     log_level: str = _knob("INFO", "RENDEZVOUS_LOG_LEVEL", "Daemon log level: DEBUG, INFO, WARNING, ERROR.")
     tls_cert: str = _knob(

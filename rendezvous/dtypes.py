@@ -140,7 +140,8 @@ def dtype_to_proto(dtype) -> int:
     v = _fixed_lookup(_native(dt)) if dt.fields is None else None
     if v is None and dt.kind == "U":
         raise UnsupportedDType(f"dtype {dt} (numpy unicode strings) has no TensorFlow DataType: send bytes "
-                               "(numpy.char.encode(array, 'utf-8'), dtype S) or an object array of bytes")
+                               "(numpy.char.encode(array, 'utf-8'), dtype S) or an object array of bytes; "
+                               f"supported: {_SUPPORTED_NAMES}")
     if v is None:
         raise UnsupportedDType(f"dtype {dt} has no TensorFlow DataType; supported: {_SUPPORTED_NAMES}")
     return v

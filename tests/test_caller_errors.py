@@ -146,3 +146,19 @@ def test_grpc_mpi_with_mpi_disabled_does_not_warn(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="rendezvous"):
         run(main())
     assert not any("outside an MPI launcher" in r.getMessage() for r in caplog.records)
+
+
+def test_a_recv_that_waits_longer_than_the_stall_limit_says_what_it_waits_for(caplog):
+    async def main():
+        async with cluster(2, stall_warning=0.2) as (a, b):
+            with pytest.raises(DeadlineExceeded):
+                await a.recv(key(1, 0, "slow"), step_id=4, timeout=1.0)
+            with pytest.raises(DeadlineExceeded):  # a timeout within the limit: nothing to say
+                await a.recv(key(1, 0, "quick"), timeout=0.15)
+            return b.target
+    with caplog.at_level(logging.WARNING, logger="rendezvous"):
+        producer = run(main())
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert len(said) == 1, said
+    assert key(1, 0, "slow") in said[0] and "(step 4)" in said[0]
+    assert f"its producer /job:worker/replica:0/task:1 at {producer}" in said[0] and "timeout 1s" in said[0]

@@ -202,7 +202,7 @@ def test_verbose_after_serve_acts():
 
 
 @pytest.mark.parametrize("flag,value", [("--local", "unix:/tmp/x.sock"), ("--metrics-port", "0"),
-                                        ("--metrics-host", "127.0.0.1"), ("--stall-warning", "5")])
+                                        ("--metrics-host", "127.0.0.1")])
 def test_serve_refuses_daemon_flags_without_daemon(flag, value):
     out = _cli("serve", "--cluster", '{"worker": ["127.0.0.1:0"]}', "--job-name", "worker", flag, value)
     assert out.returncode == 2, out

@@ -67,3 +67,24 @@ def test_gpu_example_runs_on_the_stand_in_gpu():
         assert "FakeDeviceArray of 8 MiB onto the GPU" in line and "ndarray onto the host" in line
         assert "'staged_recvs': 1" in line
     assert "CUDA-aware MPI: no" in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_loopback_demo_prints_each_rate_in_a_unit_that_fits():
+    """`make demo-loopback`: every rate in a unit where its figure reads (never
+    "0.00GB/s" for 1 KiB), and consistent with the size and time shown."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "loopback_demo.py")], capture_output=True,
+                         text=True, timeout=140)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = re.findall(r"^/job:worker/replica:0/task:[01]\s+(\d+) (KiB|MiB)\s+(\w+)\s+([\d.]+) (µs|ms|s)\s+"
+                      r"([\d.]+) (B/s|kB/s|MB/s|GB/s)$", out.stdout, re.M)
+    assert len(rows) == 10, out.stdout  # 5 sizes from 2 workers
+    for n, binary, path, took, time_unit, rate, rate_unit in rows:
+        assert path == "grpc"  # the path the recv's tensor counted on (protocol grpc: no other)
+        assert 1 <= float(rate) < 1000, rate
+        nbytes = int(n) * {"KiB": 1 << 10, "MiB": 1 << 20}[binary]
+        seconds = float(took) / {"µs": 1e6, "ms": 1e3, "s": 1.0}[time_unit]
+        per_s = float(rate) * {"B/s": 1.0, "kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9}[rate_unit]
+        assert per_s == pytest.approx(nbytes / seconds, rel=0.02)
+    assert "ps received 30 tensors, 486 MiB over grpc, 0 errors" in out.stdout

@@ -167,3 +167,15 @@ def test_every_call_after_stop_is_unavailable():
         with pytest.raises(Unavailable):
             await s.recv(k, timeout=1)
     run(main())
+
+
+def test_a_stop_that_keeps_waiting_says_why_where_a_plain_script_sees_it(caplog):
+    async def main():
+        async with cluster(1) as (a,):
+            a.send(key(0, 0, "unclaimed"), np.ones(1))
+            await a.stop(1.5)
+    with caplog.at_level(logging.WARNING, logger="rendezvous"):
+        run(main())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("1 produced tensor(s) not consumed yet; serving them for up to" in m
+               and "stop(grace=0) drops them" in m for m in warned), warned

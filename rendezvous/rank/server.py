@@ -36,7 +36,7 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
 from rendezvous.devices import Devices, Placement
-from rendezvous.errors import Aborted, FailedPrecondition, Unavailable
+from rendezvous.errors import Aborted, FailedPrecondition, RendezvousError, Unavailable
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
@@ -135,6 +135,9 @@ class Server:
         self.kept = Kept()
         self._receiver = Receiver(self.task, self.table, self.peers, self.kept, self.devices, self._stats,
                                   self._staging, lambda: self._state, self.timeline)
+        #: seconds after which a recv that is still waiting logs a warning (0: never);
+        #: a daemon, which watches its recvs itself, sets 0
+        self.stall_warning = cfg.stall_warning
         self._stopped: asyncio.Event | None = None
         self._state = State.NEW
 
@@ -294,7 +297,15 @@ class Server:
             if produced and grace > 0:
                 log.info("task %s stopping: waiting up to %gs for %d produced tensor(s) to be consumed "
                          "(the grace; stop(grace=0) drops them)", self.task, grace, produced)
+            said = loop.time() + 1.0  # a wait that lasts is said where a plain script sees it
             while loop.time() < end and (self.servicer.busy() or self.table.stats()["tensors"]):
+                if loop.time() >= said:
+                    said = end
+                    left = self.table.stats()["tensors"]
+                    if left:
+                        log.warning("task %s stopping: %d produced tensor(s) not consumed yet; serving them for "
+                                    "up to %.3gs more (the grace; stop(grace=0) drops them)", self.task, left,
+                                    end - loop.time())
                 await asyncio.sleep(0.005)
             # End the streams after their last reply; gRPC then waits (briefly)
             # for those handlers to send their status before it cancels the rest.
@@ -406,7 +417,31 @@ class Server:
                     device: str | Placement | None = None) -> Fetched:
         """:meth:`recv_item` with the path the tensor took (``Fetched``): what a
         daemon reports for its local clients' recvs."""
-        return await self._receiver.fetch(key, step_id, timeout, device)
+        limit = self.stall_warning
+        if limit <= 0 or (timeout is not None and timeout <= limit):
+            return await self._receiver.fetch(key, step_id, timeout, device)
+        # A recv that may wait longer than the limit says so once it has: a
+        # program that seems to hang is told what it waits for.
+        loop = asyncio.get_running_loop()
+        warn = loop.call_later(limit, self._stalled, key, step_id, limit, timeout)
+        try:
+            return await self._receiver.fetch(key, step_id, timeout, device)
+        finally:
+            warn.cancel()
+
+    def _stalled(self, key: Key | str, step_id: int, waited: float, timeout: float | None) -> None:
+        k = as_key(key)
+        src = k.src_task
+        if src is None or src == self.task:
+            whom = "this rank's own send of it"
+        else:
+            try:
+                whom = f"its producer {src} at {self.cluster.address(src)}"
+            except RendezvousError:
+                whom = f"its producer {src}"
+        log.warning("recv of %s (step %d) has waited %gs for %s, and waits on (%s; RENDEZVOUS_STALL_WARNING "
+                    "sets when this is said)", k.format(), step_id, waited, whom,
+                    "no timeout" if timeout is None else f"timeout {timeout:g}s")
 
     def keep(self, step_id: int, key: str, item: Received, why: str) -> None:
         """Hold ``item``, fetched by a recv but never delivered (a daemon's local
