@@ -105,12 +105,11 @@ def run_ps(server, steps: int) -> None:
     loss = float("nan")
     update = 0.0  # seconds the ps spent computing its updates
     for step in range(steps):
-        grads_w, grads_b, losses = [], [], []
-        for i in range(WORKERS):  # fixed order: the sum is the same in every run
-            src = worker_task(i)
-            grads_w.append(server.recv(key(src, PS, "grad_w"), step_id=step, timeout=120))
-            grads_b.append(server.recv(key(src, PS, "grad_b"), step_id=step, timeout=120))
-            losses.append(float(server.recv(key(src, PS, "loss"), step_id=step, timeout=120)))
+        # the whole step from every worker in one call, in a fixed order (the sum is
+        # the same in every run): grad_w, grad_b, loss of worker 0, then worker 1
+        got = server.recv_many([key(worker_task(i), PS, name) for i in range(WORKERS)
+                                for name in ("grad_w", "grad_b", "loss")], step_id=step, timeout=120)
+        grads_w, grads_b, losses = got[0::3], got[1::3], [float(v) for v in got[2::3]]
         t0 = time.perf_counter()
         w = w - LEARNING_RATE * (grads_w[0] + grads_w[1]) / WORKERS
         b = b - LEARNING_RATE * (grads_b[0] + grads_b[1]) / WORKERS
@@ -118,9 +117,8 @@ def run_ps(server, steps: int) -> None:
         update += time.perf_counter() - t0
         if step % 10 == 0 or step == steps - 1:
             print(f"{step:>6} {loss:>10.6f}", flush=True)
-        for i in range(WORKERS):
-            server.send(key(PS, worker_task(i), "w"), w, step_id=step + 1)
-            server.send(key(PS, worker_task(i), "b"), b, step_id=step + 1)
+        server.send_many([(key(PS, worker_task(i), name), value) for i in range(WORKERS)
+                          for name, value in (("w", w), ("b", b))], step_id=step + 1)
     elapsed = time.perf_counter() - start
     totals = _counters(server.stats())
     for i in range(WORKERS):
@@ -142,11 +140,9 @@ def run_worker(server, index: int, steps: int) -> None:
         t0 = time.perf_counter()
         loss, gw, gb = loss_and_grads(w, b, x[lo:lo + BATCH], y[lo:lo + BATCH])
         compute += time.perf_counter() - t0
-        server.send(key(me, PS, "grad_w"), gw, step_id=step)
-        server.send(key(me, PS, "grad_b"), gb, step_id=step)
-        server.send(key(me, PS, "loss"), np.array(loss, np.float32), step_id=step)
-        w = server.recv(key(PS, me, "w"), step_id=step + 1, timeout=120)
-        b = server.recv(key(PS, me, "b"), step_id=step + 1, timeout=120)
+        server.send_many([(key(me, PS, "grad_w"), gw), (key(me, PS, "grad_b"), gb),
+                          (key(me, PS, "loss"), np.array(loss, np.float32))], step_id=step)
+        w, b = server.recv_many([key(PS, me, "w"), key(PS, me, "b")], step_id=step + 1, timeout=120)
     counters = _counters(server.stats())
     counters[COUNTERS.index(("worker", "compute_us"))] = int(compute * 1e6)
     server.send(key(me, PS, "stats"), counters, step_id=steps + 1)

@@ -31,6 +31,7 @@ __all__ = [
     "Internal",
     "Cancelled",
     "from_status",
+    "batch_failure",
     "to_status",
 ]
 
@@ -188,3 +189,22 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RendezvousError):
         return exc.code, exc.message
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def batch_failure(keys: list[str], step_id: int, failures: dict[int, BaseException], kept: int) -> BaseException:
+    """One error for a recv_many that failed: the status of its first failure
+    (by position), a message naming each failed key and why, and
+    ``failures`` (key -> error) for programs. ``kept``: how many tensors of the
+    batch had arrived (they are kept for the next recv of their keys)."""
+    first = failures[min(failures)]
+    if not isinstance(first, RendezvousError):
+        return first  # not a transfer's failure (a bug): as it is
+    shown = "; ".join(f"{keys[i]}: {getattr(e, 'code', grpc.StatusCode.UNKNOWN).name}: {e}"
+                      for i, e in list(failures.items())[:5])
+    more = f"; and {len(failures) - 5} more" if len(failures) > 5 else ""
+    error = from_status(first.code, f"recv_many of {len(keys)} keys (step {step_id}): {len(failures)} failed "
+                                    f"({shown}{more}); the {kept} that arrived are kept for the next recv of "
+                                    "their keys, the others were not taken")
+    error.failures = {keys[i]: e for i, e in failures.items()}  # type: ignore[attr-defined]
+    return error
+

@@ -334,14 +334,15 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
     """Deadlines racing transfers on whatever path the environment picks: rank 1
     produces ``count`` tensors (16 B and 256 KiB in turn) while rank 0 receives
     each with a 2-20 ms deadline, retried until it arrives, many recvs in flight
-    (``api``: the asyncio server, or the blocking ``Server`` called from a pool
-    of threads); then rank 0 asks every key again (any answer is a second
+    (``api``: the asyncio server, the blocking ``Server`` called from a pool
+    of threads, or ``batch``: the asyncio server's recv_many, ten keys under
+    one deadline); then rank 0 asks every key again (any answer is a second
     delivery) and both ranks report what is left anywhere once the traffic has
     settled."""
     import concurrent.futures
 
     from rendezvous import aio
-    from racing import ask_again, paced, race, value
+    from racing import ask_again, paced, race, race_batches, value
 
     n = int(count)
     rank, _ = launcher_rank() or (0, 1)
@@ -388,7 +389,11 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
             result(rank=rank, left=len(left), left_items=repr(left)[:2000])
         else:
             await send(key(me, other, "go"), np.zeros(1), 2)
-            tally = await race(lambda i, t: recv(name(i), 1, t), n, seed=3)
+            if api == "batch":  # recv_many, batches of 10 under one racing deadline
+                tally = await race_batches(
+                    lambda ids, t: server.recv_many([name(i) for i in ids], step_id=1, timeout=t), n, seed=3)
+            else:
+                tally = await race(lambda i, t: recv(name(i), 1, t), n, seed=3)
             await on_server(lambda: quiet(server))
             await ask_again(lambda i, t: recv(name(i), 1, t), tally)
             await on_server(lambda: quiet(server))

@@ -84,6 +84,31 @@ async def race(recv: Recv, n: int, *, seed: int = 0, shortest: float = 0.002, lo
     return tally
 
 
+async def race_batches(recv_many: Callable[[list[int], float], Awaitable[list[Any]]], n: int, *, size: int = 10,
+                       seed: int = 0, shortest: float = 0.002, longest: float = 0.02,
+                       sizes: tuple[int, ...] = SIZES) -> Tally:
+    """:func:`race` with ``recv_many``: tensors ``0..n-1`` in batches of ``size``,
+    every batch asked with a racing deadline until it arrives whole (a batch
+    that fails consumes nothing)."""
+    rng = random.Random(seed)
+    tally = Tally(n)
+
+    async def one(start: int) -> None:
+        ids = list(range(start, min(n, start + size)))
+        deadline = rng.uniform(shortest, longest)
+        while True:
+            try:
+                got = await recv_many(ids, deadline)
+                break
+            except DeadlineExceeded:
+                tally.timed_out += 1
+                deadline *= 1.5
+        tally.wrong.extend(i for i, g in zip(ids, got) if not matches(g, i, sizes))
+
+    await asyncio.gather(*(one(s) for s in range(0, n, size)))
+    return tally
+
+
 async def ask_again(recv: Recv, tally: Tally, timeout: float = 0.3) -> Tally:
     """Ask every key once more, all at once: each that answers was delivered twice."""
     async def one(i: int) -> None:

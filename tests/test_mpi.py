@@ -194,12 +194,14 @@ PATHS = {
 @pytest.mark.parametrize("path,api", [*((p, "aio") for p in PATHS),
                                       # the blocking Server's recvs from a pool of 16 threads: the
                                       # same code below it, slower to drive (fewer tensors)
-                                      ("grpc-requests-optimal", "blocking"), ("mpi-requests-optimal", "blocking")])
+                                      ("grpc-requests-optimal", "blocking"), ("mpi-requests-optimal", "blocking"),
+                                      # recv_many: batches under one deadline, all or none
+                                      *((p, "batch") for p in PATHS)])
 def test_racing_deadlines_deliver_every_tensor_exactly_once(path, api):
     """Short deadlines racing transfers on every path (tests/racing.py): each
     tensor arrives once with its own contents, asking every key again afterwards
     gets nothing, and nothing is left on either rank."""
-    n = "1000" if api == "aio" else "300"
+    n = "300" if api == "blocking" else "1000"
     _, results, out = launch(2, "exactly_once", n, api, env=PATHS[path], timeout=130)
     consumer = next(r for r in results if r["rank"] == 0)
     producer = next(r for r in results if r["rank"] == 1)

@@ -17,8 +17,11 @@ Contenders:
   gRPC reply);
 * ``optimal_mr``, ``default_mr``: the same two with requests over MPI
   (``RENDEZVOUS_MPI_REQUESTS=1``);
+* ``optimal_many``, ``optimal_mr_many``: ``optimal`` and ``optimal_mr``
+  with the whole step in one ``recv_many``;
 * ``blocking``: the blocking ``rendezvous.Server`` (optimal path), one
-  ``recv`` after another, as a plain script does;
+  ``recv`` after another, as a plain script does; ``blocking_many``: the
+  same server's ``recv_many`` of the whole step;
 * ``grpc``: raw grpc.aio, one unary call per tensor gathered concurrently
   (raw bytes in, raw bytes out);
 * ``gloo``: ``torch.distributed`` gloo ``isend``/``irecv`` when torch imports.
@@ -41,10 +44,14 @@ if TYPE_CHECKING:
 
 __all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "CONTENDERS"]
 
-CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "blocking", "grpc", "gloo")
+CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many", "blocking",
+              "blocking_many", "grpc", "gloo")
+#: the contenders the blocking Server runs (after the others, on a loop thread of its own)
+_BLOCKING = ("blocking", "blocking_many")
 #: rendezvous contenders: (job, optimal path, requests over MPI)
 _SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
-            "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True)}
+            "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True),
+            "optimal_many": ("optm", True, False), "optimal_mr_many": ("optmrm", True, True)}
 _RESULT = "@steps-result "
 _RAW_METHOD = "/rendezvous.bench.Steps/Get"
 #: ``rendezvous --help``'s line for the command, its own --help's description and epilog
@@ -212,7 +219,10 @@ class _Rank:
         server = self.servers[name]
         keys = [_key(server.task.job, model, i) for i in range(len(tensors))]
         t0 = time.perf_counter()
-        out = await asyncio.gather(*(server.recv(k, step, 300) for k in keys))
+        if name.endswith("_many"):
+            out = await server.recv_many(keys, step, 300)
+        else:
+            out = await asyncio.gather(*(server.recv(k, step, 300) for k in keys))
         took = time.perf_counter() - t0
         _check(out, tensors, step)
         return took
@@ -228,6 +238,12 @@ class _Rank:
 
     async def _default_mr(self, model: str, tensors: list, step: int) -> float | None:
         return await self._rendezvous("default_mr", model, tensors, step)
+
+    async def _optimal_many(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("optimal_many", model, tensors, step)
+
+    async def _optimal_mr_many(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("optimal_mr_many", model, tensors, step)
 
     async def _grpc(self, model: str, tensors: list, step: int) -> float | None:
         import numpy as np
@@ -266,40 +282,48 @@ async def _barrier_async(rank: _Rank) -> None:
     await asyncio.get_running_loop().run_in_executor(None, rank.world.Barrier)
 
 
-def _run_blocking(opts: argparse.Namespace) -> dict[str, list[float]]:
+def _run_blocking(opts: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     """The blocking ``rendezvous.Server``: its own loop thread (gRPC's asyncio runs
-    one loop per process at a time, so it has the process to itself), one recv
-    after another from this thread."""
+    one loop per process at a time, so it has the process to itself); ``blocking``
+    receives one key after another from this thread, ``blocking_many`` the whole
+    step in one ``recv_many``, taking turns step by step."""
     from mpi4py import MPI
 
     import rendezvous
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    names = [n for n in _BLOCKING if n in opts.contenders]
     server = rendezvous.Server({"blk": ["127.0.0.1:0"] * 2}, "blk", rank, "grpc+mpi", mpi_optimal_path=True,
                                mpi_disabled=False)
     server.start()
-    out: dict[str, list[float]] = {}
+    out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     try:
         for model in opts.models:
             tensors = shapes(model)
             keys = [_key("blk", model, i) for i in range(len(tensors))]
-            times = out[model] = []
-            for step in range(1, opts.steps + 2):
-                if rank == 1:
-                    for k, arr in zip(keys, _produce(tensors, step)):
-                        server.send(k, arr, step_id=step)
-                world.Barrier()
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    got = [server.recv(k, step, timeout=300) for k in keys]
-                    took = time.perf_counter() - t0
-                    _check(got, tensors, step)
-                    if step > 1:
-                        times.append(took)
-                    del got
-                world.Barrier()
-                server.cleanup(step)
+            for n in names:
+                out[n][model] = []
+            step = 0
+            for turn in range(opts.steps + 1):
+                for name in names:
+                    step += 1
+                    if rank == 1:
+                        server.send_many(list(zip(keys, _produce(tensors, step))), step_id=step)
+                    world.Barrier()
+                    if rank == 0:
+                        t0 = time.perf_counter()
+                        if name == "blocking_many":
+                            got = server.recv_many(keys, step, timeout=300)
+                        else:
+                            got = [server.recv(k, step, timeout=300) for k in keys]
+                        took = time.perf_counter() - t0
+                        _check(got, tensors, step)
+                        if turn > 0:
+                            out[name][model].append(took)
+                        del got
+                    world.Barrier()
+                    server.cleanup(step)
     finally:
         server.stop(1.0)
     return out
@@ -307,7 +331,7 @@ def _run_blocking(opts: argparse.Namespace) -> dict[str, list[float]]:
 
 async def run_rank(opts: argparse.Namespace) -> dict[str, Any] | None:
     rank = _Rank(opts)
-    names = await rank.setup([n for n in opts.contenders if n != "blocking"])
+    names = await rank.setup([n for n in opts.contenders if n not in _BLOCKING])
     results: dict[str, dict[str, list[float]]] = {}
     for model in opts.models:
         tensors = shapes(model)
@@ -327,12 +351,13 @@ async def run_rank(opts: argparse.Namespace) -> dict[str, Any] | None:
                        for m in opts.models}, "contenders": names}
 
 
-def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, list[float]]) -> dict[str, Any] | None:
+def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, dict[str, list[float]]]) -> dict[str, Any] | None:
     if doc is None:
         return None
-    for model, times in blocking.items():
-        doc["models"][model]["seconds"]["blocking"] = times
-    doc["contenders"].append("blocking")
+    for name, by_model in blocking.items():
+        for model, times in by_model.items():
+            doc["models"][model]["seconds"][name] = times
+        doc["contenders"].append(name)
     return doc
 
 
@@ -413,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         doc = loop.run_until_complete(run_rank(opts))
     finally:
         loop.close()
-    if "blocking" in opts.contenders:
+    if any(n in opts.contenders for n in _BLOCKING):
         doc = _merge_blocking(doc, _run_blocking(opts))
     if doc is not None:
         from .procs import emit

@@ -21,12 +21,13 @@ import itertools
 import os
 import secrets
 import socket
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
-from rendezvous.errors import Unavailable
+from rendezvous.errors import RendezvousError, Unavailable
 from rendezvous.keys import Key
 from rendezvous.local import messages
 from rendezvous.local.address import channel_target, default_address, session_socket
@@ -38,7 +39,8 @@ from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, check_socket, connect_within, drive_async
+from .core import (GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, check_items, check_socket, connect_within,
+                   drive_async, one_by_one, one_by_one_failure)
 from .segments import Segments
 
 __all__ = ["Client"]
@@ -115,6 +117,38 @@ class _AioLink(Router):
         if entry.kind == Kind.ERROR:
             raise messages.frame_error(entry.body)
         return entry.body
+
+    async def call_many(self, ops: list[Op], guard: float | None) -> list[Pending]:
+        """:meth:`rendezvous.client.blocking._BlockingLink.call_many` on the loop:
+        RECV ``ops`` in one write, all answered or one failed (the rest given
+        back) or ``guard`` seconds passed."""
+        if self._error is not None:
+            raise self._error
+        entries = [Pending(op, self.loop.create_future()) for op in ops]
+        ids = [next(self._ids) for _ in ops]
+        for op_id, entry in zip(ids, entries):
+            self._ops[op_id] = entry
+        released = self.segments.drain_released()
+        self.conn.write(released + b"".join(frame(op.kind, op_id, op.body) for op_id, op in zip(ids, ops)))
+        waiting = {e.waiter for e in entries}
+        try:
+            async with asyncio.timeout(guard):
+                while waiting and not any(e.done and e.kind == Kind.ERROR for e in entries):
+                    _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._give_back(ids, entries)
+            raise
+        if any(e.done and e.kind == Kind.ERROR for e in entries):
+            self._give_back(ids, entries)
+        return entries
+
+    def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
+        for op_id, entry in zip(ids, entries):
+            if not (entry.done and entry.kind == Kind.ERROR):
+                try:
+                    self._give_up(op_id, entry)
+                except RendezvousError:
+                    pass  # the session broke: the daemon takes everything back with it
 
     def close(self) -> None:
         self.conn.close(None)
@@ -258,6 +292,34 @@ class Client:
         """The tensor sent under ``key`` in ``step_id`` (None if dead)."""
         return (await self.recv_item(key, step_id, timeout)).value
 
+    async def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
+        """See :meth:`rendezvous.client.Client.send_many`."""
+        for key, tensor, dead in check_items(items):
+            await self.send(key, tensor, step_id, dead)
+
+    async def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
+                        timeout: float | None = None) -> list[np.ndarray | None]:
+        """See :meth:`rendezvous.client.Client.recv_many`."""
+        return [item.value for item in await self.recv_many_items(keys, step_id, timeout)]
+
+    async def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0,
+                              timeout: float | None = None) -> list[Received]:
+        """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
+        ops = [self._core.recv_op(k, step_id, timeout) for k in keys]
+        if not ops:
+            return []
+        await self.connect(timeout)
+        if self._link is None:
+            got: list[Received] = []
+            for op in one_by_one(ops, step_id, asyncio.get_running_loop().time):
+                try:
+                    got.append(self._core.received(await self._do(op)))
+                except RendezvousError as exc:
+                    raise one_by_one_failure(ops, step_id, got, exc) from None
+            return got
+        entries = await self._link.call_many(ops, None if timeout is None else timeout + 10.0)
+        return self._core.batch_result(entries, step_id)
+
     async def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""
         await self.connect()
@@ -289,3 +351,4 @@ class Client:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+

@@ -39,6 +39,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -55,7 +56,8 @@ from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
-from .core import GRPC_METHODS, ClientCore, Op, Pending, Router, check_socket, drive
+from .core import (GRPC_METHODS, ClientCore, Op, Pending, Router, check_items, check_socket, drive, one_by_one,
+                   one_by_one_failure)
 from .segments import Segments
 
 __all__ = ["Client", "token_metadata"]
@@ -154,13 +156,52 @@ class _BlockingLink(Router):
             raise messages.frame_error(entry.body)
         return entry.body
 
+    def call_many(self, ops: list[Op], deadline: float | None) -> list[Pending]:
+        """Send RECV ``ops`` in one write and wait until all are answered, or one
+        failed (then every other one is given back: the arrived tensors go back to
+        the daemon for the next recv of their keys, the waits are cancelled), or
+        ``deadline`` passes. The answered entries, in order."""
+        if self._error is not None:
+            raise self._error
+        entries = [Pending(op) for op in ops]
+        ids = [next(self._ids) for _ in ops]
+        for op_id, entry in zip(ids, entries):
+            self._ops[op_id] = entry
+
+        def settled() -> bool:
+            return all(e.done for e in entries) or any(e.done and e.kind == Kind.ERROR for e in entries)
+
+        try:
+            self._write(b"".join(frame(op.kind, op_id, op.body) for op_id, op in zip(ids, ops)))
+            self._wait_until(settled, deadline)
+        except BaseException as exc:
+            self._give_back(ids, entries)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("the daemon did not answer the batch in time") from None
+            raise
+        if any(e.kind == Kind.ERROR for e in entries if e.done):
+            self._give_back(ids, entries)
+        return entries
+
+    def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
+        with self._cond:
+            for op_id, entry in zip(ids, entries):
+                if not (entry.done and entry.kind == Kind.ERROR):
+                    try:
+                        self._give_up(op_id, entry)
+                    except RendezvousError:
+                        pass  # the session broke: the daemon takes everything back with it
+
     def _wait(self, entry: Pending, deadline: float | None) -> None:
-        while not entry.done:
+        self._wait_until(lambda: entry.done, deadline)
+
+    def _wait_until(self, ready: Callable[[], bool], deadline: float | None) -> None:
+        while not ready():
             if self._error is not None:
                 raise self._error
             if self._rlock.acquire(blocking=False):
                 try:
-                    while not entry.done:
+                    while not ready():
                         self._read(deadline)
                 finally:
                     self._rlock.release()
@@ -168,7 +209,7 @@ class _BlockingLink(Router):
                         self._cond.notify_all()
             else:
                 with self._cond:
-                    if not entry.done and self._rlock.locked() and self._error is None:
+                    if not ready() and self._rlock.locked() and self._error is None:
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             raise TimeoutError
@@ -319,6 +360,39 @@ class Client:
         this node or fetched by the daemon from its producer. Over the session
         socket a large one is a view on shared memory, yours until you drop it."""
         return self.recv_item(key, step_id, timeout).value
+
+    def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
+        """Send many tensors (``(key, tensor)`` or ``(key, tensor, is_dead)``
+        items, or a mapping): every one checked first, then each sent in turn."""
+        for key, tensor, dead in check_items(items):
+            self.send(key, tensor, step_id, dead)
+
+    def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
+                  timeout: float | None = None) -> list[np.ndarray | None]:
+        """Many tensors, in key order, under one deadline, all or none: if one key
+        fails, the tensors that arrived go back to the daemon for the next recv
+        of their keys, and the error names the keys that failed (see
+        :meth:`rendezvous.aio.Server.recv_many`). On the session socket, in one
+        write; through a TCP local address, the keys one by one."""
+        return [item.value for item in self.recv_many_items(keys, step_id, timeout)]
+
+    def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0,
+                        timeout: float | None = None) -> list[Received]:
+        """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
+        ops = [self._core.recv_op(k, step_id, timeout) for k in keys]
+        if not ops:
+            return []
+        if self._link is None:
+            got: list[Received] = []
+            for op in one_by_one(ops, step_id, time.monotonic):
+                try:
+                    got.append(self._core.received(self._do(op)))
+                except RendezvousError as exc:
+                    raise one_by_one_failure(ops, step_id, got, exc) from None
+            return got
+        guard = None if timeout is None else time.monotonic() + timeout + 10.0
+        entries = self._link.call_many(ops, guard)
+        return self._core.batch_result(entries, step_id)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""

@@ -21,12 +21,12 @@ import collections
 import os
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from rendezvous.errors import ResourceExhausted, Unavailable
+from rendezvous.errors import InvalidArgument, RendezvousError, ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
@@ -34,11 +34,13 @@ from rendezvous.local.frames import Kind, frame
 from rendezvous.paths import Hop
 from rendezvous.table import Received
 from rendezvous.dtypes import as_array, is_memcpyable
+from rendezvous.tensors import check_sendable
 from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
 
 __all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "drive_async", "GRPC_METHODS",
+           "check_items", "one_by_one", "one_by_one_failure",
            "check_socket", "connect_within"]
 
 #: the gRPC method of each operation, for a client without a session socket
@@ -148,6 +150,15 @@ class ClientCore:
             self._counts[f"recv_{reply.hop}"] += 1
             self._counts[reply.path] += 1
         return reply.item
+
+    def batch_result(self, entries: list["Pending"], step_id: int) -> list[Received]:
+        """The items of a RECV batch answered whole, or its error (the link gave
+        every other tensor back already) naming each key that failed."""
+        failures = {i: messages.frame_error(e.body) for i, e in enumerate(entries) if e.done and e.kind == Kind.ERROR}
+        if failures:
+            arrived = sum(1 for e in entries if e.done and e.kind != Kind.ERROR)
+            raise batch_failure([e.op.key for e in entries], step_id, failures, arrived)
+        return [self.received(e.body) for e in entries]
 
     @staticmethod
     def abort_op(step_id: int, message: str) -> Op:
@@ -259,3 +270,40 @@ class Router:
         if kind == Kind.OK:
             self.segments.lent(body)
         return entry
+
+
+def check_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
+    """send_many's items as (key, tensor, is_dead), every key and array checked
+    before any is sent (InvalidKey, UnsupportedDType, InvalidArgument)."""
+    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+    out = []
+    for entry in pairs:
+        if not 2 <= len(entry) <= 3:
+            raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
+        dead = bool(entry[2]) if len(entry) == 3 else False
+        as_key(entry[0])
+        if not dead and not hasattr(entry[1], "__dlpack__"):
+            arr = as_array(entry[1])
+            check_sendable(arr)
+        out.append((entry[0], entry[1], dead))
+    return out
+
+
+def one_by_one(ops: list[Op], step_id: int, now: Callable[[], float]) -> Generator[Op, None, None]:
+    """A RECV batch without the session socket (a TCP local address): the keys
+    one by one, each op yielded with the batch's deadline as it is left. A
+    driver that fails part-way raises :func:`one_by_one_failure`."""
+    timeout = ops[0].timeout
+    end = None if timeout is None else now() + timeout - 10.0  # recv_op's guard is 10 s later
+    for op in ops:
+        left = None if end is None else max(0.001, end - now())  # 0 would mean no deadline
+        yield op._replace(body=messages.recv_request(op.key, step_id, left),
+                          timeout=None if left is None else left + 10.0)
+
+
+def one_by_one_failure(ops: list[Op], step_id: int, got: list[Received], exc: RendezvousError) -> BaseException:
+    """What arrived before a failure cannot go back to the daemon over gRPC: the
+    error carries it (``error.received``: key -> item), so it is not lost."""
+    error = batch_failure([o.key for o in ops], step_id, {len(got): exc}, len(got))
+    error.received = {o.key: item for o, item in zip(ops, got)}  # type: ignore[attr-defined]
+    return error

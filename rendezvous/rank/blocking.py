@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 
@@ -20,7 +20,7 @@ from .server import Server as AsyncServer
 from rendezvous import interop
 from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
-from rendezvous.errors import FailedPrecondition, Unavailable
+from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
@@ -228,6 +228,47 @@ class Server:
             raise
         return Received(interop.convert(item.value, framework), item.is_dead)
 
+    def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
+        """Produce many tensors at once (see :meth:`rendezvous.aio.Server.send_many`):
+        every one checked first, then all handed over in one trip to the loop."""
+        self._check_running()
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        for entry in pairs:
+            if not 2 <= len(entry) <= 3:
+                raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
+        # arrays (and GPU tensors' ready events) are taken here, on the caller's thread
+        prepared = [(*self._aio.prepare_send(e[0], e[1], bool(e[2]) if len(e) == 3 else False),
+                     bool(e[2]) if len(e) == 3 else False) for e in pairs]
+        self._call(_send_prepared(self._aio, prepared, step_id))
+
+    def recv_many(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
+                  device: str | None = None, framework: str | None = None) -> list[Any]:
+        """Many tensors in one call, under one deadline, all or none (see
+        :meth:`rendezvous.aio.Server.recv_many`): one trip to the loop for the batch."""
+        return [item.value for item in self.recv_many_items(keys, step_id, timeout, device, framework)]
+
+    def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
+                        device: str | None = None, framework: str | None = None) -> list[Received]:
+        """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
+        canonical = [as_key(k).format() for k in keys]
+
+        def keep(items: list[Received]) -> None:
+            for key, item in reversed(list(zip(canonical, items))):
+                self._aio.keep(step_id, key, item, why="was received after its caller was interrupted")
+
+        if framework is not None:
+            interop.check_framework(framework)  # before anything is taken
+        items = self._call(self._aio.recv_many_items(canonical, step_id, timeout, device), orphaned=keep)
+        if framework is None:
+            return items
+        try:
+            for item in items:
+                interop.convertible(item.value, framework)
+        except BaseException:
+            self._call(_as_coro(keep, items))
+            raise
+        return [Received(interop.convert(i.value, framework), i.is_dead) for i in items]
+
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
         self._call(_as_coro(self._aio.abort, step_id, message))
@@ -247,3 +288,8 @@ class Server:
 
 async def _as_coro(fn: Any, *args: Any) -> Any:
     return fn(*args)
+
+
+async def _send_prepared(server: AsyncServer, prepared: list[tuple[str, Any, bool]], step_id: int) -> None:
+    for canonical, arr, dead in prepared:
+        server.table.send(step_id, canonical, arr, dead)

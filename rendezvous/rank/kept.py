@@ -28,12 +28,14 @@ class Kept:
         self._items: dict[tuple[int, str], collections.deque[Received]] = {}
 
     def keep(self, step_id: int, key: str, item: Received, *, front: bool = False,
-             why: str = "could not place the tensor") -> None:
+             why: str | None = "could not place the tensor") -> None:
         """Hold ``item`` for the next recv of ``key`` in ``step_id``: behind what is
-        held already, or in ``front`` (it was the oldest)."""
+        held already, or in ``front`` (it was the oldest). Logged with ``why``,
+        unless None (the caller's error says it already)."""
         queue = self._items.setdefault((step_id, key), collections.deque())
         queue.appendleft(item) if front else queue.append(item)
-        log.warning("recv of %r (step %d) %s; kept for the next recv", key, step_id, why)
+        if why is not None:
+            log.warning("recv of %r (step %d) %s; kept for the next recv", key, step_id, why)
 
     def has(self, step_id: int, key: str) -> bool:
         return (step_id, key) in self._items

@@ -16,11 +16,12 @@ bytes were all here, and the copy to its device, if any.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
-from rendezvous.errors import DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable
+from rendezvous.errors import (DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable,
+                               batch_failure)
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
@@ -33,6 +34,7 @@ from .kept import Kept
 from .peers import Peers
 
 __all__ = ["Receiver"]
+
 
 
 class Receiver:
@@ -154,7 +156,51 @@ class Receiver:
                 raise
         return Fetched(item, fetched.path, True)
 
-    def keep(self, step_id: int, key: str, item: Received, why: str) -> None:
+    async def fetch_many(self, keys: Sequence[Key | str], step_id: int, timeout: float | None,
+                         device: str | Placement | None) -> list[Fetched]:
+        """The tensors of ``keys`` in ``step_id``, in key order, under one deadline.
+
+        All arrive or none is consumed: if any key fails (its error, or the
+        deadline), the others are cancelled, whatever had arrived is kept for the
+        next recv of its key (in order, in front), and the error (the first
+        failure's class) names every key that failed and why."""
+        canonical = [as_key(k).format() for k in keys]  # malformed keys: refused before anything is asked
+        if not canonical:
+            return []
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self.fetch(k, step_id, None, device)) for k in canonical]
+        interrupted: BaseException | None = None
+        timed_out = False
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except TimeoutError:
+            timed_out = True
+        except BaseException as exc:  # the caller cancelled (or the loop is going)
+            interrupted = exc
+        if interrupted is None and not timed_out and all(t.done() and t.exception() is None for t in tasks):
+            return [t.result() for t in tasks]
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # a cancelled recv settles what it was sent
+        failures: dict[int, BaseException] = {}
+        for i, t in enumerate(tasks):
+            if t.cancelled():
+                if timed_out:
+                    failures[i] = DeadlineExceeded(f"timed out after {timeout:g}s")
+            elif t.exception() is not None:
+                failures[i] = t.exception()  # type: ignore[assignment]
+        arrived = [i for i, t in enumerate(tasks) if not t.cancelled() and t.exception() is None]
+        if not failures and interrupted is None and len(arrived) == len(tasks):
+            return [t.result() for t in tasks]  # the deadline came in the turn the last one arrived
+        for i in reversed(arrived):  # kept in front, in order: the next recv of the key gets the oldest
+            self.keep(step_id, canonical[i], tasks[i].result().item, why=None)  # the batch's error says so
+        if interrupted is not None:
+            raise interrupted
+        raise batch_failure(canonical, step_id, failures, len(arrived))
+
+    def keep(self, step_id: int, key: str, item: Received, why: str | None) -> None:
         """Hold ``item``, fetched by a recv but never delivered (a daemon's local
         client went away), for the next recv of ``key`` in ``step_id``, in front:
         it was the oldest. Dropped if the step is over."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -36,7 +36,7 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
 from rendezvous.devices import Devices, Placement
-from rendezvous.errors import Aborted, FailedPrecondition, RendezvousError, Unavailable
+from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError, Unavailable
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
@@ -413,6 +413,51 @@ class Server:
             raise
         return Received(interop.convert(item.value, framework), item.is_dead)
 
+    def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
+        """Produce many tensors in ``step_id`` at once: ``(key, tensor)`` or
+        ``(key, tensor, is_dead)`` tuples, or a mapping of key to tensor. Every
+        one is checked before any is sent: a bad key or an unsendable array
+        raises and sends nothing."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        prepared = []
+        for entry in pairs:
+            if not 2 <= len(entry) <= 3:
+                raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
+            dead = bool(entry[2]) if len(entry) == 3 else False
+            prepared.append((*self.prepare_send(entry[0], entry[1], dead), dead))
+        for canonical, arr, dead in prepared:
+            self.table.send(step_id, canonical, arr, dead)
+
+    async def recv_many(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
+                        device: str | Placement | None = None, framework: str | None = None) -> list[Any]:
+        """The tensors of ``keys`` in ``step_id``, in key order (None for a dead
+        one): local and remote keys mixed, from any number of producers, under
+        one deadline. Each key keeps :meth:`recv`'s meaning (FIFO per key). All
+        of them or none: if any key fails, or the deadline passes, nothing is
+        consumed (what had arrived is kept for the next recv of its key) and the
+        error, of the first failure's status, names every key that failed
+        (``error.failures``: key -> error)."""
+        return [item.value for item in await self.recv_many_items(keys, step_id, timeout, device, framework)]
+
+    async def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
+                              device: str | Placement | None = None,
+                              framework: str | None = None) -> list[Received]:
+        """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
+        if framework is not None:
+            interop.check_framework(framework)
+        fetched = await self._receiver.fetch_many(keys, step_id, timeout, device)
+        items = [f.item for f in fetched]
+        if framework is None:
+            return items
+        try:
+            for item in items:
+                interop.convertible(item.value, framework)
+        except BaseException:
+            for key, item in reversed(list(zip(keys, items))):
+                self.keep(step_id, as_key(key).format(), item, why=None)  # the error says it
+            raise
+        return [Received(interop.convert(i.value, framework), i.is_dead) for i in items]
+
     async def fetch(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                     device: str | Placement | None = None) -> Fetched:
         """:meth:`recv_item` with the path the tensor took (``Fetched``): what a
@@ -443,7 +488,7 @@ class Server:
                     "sets when this is said)", k.format(), step_id, waited, whom,
                     "no timeout" if timeout is None else f"timeout {timeout:g}s")
 
-    def keep(self, step_id: int, key: str, item: Received, why: str) -> None:
+    def keep(self, step_id: int, key: str, item: Received, why: str | None) -> None:
         """Hold ``item``, fetched by a recv but never delivered (a daemon's local
         client went away), for the next recv of ``key`` in ``step_id``, in front:
         it was the oldest. Dropped if the step is over."""
