@@ -196,7 +196,11 @@ class LocalServicer:
             value = decode_tensor(raw, *tensor, max_bytes=self.config.max_tensor_bytes)
             hop, nbytes = Hop.INLINE, payload_nbytes(value)
         if keep:
-            self.server.keep(step_id, canonical, Received(value, is_dead), why="was given back by its local client")
+            # a local recv that gave up (its deadline, a cancel, its batch failing):
+            # expected, and said by the client's own error; kept without a warning
+            self.server.keep(step_id, canonical, Received(value, is_dead), why=None)
+            log.debug("recv of %r (step %d) was given back by its local client; kept for the next recv",
+                      canonical, step_id)
         else:
             table.send(step_id, canonical, value, is_dead)  # an aborted step drops (and frees) it
         return Sent(hop, nbytes)
