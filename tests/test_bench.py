@@ -583,5 +583,9 @@ def test_a_tiny_step_exchange_run_writes_its_table(tmp_path):
         assert set(model["seconds"]) == {"mpi", "optimal", "default", "optimal_many", "blocking", "blocking_many",
                                          "grpc"}
         assert all(len(t) == 1 and t[0] > 0 for t in model["seconds"].values())
+        cpu = model["cpu_us_per_tensor"]  # the loop's contenders, on each rank
+        assert set(cpu) == {"mpi", "optimal", "default", "optimal_many", "grpc"}
+        assert all(c["consumer"] > 0 and c["producer"] > 0 for c in cpu.values()), cpu
     table = (tmp_path / "steps.md").read_text()
     assert "**resnet50**: 161 tensors, 97.5 MiB per step" in table and "| optimal |" in table
+    assert "CPU µs per tensor (consumer / producer)" in table

@@ -334,8 +334,11 @@ def steps_markdown(doc: dict[str, Any]) -> str:
             lo = min(m["seconds"][n]) * 1e3
             mpi = f"{med[n] / med['mpi']:.2f}" if "mpi" in med else "-"
             gloo = f"{med[n] / med['gloo']:.2f}" if "gloo" in med else "-"
-            rows.append([n, f"{med[n]:.1f}", f"{lo:.1f}", mpi, gloo])
-        lines += markdown_table(["contender", "ms per step", "min", "× raw MPI", "× gloo"], rows, None)
+            cpu = m.get("cpu_us_per_tensor", {}).get(n)
+            rows.append([n, f"{med[n]:.1f}", f"{lo:.1f}", mpi, gloo,
+                         f"{cpu['consumer']:.0f} / {cpu['producer']:.0f}" if cpu else "-"])
+        lines += markdown_table(["contender", "ms per step", "min", "× raw MPI", "× gloo",
+                                 "CPU µs per tensor (consumer / producer)"], rows, None)
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,10 @@ Contenders:
   (raw bytes in, raw bytes out);
 * ``gloo``: ``torch.distributed`` gloo ``isend``/``irecv`` when torch imports.
 
+Beside the time, each asyncio contender's CPU per tensor on each rank: the
+consumer's process while it receives, the producer's loop thread until the
+step is over (MPICH's barrier spins; it runs on a thread not counted).
+
 Run outside MPI it launches itself under ``mpiexec -n 2``.
 """
 
@@ -103,6 +107,8 @@ class _Rank:
         self.comm = self.world.Dup()  # raw MPI's own traffic
         self.opts = opts
         self.servers: dict[str, Any] = {}
+        #: CPU seconds of the last step on this rank (see _step)
+        self.cpu = 0.0
         self.grpc: Any = None
         self.gloo = False
 
@@ -333,22 +339,38 @@ async def run_rank(opts: argparse.Namespace) -> dict[str, Any] | None:
     rank = _Rank(opts)
     names = await rank.setup([n for n in opts.contenders if n not in _BLOCKING])
     results: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}
     for model in opts.models:
         tensors = shapes(model)
         order = list(names)
         times: dict[str, list[float]] = {n: [] for n in names}
+        cpu[model] = {n: [] for n in names}
         for step in range(opts.steps + 1):  # step 0: warm-up, not timed
             for name in order:
                 took = await _step(rank, name, model, tensors, step + 1)
                 if step and took is not None:
                     times[name].append(took)
+                if step:
+                    cpu[model][name].append(rank.cpu)
             order = order[1:] + order[:1]  # nobody always goes first
         results[model] = times
     await rank.close()
+    producer_cpu = rank.world.gather(cpu, root=0)
     if rank.rank != 0:
         return None
-    return {"models": {m: {"tensors": len(shapes(m)), "bytes": nbytes(m), "seconds": results[m]}
+    return {"models": {m: {"tensors": len(shapes(m)), "bytes": nbytes(m), "seconds": results[m],
+                           "cpu_us_per_tensor": _cpu_per_tensor(cpu[m], producer_cpu[1][m], len(shapes(m)))}
                        for m in opts.models}, "contenders": names}
+
+
+def _cpu_per_tensor(consumer: dict[str, list[float]], producer: dict[str, list[float]],
+                    tensors: int) -> dict[str, dict[str, float]]:
+    """Median CPU microseconds per tensor of each contender on each rank."""
+    import statistics
+
+    return {n: {"consumer": statistics.median(consumer[n]) * 1e6 / tensors,
+                "producer": statistics.median(producer[n]) * 1e6 / tensors}
+            for n in consumer if consumer[n] and producer.get(n)}
 
 
 def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, dict[str, list[float]]]) -> dict[str, Any] | None:
@@ -367,8 +389,16 @@ async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) ->
         rank._offer(name, model, produced, step)
     del produced
     await _barrier_async(rank)  # the tensors are produced; the consumer starts its clock
+    # CPU spent on this step: the consumer's whole process while it receives (its
+    # barrier is behind it), the producer's loop thread until the step is over
+    # (its barrier waits on a worker thread, where MPI's spinning is not counted)
+    cpu0 = time.process_time() if rank.rank == 0 else time.thread_time()
     took = await getattr(rank, f"_{name}")(model, tensors, step)
+    if rank.rank == 0:
+        rank.cpu = time.process_time() - cpu0
     await _barrier_async(rank)
+    if rank.rank == 1:
+        rank.cpu = time.thread_time() - cpu0
     if name in rank.servers:
         rank.servers[name].cleanup(step)  # the producer forgets the step's retry answers
     return took
