@@ -190,8 +190,10 @@ class Config:
         10, "RENDEZVOUS_MPI_POLL_MIN_US",
         "First pause (microseconds) of the MPI progress thread's backoff while transfers are in flight.")
     mpi_poll_max_us: int = _knob(
-        1000, "RENDEZVOUS_MPI_POLL_MAX_US",
-        "Longest pause of that backoff. With nothing in flight the thread sleeps until work arrives.")
+        50, "RENDEZVOUS_MPI_POLL_MAX_US",
+        "Longest pause of that backoff. Across hosts MPI moves a large message over the network only while it "
+        "is polled, so long pauses stretch every transfer. With nothing in flight the thread sleeps until work "
+        "arrives.")
     cuda_aware: bool | None = _knob(
         None, "RENDEZVOUS_CUDA_AWARE",
         "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory. "

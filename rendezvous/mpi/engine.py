@@ -56,7 +56,7 @@ class ProgressEngine:
     may be None at first, while start-up collectives (:meth:`call`) make the
     communicator; :meth:`attach` then gives it before any transfer."""
 
-    def __init__(self, comm: Any = None, *, poll_min_us: int = 10, poll_max_us: int = 1000,
+    def __init__(self, comm: Any = None, *, poll_min_us: int = 10, poll_max_us: int = 50,
                  hot_ms: float = 2.0, idle_poll_ms: float = 10.0, idle_after_s: float = 0.25) -> None:
         from mpi4py import MPI  # only reached with MPI enabled
 
