@@ -25,7 +25,7 @@ from rendezvous.errors import (
     ResourceExhausted,
 )
 from rendezvous.keys import TaskName
-from rendezvous.rpc.peer import PeerClient
+from rendezvous.rpc.peer import BatchFailed, PeerClient
 from rendezvous.stats import Stats
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta
@@ -776,4 +776,55 @@ def test_no_route_to_the_peer_is_probed_again_within_the_window(monkeypatch):
             await client._reconnect(deadline=None)
         assert len(calls) == 1
         client._channel = None
+    run(main(), 20)
+
+
+# -- a batch from one peer (recv_batch) -----------------------------------------------------------
+
+
+def test_a_batch_asks_every_key_at_once_and_answers_in_key_order():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv_batch([K1, K2, K3], step_id=2))
+            reqs = await side.recvs(3)
+            assert [q.recv.rendezvous_key for q in reqs] == [K1, K2, K3]
+            for q, v in reversed(list(zip(reqs, (1, 2, 3)))):  # answered in another order
+                side.write(*reply(q.call_id, np.array([v])))
+            assert [f.item.value.tolist() for f in await r] == [[1], [2], [3]]
+    run(main(), 20)
+
+
+def test_a_batch_whose_stream_breaks_asks_again_with_the_same_ids():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv_batch([K1, K2], step_id=2))
+            q1, q2 = await side.recvs(2)
+            side.write(*reply(q1.call_id, np.array([1])))
+            await until(lambda: not client.live_stream().pending.get(q1.call_id), what="the first answer")
+            side.abort(grpc.StatusCode.UNAVAILABLE, "the cable")
+            again = await peer.stream()
+            (q2b,) = await again.recvs(1)
+            assert q2b.recv.rendezvous_key == K2 and q2b.recv.request_id == q2.recv.request_id
+            again.write(*reply(q2b.call_id, np.array([2])))
+            assert [f.item.value.tolist() for f in await r] == [[1], [2]]
+    run(main(), 20)
+
+
+def test_a_batch_with_an_error_keeps_what_arrived_and_cancels_the_rest():
+    async def main():
+        kept = []
+        async with scripted(on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv_batch([K1, K2, K3], step_id=2))
+            q1, q2, q3 = await side.recvs(3)
+            side.write(*reply(q1.call_id, np.array([1])))
+            await until(lambda: not client.live_stream().pending.get(q1.call_id), what="the first answer")
+            side.write(frames.error_frame(q2.call_id, errors.Aborted("step 2 aborted")))
+            with pytest.raises(BatchFailed) as info:
+                await r
+            assert list(info.value.failures) == [1] and isinstance(info.value.failures[1], errors.Aborted)
+            assert [(k, s) for s, k, _ in kept] == [(K1, 2)]  # the arrived one goes to the server
+            assert (await side.next()).WhichOneof("kind") == "cancel"  # the third is withdrawn
     run(main(), 20)

@@ -156,8 +156,7 @@ class ClientCore:
         every other tensor back already) naming each key that failed."""
         failures = {i: messages.frame_error(e.body) for i, e in enumerate(entries) if e.done and e.kind == Kind.ERROR}
         if failures:
-            arrived = sum(1 for e in entries if e.done and e.kind != Kind.ERROR)
-            raise batch_failure([e.op.key for e in entries], step_id, failures, arrived)
+            raise batch_failure([e.op.key for e in entries], step_id, failures)
         return [self.received(e.body) for e in entries]
 
     @staticmethod
@@ -304,6 +303,6 @@ def one_by_one(ops: list[Op], step_id: int, now: Callable[[], float]) -> Generat
 def one_by_one_failure(ops: list[Op], step_id: int, got: list[Received], exc: RendezvousError) -> BaseException:
     """What arrived before a failure cannot go back to the daemon over gRPC: the
     error carries it (``error.received``: key -> item), so it is not lost."""
-    error = batch_failure([o.key for o in ops], step_id, {len(got): exc}, len(got))
+    error = batch_failure([o.key for o in ops], step_id, {len(got): exc}, handed_over=True)
     error.received = {o.key: item for o, item in zip(ops, got)}  # type: ignore[attr-defined]
     return error

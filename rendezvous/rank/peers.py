@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from rendezvous.errors import RendezvousError
 from rendezvous.keys import TaskName
@@ -20,6 +20,9 @@ from rendezvous.rpc.peer import PeerClient
 from rendezvous.transport import Fetched
 
 __all__ = ["Peers"]
+
+
+T = TypeVar("T")
 
 
 class _StepEnded:
@@ -61,12 +64,22 @@ class Peers:
     async def recv(self, task: TaskName, key: str, step_id: int, timeout: float | None, placement: Any) -> Fetched:
         """``key`` of ``step_id`` from ``task``'s server. An abort or cleanup of the
         step meanwhile raises the step's error."""
-        client = self.get(task)
+        return await self._for_step(step_id, self.get(task).recv(key, step_id, timeout, placement))
+
+    async def recv_batch(self, task: TaskName, keys: list[str], step_id: int, placement: Any,
+                         arrived: set[int] | None = None) -> list[Fetched]:
+        """``keys`` of ``step_id`` from ``task``'s server, asked at once
+        (:meth:`PeerClient.recv_batch`); an abort or cleanup of the step meanwhile
+        raises the step's error."""
+        return await self._for_step(step_id, self.get(task).recv_batch(keys, step_id, placement, arrived))
+
+    async def _for_step(self, step_id: int, fetching: Awaitable[T]) -> T:
+        """Await ``fetching`` as a wait of ``step_id``: :meth:`end_step` ends it."""
         current = asyncio.current_task()
         waits = self._waiting.setdefault(step_id, set())
         waits.add(current)  # type: ignore[arg-type]
         try:
-            return await client.recv(key, step_id, timeout, placement)
+            return await fetching
         except asyncio.CancelledError as exc:
             if exc.args and isinstance(exc.args[0], _StepEnded):
                 current.uncancel()  # type: ignore[union-attr]

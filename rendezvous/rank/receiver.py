@@ -28,12 +28,23 @@ from rendezvous.paths import Path
 from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
 from rendezvous.timeline import RecvSpan, Timeline, now
+from rendezvous.rpc.peer import BatchFailed
 from rendezvous.transport import Fetched
 
 from .kept import Kept
 from .peers import Peers
 
 __all__ = ["Receiver"]
+
+
+def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int) -> list[Fetched]:
+    """The results of ``units`` (key positions, and a task returning their
+    tensors in that order) in key order."""
+    out: list[Any] = [None] * n
+    for idx, task in units:
+        for i, fetched in zip(idx, task.result()):
+            out[i] = fetched
+    return out
 
 
 
@@ -168,7 +179,29 @@ class Receiver:
         if not canonical:
             return []
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self.fetch(k, step_id, None, device)) for k in canonical]
+        # One task per producer for the keys it is asked for at once (no timeline:
+        # a traced recv is a span of its own); the rest, a task per key.
+        groups: dict[TaskName, list[int]] = {}
+        singles: list[int] = []
+        explicit = parse_placement(device)
+        for i, k in enumerate(canonical):
+            src = as_key(k).src_task
+            if self.timeline is None and src is not None and src != self.task and not self.kept.has(step_id, k):
+                groups.setdefault(src, []).append(i)
+            else:
+                singles.append(i)
+        units: list[tuple[list[int], asyncio.Task]] = [
+            ([i], loop.create_task(self._fetch_one(canonical[i], step_id, device))) for i in singles]
+        #: per group task, the positions (in the group) whose tensors had arrived when it gave up
+        gave_up: dict[asyncio.Task, set[int]] = {}
+        for src, idx in groups.items():
+            target, _ = self.devices.resolve(explicit or placement_for_device(as_key(canonical[idx[0]]).dst),
+                                             explicit is not None)
+            seen: set[int] = set()
+            task = loop.create_task(self._fetch_group(src, [canonical[i] for i in idx], step_id, target, seen))
+            units.append((idx, task))
+            gave_up[task] = seen
+        tasks = [t for _, t in units]
         interrupted: BaseException | None = None
         timed_out = False
         try:
@@ -179,26 +212,82 @@ class Receiver:
         except BaseException as exc:  # the caller cancelled (or the loop is going)
             interrupted = exc
         if interrupted is None and not timed_out and all(t.done() and t.exception() is None for t in tasks):
-            return [t.result() for t in tasks]
+            return _in_order(units, len(canonical))
         pending = [t for t in tasks if not t.done()]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)  # a cancelled recv settles what it was sent
         failures: dict[int, BaseException] = {}
-        for i, t in enumerate(tasks):
+        arrived: list[tuple[int, Fetched]] = []
+        for idx, t in units:
             if t.cancelled():
-                if timed_out:
-                    failures[i] = DeadlineExceeded(f"timed out after {timeout:g}s")
+                if timed_out:  # a group kept what had arrived itself
+                    kept = gave_up.get(t, set())
+                    failures.update((i, DeadlineExceeded(f"timed out after {timeout:g}s"))
+                                    for j, i in enumerate(idx) if j not in kept)
+            elif isinstance(t.exception(), BatchFailed):  # the group kept what had arrived itself
+                failed = t.exception().failures  # type: ignore[union-attr]
+                failures.update((idx[j], e) for j, e in failed.items())
             elif t.exception() is not None:
-                failures[i] = t.exception()  # type: ignore[assignment]
-        arrived = [i for i, t in enumerate(tasks) if not t.cancelled() and t.exception() is None]
-        if not failures and interrupted is None and len(arrived) == len(tasks):
-            return [t.result() for t in tasks]  # the deadline came in the turn the last one arrived
-        for i in reversed(arrived):  # kept in front, in order: the next recv of the key gets the oldest
-            self.keep(step_id, canonical[i], tasks[i].result().item, why=None)  # the batch's error says so
+                failures.update((i, t.exception()) for i in idx)  # type: ignore[misc]
+            else:
+                arrived.extend(zip(idx, t.result()))
+        if not failures and interrupted is None:
+            # The deadline came in the turn the last tensors arrived: all are here.
+            # A group that gave up kept its tensors: they are taken back (the oldest
+            # kept for each key first, as any recv of it would).
+            got = dict(arrived)
+            for idx, t in units:
+                for i in (idx if t.cancelled() else ()):
+                    if self.kept.has(step_id, canonical[i]):
+                        got[i] = Fetched(self.kept.take(step_id, canonical[i]), Path.LOCAL, True)
+                    else:  # dropped meanwhile (the server is stopping)
+                        failures[i] = DeadlineExceeded(f"timed out after {timeout:g}s")
+            if not failures:
+                return [got[i] for i in range(len(canonical))]
+            arrived = [(i, f) for i, f in got.items() if i not in failures]
+        for i, fetched in sorted(arrived, key=lambda x: x[0], reverse=True):
+            self.keep(step_id, canonical[i], fetched.item, why=None)  # in front, in order; the error says so
         if interrupted is not None:
             raise interrupted
-        raise batch_failure(canonical, step_id, failures, len(arrived))
+        raise batch_failure(canonical, step_id, failures)
+
+    async def _fetch_one(self, key: str, step_id: int, device: str | Placement | None) -> list[Fetched]:
+        return [await self.fetch(key, step_id, None, device)]
+
+    async def _fetch_group(self, src: TaskName, keys: list[str], step_id: int, target: Placement,
+                           arrived: set[int]) -> list[Fetched]:
+        """``keys`` from producer ``src``, asked at once; landed where ``target``
+        says. On a failure what had arrived is kept, and BatchFailed says which."""
+        if self._state() is not State.SERVING:
+            raise Unavailable(f"server {self.task} is {self._state}")
+        path = self.peers.get(src).path
+        try:
+            got = await self.peers.recv_batch(src, keys, step_id, target, arrived)
+        except BatchFailed as exc:
+            for _ in exc.failures:
+                self._stats.error(path)
+            raise
+        except RendezvousError:
+            for _ in keys:
+                self._stats.error(path)
+            raise
+        out = []
+        for j, fetched in enumerate(got):
+            item = fetched.item
+            self._stats.received(fetched.path, payload_nbytes(item.value))
+            if not fetched.placed:
+                try:
+                    item = Received(await self._place(item.value, target), item.is_dead)
+                except BaseException as exc:
+                    # nothing of the group is delivered: all of it is kept, in order
+                    for k, held in zip(keys, [*(o.item for o in out), *(g.item for g in got[j:])]):
+                        self.kept.keep(step_id, k, held, why=None)
+                    if isinstance(exc, RendezvousError):
+                        raise BatchFailed({j: exc}, len(keys) - 1) from None
+                    raise
+            out.append(Fetched(item, fetched.path, True))
+        return out
 
     def keep(self, step_id: int, key: str, item: Received, why: str | None) -> None:
         """Hold ``item``, fetched by a recv but never delivered (a daemon's local

@@ -48,19 +48,29 @@ import grpc
 from rendezvous import frames
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
-from rendezvous.errors import DeadlineExceeded, PeerUnavailable
+from rendezvous.errors import DeadlineExceeded, PeerUnavailable, RendezvousError
 from rendezvous.keys import TaskName
 from rendezvous.transport import Fetched, Path, Planes
 
 from .consumer_stream import Broken, ConsumerStream, Pending
 from .options import STREAM_METHOD, peer_channel_options
 
-__all__ = ["PeerClient"]
+__all__ = ["PeerClient", "BatchFailed"]
 
 log = logging.getLogger("rendezvous.client")
 
 #: recvs per peer whose request_id is kept after they ended unanswered on a broken stream
 _UNSETTLED = 4096
+
+
+class BatchFailed(Exception):
+    """A batch from one peer failed: ``failures`` (position -> error) and how
+    many of its tensors had arrived (kept for the next recv of their keys)."""
+
+    def __init__(self, failures: dict[int, BaseException], arrived: int) -> None:
+        super().__init__(f"{len(failures)} failed")
+        self.failures = failures
+        self.arrived = arrived
 
 
 class PeerClient:
@@ -188,6 +198,81 @@ class PeerClient:
                     f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s{why}"
                 ) from None
             raise
+
+    async def recv_batch(self, keys: list[str], step_id: int, placement: Any = None,
+                         arrived: set[int] | None = None) -> list[Fetched]:
+        """Fetch ``keys`` of ``step_id`` from the peer, all asked at once on one
+        stream: a future per key, and no task or deadline of its own (the caller's
+        cancel is the deadline). All or none: on the first error (raised as
+        :class:`BatchFailed`) or a cancel, every other call gives up by
+        :meth:`recv`'s rules (an answer already in is kept by the server, one on
+        its way is kept when it lands, one lost in a broken stream leaves its
+        request_id to be asked again). Calls whose stream broke are asked again
+        one by one with :meth:`recv`. ``arrived`` collects the positions whose
+        tensors had arrived when the batch gave up (kept by the server)."""
+        arrived = set() if arrived is None else arrived
+        loop = asyncio.get_running_loop()
+        options = self.planes.offer(placement)
+        stream = await self._get_stream(None)
+        calls: list[tuple[int, Pending]] = []
+        for key in keys:
+            request_id = self._unsettled.pop((step_id, key), None) or next(self._request_ids)
+            call_id = next(self._ids)
+            pending = Pending(loop.create_future(), key, step_id, placement, request_id)
+            stream.submit(call_id, pending, frames.recv_request(call_id, step_id, key.encode(), request_id,
+                                                                options))
+            calls.append((call_id, pending))
+        futures = [p.future for _, p in calls]
+        try:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            if any(f.done() and not f.cancelled() and isinstance(f.exception(), Broken) for f in futures):
+                await asyncio.wait(futures)  # a broken stream fails its other calls too: let them settle
+        except BaseException:
+            self._give_up_batch(stream, calls, (), arrived)
+            raise
+        failures = {i: f.exception() for i, f in enumerate(futures)
+                    if f.done() and f.exception() is not None and not isinstance(f.exception(), Broken)}
+        if failures:
+            in_hand = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
+            self._give_up_batch(stream, calls, failures, arrived)
+            raise BatchFailed(failures, in_hand)
+        broken = [i for i, f in enumerate(futures) if f.exception() is not None]
+        if not broken:
+            return [f.result() for f in futures]
+        # The stream broke under some calls: each asks again on its own, with its
+        # request_id (so nothing is taken twice), as recv does after a break.
+        for i in broken:
+            self.unsettled(step_id, keys[i], calls[i][1].request_id)
+        out: list[Fetched | None] = [None if i in broken else futures[i].result() for i in range(len(keys))]
+        try:
+            for i in broken:
+                out[i] = await self.recv(keys[i], step_id, None, placement)
+        except BaseException as exc:
+            done = [i for i, f in enumerate(out) if f is not None]
+            for i in done:
+                self.unclaimed(step_id, keys[i], out[i])  # type: ignore[arg-type]
+            arrived.update(done)
+            if isinstance(exc, RendezvousError):
+                raise BatchFailed({i: exc for i in range(len(keys)) if out[i] is None}, len(done)) from None
+            raise
+        return out  # type: ignore[return-value]
+
+    def _give_up_batch(self, stream: ConsumerStream, calls: list[tuple[int, Pending]], failed: Any,
+                       arrived: set[int]) -> None:
+        """Every call of a batch that is not in ``failed`` gives up (see recv_batch);
+        the positions of those whose tensor was in go to ``arrived``."""
+        for i, (call_id, pending) in enumerate(calls):
+            if i in failed:
+                continue
+            fut = pending.future
+            if fut.done() and not fut.cancelled() and not isinstance(fut.exception(), Broken):
+                if fut.exception() is None:
+                    self.unclaimed(pending.step_id, pending.key, fut.result())
+                    arrived.add(i)
+                continue
+            if not stream.cancel(call_id, pending):
+                self.unsettled(pending.step_id, pending.key, pending.request_id)
+            fut.cancel()  # as a recv's own: whatever answers it now is handed on, never to this future
 
     async def _get_stream(self, deadline: float | None) -> ConsumerStream:
         stream = self._stream
