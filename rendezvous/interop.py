@@ -17,9 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FailedPrecondition, InvalidArgument
+from collections.abc import Callable
 
-__all__ = ["FRAMEWORKS", "check_framework", "convert"]
+from .errors import FailedPrecondition, InvalidArgument
+from .table import Received
+
+__all__ = ["FRAMEWORKS", "check_framework", "convert", "hand_over"]
 
 #: what ``recv(framework=...)`` accepts: None (numpy on the host, cupy on a GPU)
 #: or "numpy" (the same), or "torch"
@@ -79,3 +82,20 @@ def _bfloat16() -> Any:
 def _from_bf16(torch: Any, value: np.ndarray) -> Any:
     """numpy has no native bfloat16 torch knows: share the bits as int16 and view them."""
     return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+
+
+def hand_over(items: list[Received], framework: str | None,
+              give_back: Callable[[list[Received]], None]) -> list[Received]:
+    """Received ``items`` in ``framework``'s form, sharing their memory. If one
+    has no such form, all of them go to ``give_back`` (for the next recv of
+    their keys) before the error is raised: nothing is lost."""
+    if framework in (None, "numpy"):
+        return items
+    try:
+        for item in items:
+            convertible(item.value, framework)
+    except BaseException:
+        give_back(items)
+        raise
+    return [Received(convert(item.value, framework), item.is_dead) for item in items]
+

@@ -40,12 +40,26 @@ import collections
 import copy
 import concurrent.futures
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from .errors import Aborted, RendezvousError
+from .errors import Aborted, InvalidArgument, RendezvousError
 
-__all__ = ["Received", "PendingEntry", "WaitingTable"]
+__all__ = ["Received", "PendingEntry", "WaitingTable", "send_items"]
+
+
+def send_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
+    """``send_many``'s items as ``(key, tensor, is_dead)``: ``(key, tensor)`` or
+    ``(key, tensor, is_dead)`` tuples, or a mapping of key to tensor;
+    InvalidArgument for anything else."""
+    if isinstance(items, Mapping):
+        return [(k, v, False) for k, v in items.items()]
+    out = []
+    for entry in items:
+        if not isinstance(entry, tuple) or not 2 <= len(entry) <= 3:
+            raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
+        out.append((entry[0], entry[1], bool(entry[2]) if len(entry) == 3 else False))
+    return out
 
 # Module level so tests can substitute a fake clock.
 _now = time.monotonic

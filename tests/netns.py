@@ -54,6 +54,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from proc_wait import wait_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 SSH_SHIM = Path(__file__).resolve().parent / "netns-ssh"
 IFACE = "eth0"
@@ -245,16 +247,16 @@ class Net:
     def kill(self, host: Host, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Send ``sig`` to every process in ``host``; with SIGKILL, wait until none is left."""
         deadline = time.monotonic() + timeout
-        while True:
+        while True:  # again while the killed ones' children appear (a fork racing the kill)
             pids = host.pids()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             if sig != signal.SIGKILL or not pids:
                 return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"processes {pids} in {host.name} outlived SIGKILL for {timeout:g}s")
-            time.sleep(0.02)  # poll: the killed processes are reaped by their parents
+            left = wait_gone(pids, deadline - time.monotonic())  # on their exits
+            if left:
+                raise RuntimeError(f"processes {left} in {host.name} outlived SIGKILL for {timeout:g}s")
 
     # -- running ------------------------------------------------------------
 

@@ -13,10 +13,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+
+from proc_wait import wait_gone
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 RENDEZVOUSD = str(Path(sys.executable).parent / "rendezvousd")
@@ -101,14 +102,8 @@ def test_the_program_dies_with_a_killed_daemon(folder):
         pid = int(pidfile.read_text())
         p.kill()
         p.wait(30)
-        deadline = time.monotonic() + 30
-        while True:  # a poll with a deadline: the kernel delivers the parent-death signal
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < deadline, "the program outlived its killed daemon"
-            time.sleep(0.01)
+        # the kernel delivers the parent-death signal: wait on the program's exit
+        assert wait_gone([pid], 30) == [], "the program outlived its killed daemon"
     finally:
         p.kill()
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from proc_wait import wait_gone
 import yaml
 
 from rendezvous.cli import daemon_parser
@@ -164,24 +166,25 @@ def run_job(argv: list[str], timeout: float, env: dict | None = None) -> tuple[i
     return p.returncode, out, err
 
 
-def processes_mentioning(text: str) -> list[str]:
-    found = []
+def processes_mentioning(text: str) -> dict[int, str]:
+    """pid -> command line of every process whose command line names ``text``
+    (an exited one, a zombie, has none)."""
+    found = {}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
         if any(text.encode() in a for a in args):
-            found.append(f"{cmdline.parent.name}: {b' '.join(args).decode(errors='replace')}")
+            found[int(cmdline.parent.name)] = b" ".join(args).decode(errors="replace")
     return found
 
 
 def assert_nothing_left(folder: Path, timeout: float = 10) -> None:
     """No process of the job is left (each one's command line names ``folder``),
     and no socket."""
-    deadline = time.monotonic() + timeout
-    while (left := processes_mentioning(str(folder))) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling for exits, with a deadline
+    wait_gone(processes_mentioning(str(folder)), timeout)  # on their exits, at most the timeout
+    left = processes_mentioning(str(folder))
     assert not left, f"processes outlived the job: {left}"
     assert not list(folder.glob("*.sock*")), list(folder.iterdir())
 

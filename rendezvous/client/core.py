@@ -26,13 +26,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rendezvous.errors import InvalidArgument, RendezvousError, ResourceExhausted, Unavailable, batch_failure
+from rendezvous.errors import RendezvousError, ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
 from rendezvous.local.frames import Kind, frame
 from rendezvous.paths import Hop
-from rendezvous.table import Received
+from rendezvous.table import Received, send_items
 from rendezvous.dtypes import as_array, is_memcpyable
 from rendezvous.tensors import check_sendable
 from rendezvous.v1 import local_pb2 as lpb
@@ -272,19 +272,13 @@ class Router:
 
 
 def check_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
-    """send_many's items as (key, tensor, is_dead), every key and array checked
-    before any is sent (InvalidKey, UnsupportedDType, InvalidArgument)."""
-    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
-    out = []
-    for entry in pairs:
-        if not 2 <= len(entry) <= 3:
-            raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
-        dead = bool(entry[2]) if len(entry) == 3 else False
-        as_key(entry[0])
-        if not dead and not hasattr(entry[1], "__dlpack__"):
-            arr = as_array(entry[1])
-            check_sendable(arr)
-        out.append((entry[0], entry[1], dead))
+    """send_many's items as (key, tensor, is_dead) (:func:`rendezvous.table.send_items`),
+    every key and array checked before any is sent (InvalidKey, UnsupportedDType)."""
+    out = send_items(items)
+    for key, tensor, dead in out:
+        as_key(key)
+        if not dead and not hasattr(tensor, "__dlpack__"):
+            check_sendable(as_array(tensor))
     return out
 
 

@@ -36,6 +36,7 @@ from rendezvous.keys import parse_key
 from rendezvous.local import messages
 from rendezvous.local.messages import SERVICE, parse_recv
 from rendezvous.paths import Hop, Path
+from rendezvous.rpc.admin import PENDING_BYTES, bounded_pending, pending_entries
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
@@ -44,7 +45,6 @@ from rendezvous.v1 import local_pb2 as lpb
 __all__ = ["LocalServicer", "SERVICE", "PENDING_BYTES", "Sent", "LocalFetched"]
 
 #: a PENDING answer lists at most this many bytes of entries, and says how many it left out
-PENDING_BYTES = 1 << 20
 log = logging.getLogger("rendezvous.daemon")
 _CLIENT_ID = re.compile(r"[0-9a-f]{12}\Z")
 
@@ -269,15 +269,8 @@ class LocalServicer:
 
     def pending(self) -> list[lpb.PendingEntry]:
         """The node's waiting table plus local clients' recvs from other tasks."""
-        out = []
+        out = pending_entries(self.server)
         me = str(self.server.task)
-        for e in self.server.pending():
-            try:
-                producer = str(parse_key(e.key).src_task or me)
-            except RendezvousError:
-                producer = me
-            out.append(lpb.PendingEntry(step_id=e.step_id, rendezvous_key=str(e.key), kind=e.kind, count=e.count,
-                                        oldest_age_seconds=e.oldest_age_s, producer=producer))
         now = time.monotonic()
         for w in list(self.waits.values()):
             if w.producer != me:
@@ -288,7 +281,7 @@ class LocalServicer:
     def pending_reply(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
         """:meth:`pending` as one answer of at most about ``max_bytes`` (the oldest
         entries first, and the count left out)."""
-        return messages.pending_reply(self.pending(), max_bytes)
+        return bounded_pending(self.pending(), max_bytes)
 
     async def _pending(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:

@@ -52,6 +52,7 @@ from rendezvous.local import messages
 from rendezvous.local.connection import Connection
 from rendezvous.local.frames import FrameError, FrameTooLarge, Kind, frame, pack_error, pack_grants, unpack_ids
 from rendezvous.paths import Hop, Path
+from rendezvous.rpc.admin import PENDING_BYTES
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
 from rendezvous.dtypes import is_memcpyable
@@ -59,7 +60,6 @@ from rendezvous.tensors import TensorMeta
 from rendezvous.v1 import local_pb2 as lpb
 
 from .pool import Pool, Segment
-from .service import PENDING_BYTES
 
 if TYPE_CHECKING:
     import socket

@@ -35,7 +35,7 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .frames import unpack_error
 
-__all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "pending_reply", "to_pending",
+__all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "to_pending",
            "send_head", "inline_send", "pooled_send", "returned", "SendFields", "parse_send", "parse_slot",
            "recv_request", "parse_recv", "inline_reply", "pooled_reply", "ReplyFields", "reply_fields",
            "LocalReply", "parse_reply", "error_from", "frame_error"]
@@ -64,22 +64,6 @@ class PendingList(list):  # list[LocalPending]
     ``omitted`` how many the daemon left out to keep its answer one bounded message."""
 
     omitted: int = 0
-
-
-def pending_reply(entries: list[lpb.PendingEntry], max_bytes: int) -> lpb.PendingResponse:
-    """A PendingResponse of at most about ``max_bytes``: the oldest entries
-    first, and the count of those left out (a client can park any number of
-    recvs with long keys; the answer stays one bounded message)."""
-    reply = lpb.PendingResponse()
-    size = 0
-    ordered = sorted(entries, key=lambda e: -e.oldest_age_seconds)
-    for i, entry in enumerate(ordered):
-        size += entry.ByteSize() + 4
-        if size > max_bytes:
-            reply.omitted = len(ordered) - i
-            break
-        reply.entries.append(entry)
-    return reply
 
 
 def to_pending(raw: bytes | memoryview) -> PendingList:

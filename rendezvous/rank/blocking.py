@@ -20,7 +20,7 @@ from .server import Server as AsyncServer
 from rendezvous import interop
 from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
-from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rendezvous.errors import FailedPrecondition, Unavailable
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
@@ -212,34 +212,15 @@ class Server:
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                   device: str | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        canonical = as_key(key).format()
-
-        def keep(item: Received) -> None:
-            self._aio.keep(step_id, canonical, item, why="was received after its caller was interrupted")
-
-        if framework is None:
-            return self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
-        interop.check_framework(framework)  # before anything is taken
-        item = self._call(self._aio.recv_item(canonical, step_id, timeout, device), orphaned=keep)
-        try:
-            interop.convertible(item.value, framework)
-        except BaseException:
-            self._call(_as_coro(self._aio.keep, step_id, canonical, item, f"has no {framework} form"))
-            raise
-        return Received(interop.convert(item.value, framework), item.is_dead)
+        return self._received([key], step_id, timeout, device, framework, one=True)[0]
 
     def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """Produce many tensors at once (see :meth:`rendezvous.aio.Server.send_many`):
-        every one checked first, then all handed over in one trip to the loop."""
+        every one checked here (arrays, and GPU tensors' ready events, are taken
+        on the caller's thread), then all handed over in one trip to the loop."""
         self._check_running()
-        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
-        for entry in pairs:
-            if not 2 <= len(entry) <= 3:
-                raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
-        # arrays (and GPU tensors' ready events) are taken here, on the caller's thread
-        prepared = [(*self._aio.prepare_send(e[0], e[1], bool(e[2]) if len(e) == 3 else False),
-                     bool(e[2]) if len(e) == 3 else False) for e in pairs]
-        self._call(_send_prepared(self._aio, prepared, step_id))
+        prepared = self._aio.prepare_many(items)
+        self._call(_as_coro(self._aio.send_prepared, prepared, step_id))
 
     def recv_many(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                   device: str | None = None, framework: str | None = None) -> list[Any]:
@@ -250,24 +231,25 @@ class Server:
     def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                         device: str | None = None, framework: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
+        return self._received(keys, step_id, timeout, device, framework, one=False)
+
+    def _received(self, keys: Sequence[Key | str], step_id: int, timeout: float | None, device: str | None,
+                  framework: str | None, one: bool) -> list[Received]:
+        """The items of ``keys`` (``one``: a single key, received as :meth:`recv`
+        does), converted to ``framework`` here, on the caller's thread. What was
+        received and is not handed over (the caller interrupted, or no such
+        form) is kept for the next recv of its key."""
+        interop.check_framework(framework)  # before anything is taken
         canonical = [as_key(k).format() for k in keys]
 
-        def keep(items: list[Received]) -> None:
-            for key, item in reversed(list(zip(canonical, items))):
-                self._aio.keep(step_id, key, item, why="was received after its caller was interrupted")
+        def give_back(items: list[Received], why: str | None = None) -> None:
+            self._aio.give_back(step_id, canonical, items, why)
 
-        if framework is not None:
-            interop.check_framework(framework)  # before anything is taken
-        items = self._call(self._aio.recv_many_items(canonical, step_id, timeout, device), orphaned=keep)
-        if framework is None:
-            return items
-        try:
-            for item in items:
-                interop.convertible(item.value, framework)
-        except BaseException:
-            self._call(_as_coro(keep, items))
-            raise
-        return [Received(interop.convert(i.value, framework), i.is_dead) for i in items]
+        fetching = (_recv_one(self._aio, canonical[0], step_id, timeout, device) if one
+                    else self._aio.recv_many_items(canonical, step_id, timeout, device))
+        items = self._call(fetching, orphaned=lambda got: give_back(got, "was received after its caller was "
+                                                                         "interrupted"))
+        return interop.hand_over(items, framework, lambda back: self._call(_as_coro(give_back, back)))
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
@@ -290,6 +272,7 @@ async def _as_coro(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-async def _send_prepared(server: AsyncServer, prepared: list[tuple[str, Any, bool]], step_id: int) -> None:
-    for canonical, arr, dead in prepared:
-        server.table.send(step_id, canonical, arr, dead)
+
+async def _recv_one(server: AsyncServer, key: str, step_id: int, timeout: float | None,
+                    device: str | None) -> list[Received]:
+    return [await server.recv_item(key, step_id, timeout, device)]

@@ -36,7 +36,7 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
 from rendezvous.devices import Devices, Placement
-from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError, Unavailable
+from rendezvous.errors import Aborted, FailedPrecondition, RendezvousError, Unavailable
 from rendezvous.keys import Key, TaskName, as_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
@@ -48,7 +48,7 @@ from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
 from rendezvous.dtypes import dtype_to_proto
 from rendezvous.tensors import check_sendable
-from rendezvous.table import PendingEntry, Received, WaitingTable
+from rendezvous.table import PendingEntry, Received, WaitingTable, send_items
 from rendezvous.timeline import Timeline, TracedPlanes, TracedTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane
@@ -403,30 +403,33 @@ class Server:
         """:meth:`recv` as ``Received(value, is_dead)``."""
         if framework is None:
             return (await self.fetch(key, step_id, timeout, device)).item
-        interop.check_framework(framework)
+        interop.check_framework(framework)  # before anything is taken
         item = (await self.fetch(key, step_id, timeout, device)).item
-        try:
-            interop.convertible(item.value, framework)
-        except BaseException:
-            # refused after it arrived: it stays for the next recv of its key
-            self.keep(step_id, as_key(key).format(), item, why=f"has no {framework} form")
-            raise
-        return Received(interop.convert(item.value, framework), item.is_dead)
+        return interop.hand_over([item], framework, lambda items: self.give_back(step_id, [key], items))[0]
+
+    def give_back(self, step_id: int, keys: Sequence[Key | str], items: list[Received],
+                  why: str | None = None) -> None:
+        """Keep ``items``, received for ``keys`` and not delivered, for the next
+        recv of each key, in their order (see :meth:`keep`)."""
+        for key, item in reversed(list(zip(keys, items))):
+            self.keep(step_id, as_key(key).format(), item, why=why)
+
+    def prepare_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any]) -> list[tuple[str, Any, bool]]:
+        """:meth:`prepare_send` for ``send_many``'s items (:func:`rendezvous.table.send_items`):
+        every one checked, nothing sent; callable from any thread."""
+        return [(*self.prepare_send(key, tensor, dead), dead) for key, tensor, dead in send_items(items)]
+
+    def send_prepared(self, prepared: list[tuple[str, Any, bool]], step_id: int) -> None:
+        """Produce what :meth:`prepare_many` checked (on the loop thread)."""
+        for canonical, arr, dead in prepared:
+            self.table.send(step_id, canonical, arr, dead)
 
     def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """Produce many tensors in ``step_id`` at once: ``(key, tensor)`` or
         ``(key, tensor, is_dead)`` tuples, or a mapping of key to tensor. Every
         one is checked before any is sent: a bad key or an unsendable array
         raises and sends nothing."""
-        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
-        prepared = []
-        for entry in pairs:
-            if not 2 <= len(entry) <= 3:
-                raise InvalidArgument(f"send_many takes (key, tensor) or (key, tensor, is_dead) items, got {entry!r}")
-            dead = bool(entry[2]) if len(entry) == 3 else False
-            prepared.append((*self.prepare_send(entry[0], entry[1], dead), dead))
-        for canonical, arr, dead in prepared:
-            self.table.send(step_id, canonical, arr, dead)
+        self.send_prepared(self.prepare_many(items), step_id)
 
     async def recv_many(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                         device: str | Placement | None = None, framework: str | None = None) -> list[Any]:
@@ -443,20 +446,9 @@ class Server:
                               device: str | Placement | None = None,
                               framework: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
-        if framework is not None:
-            interop.check_framework(framework)
-        fetched = await self._receiver.fetch_many(keys, step_id, timeout, device)
-        items = [f.item for f in fetched]
-        if framework is None:
-            return items
-        try:
-            for item in items:
-                interop.convertible(item.value, framework)
-        except BaseException:
-            for key, item in reversed(list(zip(keys, items))):
-                self.keep(step_id, as_key(key).format(), item, why=None)  # the error says it
-            raise
-        return [Received(interop.convert(i.value, framework), i.is_dead) for i in items]
+        interop.check_framework(framework)  # before anything is taken
+        items = [f.item for f in await self._receiver.fetch_many(keys, step_id, timeout, device)]
+        return interop.hand_over(items, framework, lambda back: self.give_back(step_id, keys, back))
 
     async def fetch(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                     device: str | Placement | None = None) -> Fetched:

@@ -13,7 +13,7 @@ from the moment it drains.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -99,8 +99,8 @@ class Admin:
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         """The Admin service, as generic handlers (health is added by :meth:`add_to`)."""
         return [grpc.method_handlers_generic_handler(ADMIN_SERVICE, {
-            "Stats": grpc.unary_unary_rpc_method_handler(self._stats),
-            "Pending": grpc.unary_unary_rpc_method_handler(self._pending_call),
+            "Stats": grpc.unary_unary_rpc_method_handler(self._unary(apb.StatsRequest, self.stats)),
+            "Pending": grpc.unary_unary_rpc_method_handler(self._unary(lpb.PendingRequest, self.pending)),
         })]
 
     def add_to(self, grpc_server: grpc.aio.Server) -> None:
@@ -147,23 +147,19 @@ class Admin:
         entries = self._pending() if self._pending is not None else pending_entries(self.server)
         return bounded_pending(entries, max_bytes)
 
-    async def _stats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            apb.StatsRequest.FromString(request)
-            return self.stats().SerializeToString()
-        except DecodeError as exc:
-            await context.abort(*to_status(InvalidArgument(f"malformed StatsRequest: {exc}")))
-        except Exception as exc:
-            await context.abort(*self._error(exc))
+    def _unary(self, request_type: Any, answer: Callable[[], Any]) -> Callable[..., Awaitable[bytes]]:
+        """A handler that checks its request is a ``request_type`` and answers
+        ``answer()``; a malformed request is INVALID_ARGUMENT."""
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                request_type.FromString(request)
+                return answer().SerializeToString()
+            except DecodeError as exc:
+                await context.abort(*to_status(InvalidArgument(f"malformed {request_type.__name__}: {exc}")))
+            except Exception as exc:
+                await context.abort(*self._error(exc))
 
-    async def _pending_call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        try:
-            lpb.PendingRequest.FromString(request)
-            return self.pending().SerializeToString()
-        except DecodeError as exc:
-            await context.abort(*to_status(InvalidArgument(f"malformed PendingRequest: {exc}")))
-        except Exception as exc:
-            await context.abort(*self._error(exc))
+        return handle
 
     @staticmethod
     def _error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
