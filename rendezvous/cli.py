@@ -525,7 +525,7 @@ def _health(args: argparse.Namespace, channel: Any, address: str) -> int:
 
 
 #: the counters of a path, in the order `rendezvous stats` shows them
-_COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes", "in_flight")
+_COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes", "served_fused", "in_flight")
 
 
 def _stats(args: argparse.Namespace, channel: Any, metadata: Any, address: str) -> int:

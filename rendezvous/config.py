@@ -72,6 +72,11 @@ class Config:
     chunk_bytes: int = _knob(
         1 << 20, "RENDEZVOUS_CHUNK_BYTES",
         "Largest piece of tensor bytes in one gRPC stream frame; bigger tensors are chunked and interleaved.")
+    fusion_threshold: int = _knob(
+        256 << 10, "RENDEZVOUS_FUSION_THRESHOLD",
+        "Largest tensor (bytes) packed with others into one reply when a batched recv (`recv_many`) finds "
+        "them ready together: one frame, or on the MPI optimal path one MPI message, for up to `chunk_bytes` "
+        "of them. `0` sends every tensor on its own.")
     connect_timeout: float = _knob(
         60.0, "RENDEZVOUS_CONNECT_TIMEOUT",
         "Seconds a first recv waits for a peer's server to come up before failing with UNAVAILABLE.")
@@ -262,6 +267,8 @@ class Config:
             raise InvalidArgument("need 0 <= mpi_poll_min_us <= mpi_poll_max_us")
         if self.gpu_staging_chunk_bytes < 4096 or self.gpu_staging_depth < 1:
             raise InvalidArgument("need gpu_staging_chunk_bytes >= 4096 and gpu_staging_depth >= 1")
+        if self.fusion_threshold < 0:
+            raise InvalidArgument(f"fusion_threshold must be >= 0, got {self.fusion_threshold}")
         if self.chunk_bytes < 1024:
             raise InvalidArgument(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
         if self.max_request_bytes < 64 << 10:

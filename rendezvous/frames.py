@@ -44,6 +44,7 @@ __all__ = [
     "parse_stream_frame",
     "iter_stream_frames",
     "recv_request",
+    "recv_many_request",
     "cancel_request",
     "batch_requests",
     "batch_responses",
@@ -210,6 +211,25 @@ def recv_request(call_id: int, step_id: int, key: bytes, request_id: int,
                      wire.len_field_header(F.STREAM_REQUEST_RECV, len(req)), req])
 
 
+def recv_many_request(call_id: int, step_id: int, keys: list[bytes], request_ids: list[int],
+                      transport_options: bytes | None = None) -> bytes:
+    """A StreamRequest asking for ``keys`` at once (a ``RecvMany``): the calls
+    ``call_id`` .. ``call_id + len(keys) - 1``, one per key, in order."""
+    parts = [wire.varint_field(F.MANY_STEP_ID, step_id)]
+    key_tag = wire.tag(F.MANY_KEYS, wire.LEN)
+    encode = wire.encode_varint
+    for key in keys:
+        parts += (key_tag, encode(len(key)), key)
+    ids = np.array(request_ids, "<u8").tobytes()
+    parts += (wire.len_field_header(F.MANY_REQUEST_IDS, len(ids)), ids)
+    if transport_options:
+        parts += (wire.len_field_header(F.MANY_TRANSPORT_OPTIONS, len(transport_options)), transport_options)
+    body = b"".join(parts)
+    return b"".join([wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id) or
+                     wire.tag(F.STREAM_REQUEST_CALL_ID, wire.VARINT) + b"\x00",
+                     wire.len_field_header(F.STREAM_REQUEST_RECV_MANY, len(body)), body])
+
+
 def cancel_request(call_id: int) -> bytes:
     """A StreamRequest cancelling ``call_id`` (an empty Cancel message)."""
     return wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id) + wire.len_field_header(F.STREAM_REQUEST_CANCEL, 0)
@@ -271,6 +291,7 @@ class StreamFrame:
     head: ReplyHead | None = None
     chunk: tuple[int, int] | None = None
     error: RendezvousError | None = None
+    group: tuple[int, int] | None = None  # span of a ReplyGroup (call_id unset: -1)
 
 
 def iter_stream_frames(buf: bytes) -> Iterator[StreamFrame]:
@@ -302,7 +323,9 @@ def parse_stream_frame(buf: bytes, start: int = 0, end: int | None = None) -> St
             if status.code == 0:
                 raise InvalidArgument("stream frame carries an error whose status is OK")
             frame.error = from_status(status.code, status.message)
-    if frame.call_id < 0:
+        elif num == F.STREAM_RESPONSE_GROUP and wt == wire.LEN:
+            frame.group = (a, b)
+    if frame.call_id < 0 and frame.group is None:
         raise InvalidArgument("stream frame without call_id")
     return frame
 

@@ -3,7 +3,8 @@
 Each path counts, on the consumer side, ``transfers`` completed, their payload
 ``bytes``, ``errors``, and ``fallbacks`` (transfers that took this path because
 a faster one could not be used); on the producer side ``served`` replies and
-``served_bytes``. Updated on the event-loop thread only; read from anywhere.
+``served_bytes``, and of those ``served_fused``: tensors that went packed with
+others in one group reply (:mod:`rendezvous.fused`). Updated on the event-loop thread only; read from anywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .paths import Path
 __all__ = ["Stats", "PATHS", "COUNTERS", "GPU_COUNTERS", "payload_nbytes"]
 
 PATHS = tuple(Path)
-COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes")
+COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes", "served_fused")
 #: GPU tensors: staged (through pinned host buffers) or direct (CUDA-aware MPI)
 #: MPI transfers per direction, and whole-tensor host<->device copies
 #: (default gRPC path, local hand-offs to another device).
@@ -33,9 +34,11 @@ class Stats:
         c["transfers"] += 1
         c["bytes"] += nbytes
 
-    def served(self, path: Path, nbytes: int) -> None:
+    def served(self, path: Path, nbytes: int, count: int = 1, fused: bool = False) -> None:
         c = self._paths[path]
-        c["served"] += 1
+        c["served"] += count
+        if fused:
+            c["served_fused"] += count
         c["served_bytes"] += nbytes
 
     def error(self, path: Path) -> None:

@@ -457,6 +457,11 @@ class TracedPlanes(Planes):
         self.timeline.served(request, reply.path)
         return reply
 
+    def answered(self, placements: list[Any], moving: bool) -> None:
+        at = now()
+        for placement in placements:
+            self.timeline.answered(placement, at, moving)
+
     def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
         if placement is None:  # a reply nobody waits for any more
             return super().receive(reply, head, placement)

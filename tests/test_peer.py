@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import errors, frames, wire
+from rendezvous import errors, frames, fused, wire
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import Devices
@@ -45,12 +45,14 @@ K1, K2, K3 = key(1, 0, "one"), key(1, 0, "two"), key(1, 0, "three")
 
 class PeerSide:
     """The peer's end of one RecvTensorStream: ``next()`` gives the client's
-    requests one by one (batches flattened); ``write``/``abort``/``end`` are
-    carried out by the handler, in order."""
+    requests one by one (batches flattened, a RecvMany as the recvs it stands
+    for, kept in ``many`` too); ``write``/``abort``/``end`` are carried out by
+    the handler, in order."""
 
     def __init__(self, requests: AsyncIterator[bytes], index: int) -> None:
         self.index = index
         self.raw: list[bytes] = []
+        self.many: list[pb.StreamRequest] = []
         self._requests: asyncio.Queue[pb.StreamRequest] = asyncio.Queue()
         self._outbox: asyncio.Queue[tuple] = asyncio.Queue()
         self.client_done = asyncio.Event()
@@ -61,10 +63,18 @@ class PeerSide:
             async for raw in requests:
                 self.raw.append(raw)
                 msg = pb.StreamRequest.FromString(raw)
-                if msg.WhichOneof("kind") is not None:
-                    self._requests.put_nowait(msg)
-                for one in msg.batch:
-                    self._requests.put_nowait(one)
+                for one in [msg, *msg.batch]:
+                    kind = one.WhichOneof("kind")
+                    if kind == "recv_many":  # seen as the recvs it stands for
+                        self.many.append(one)
+                        many = one.recv_many
+                        for i, k in enumerate(many.rendezvous_keys):
+                            recv = pb.RecvTensorRequest(step_id=many.step_id, rendezvous_key=k,
+                                                        request_id=many.request_ids[i],
+                                                        transport_options=many.transport_options)
+                            self._requests.put_nowait(pb.StreamRequest(call_id=one.call_id + i, recv=recv))
+                    elif kind is not None:
+                        self._requests.put_nowait(one)
         finally:
             self.client_done.set()
 
@@ -789,6 +799,8 @@ def test_a_batch_asks_every_key_at_once_and_answers_in_key_order():
             r = asyncio.ensure_future(client.recv_batch([K1, K2, K3], step_id=2))
             reqs = await side.recvs(3)
             assert [q.recv.rendezvous_key for q in reqs] == [K1, K2, K3]
+            assert len(side.many) == 1 and list(side.many[0].recv_many.rendezvous_keys) == [K1, K2, K3]
+            assert [q.call_id for q in reqs] == [side.many[0].call_id + i for i in range(3)]
             for q, v in reversed(list(zip(reqs, (1, 2, 3)))):  # answered in another order
                 side.write(*reply(q.call_id, np.array([v])))
             assert [f.item.value.tolist() for f in await r] == [[1], [2], [3]]
@@ -827,4 +839,64 @@ def test_a_batch_with_an_error_keeps_what_arrived_and_cancels_the_rest():
             assert list(info.value.failures) == [1] and isinstance(info.value.failures[1], errors.Aborted)
             assert [(k, s) for s, k, _ in kept] == [(K1, 2)]  # the arrived one goes to the server
             assert (await side.next()).WhichOneof("kind") == "cancel"  # the third is withdrawn
+    run(main(), 20)
+
+
+# -- group replies (many calls answered by one frame) ------------------------------------------
+
+
+def _group(calls: list[tuple[int, np.ndarray]]) -> bytes:
+    arrays = [v for _, v in calls]
+    return fused.group_frame([c for c, _ in calls], arrays, fused.layout(arrays))
+
+
+def test_a_group_reply_answers_the_calls_it_names_in_any_order():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv_batch([K1, K2, K3], step_id=2))
+            q1, q2, q3 = await side.recvs(3)
+            side.write(_group([(q3.call_id, np.array([3.0, 3.5])), (q1.call_id, np.arange(6).reshape(2, 3))]))
+            side.write(*reply(q2.call_id, np.array([2])))
+            got = await r
+            assert [f.item.value.tolist() for f in got] == [[[0, 1, 2], [3, 4, 5]], [2], [3.0, 3.5]]
+            assert got[0].item.value.shape == (2, 3) and all(f.path is Path.GRPC for f in got)
+    run(main(), 20)
+
+
+def test_a_group_answering_a_recv_that_gave_up_is_kept():
+    async def main():
+        kept = []
+        async with scripted(on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
+            side = await connected(peer, client)
+            with pytest.raises(errors.DeadlineExceeded):
+                await client.recv(K1, step_id=3, timeout=0.2)
+            (q,) = [await side.next()]
+            assert (await side.next()).WhichOneof("kind") == "cancel"
+            side.write(_group([(q.call_id, np.array([7]))]))  # the producer had started it
+            await until(lambda: kept, what="the late tensor to be kept")
+            (step, k, fetched), = kept
+            assert (step, k, fetched.item.value.tolist()) == (3, K1, [7])
+    run(main(), 20)
+
+
+@pytest.mark.parametrize("lie", ["too short", "unknown dtype", "no payload"])
+def test_a_group_that_lies_fails_its_calls_with_internal(lie):
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv_batch([K1, K2], step_id=2))
+            q1, q2 = await side.recvs(2)
+            value = np.array([1.0])
+            lay = fused.layout([value])
+            if lie == "too short":  # announces 1,000 elements, carries one
+                lay.dims = np.array([1000], "<u8").tobytes()
+                lay.ranks = np.array([1], "<u4").tobytes()
+            elif lie == "unknown dtype":
+                lay.dtypes = bytes([200])
+            side.write(fused.group_frame([q1.call_id], None if lie == "no payload" else [value], lay))
+            with pytest.raises(BatchFailed) as info:
+                await r
+            assert all(isinstance(e, errors.Internal) for e in info.value.failures.values())
+            assert "malformed reply" in str(next(iter(info.value.failures.values())))
     run(main(), 20)

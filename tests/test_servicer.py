@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import errors, frames
+from rendezvous import errors, frames, fused
 from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -88,12 +88,13 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def serving(*, chunk_bytes: int = 1 << 20, descriptor: bool = False,
-                  devices: Devices | None = None) -> AsyncIterator[Harness]:
+                  devices: Devices | None = None, fusion: tuple[int, int] = (4096, 1 << 20)) -> AsyncIterator[Harness]:
     table, stats = WaitingTable(), Stats()
     inline = InlinePlane(chunk_bytes=chunk_bytes, buffers=RecvBuffers(), devices=devices or Devices([]),
                          staging=(4096, 2), stats=stats)
     planes = Planes([CommittedPlane(), inline] if descriptor else [inline])
-    servicer = RecvTensorServicer(table, ME, stats=stats, planes=planes, retry=RetryCache(30, 1 << 30))
+    servicer = RecvTensorServicer(table, ME, stats=stats, planes=planes, retry=RetryCache(30, 1 << 30),
+                                  fusion=fusion)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(servicer.handlers())
     port = server.add_insecure_port("127.0.0.1:0")
@@ -120,6 +121,7 @@ class RawStream:
         self.messages: list[list[frames.StreamFrame]] = []
         self.done: dict[int, object] = {}
         self.order: list[int] = []  # call ids in the order their replies completed
+        self.groups: list[list[int]] = []  # the call ids of each group reply, in order
         self._assembling: dict[int, frames.Assembly] = {}
         self.code: grpc.StatusCode | None = None
         self.details = ""
@@ -147,7 +149,16 @@ class RawStream:
         self.messages.append(got)
         for frame in got:
             cid = frame.call_id
-            if frame.error is not None:
+            if frame.group is not None:
+                group = fused.parse_group(buf, *frame.group)
+                self.groups.append(group.call_ids)
+                if group.payload is None:
+                    for c in group.call_ids:
+                        self._complete(c, ("group descriptor", group))
+                else:
+                    for c, v in zip(group.call_ids, fused.views(group, buf, group.payload[0])):
+                        self._complete(c, v)
+            elif frame.error is not None:
                 self._complete(cid, frame.error)
             elif frame.head is not None:
                 head = frame.head
@@ -205,6 +216,11 @@ class RawStream:
 
 def recv(call_id: int, k: str, step: int = 1, request_id: int = 0) -> bytes:
     return frames.recv_request(call_id, step, k.encode(), request_id)
+
+
+def recv_many(call_id: int, keys: list[str], step: int = 1, request_ids: list[int] | None = None) -> bytes:
+    return frames.recv_many_request(call_id, step, [k.encode() for k in keys],
+                                    request_ids if request_ids is not None else [0] * len(keys))
 
 
 def _waiters(table: WaitingTable) -> dict[str, int]:
@@ -711,4 +727,146 @@ def test_a_reply_cut_off_by_the_streams_end_goes_back_to_the_table():
             await again.send(recv(1, K("cut"), request_id=77))
             np.testing.assert_array_equal(await again.value(1), value)
             assert len(h.table) == 0
+    run(main(), 20)
+
+
+# --- batched requests (RecvMany) and group replies ----------------------------------
+
+def test_a_batched_request_answers_the_small_ready_tensors_in_one_group():
+    async def main():
+        async with serving() as h:
+            small = [np.arange(i + 1, dtype=np.float32) * i for i in range(3)]
+            big = np.ones(2048, np.float32)  # 8 KiB: above the 4 KiB fusion threshold
+            for i, v in enumerate(small):
+                h.table.send(1, K(f"s{i}"), v)
+            h.table.send(1, K("big"), big)
+            h.table.send(1, K("dead"), None, is_dead=True)
+            h.table.send(1, K("str"), np.array([b"ab", b"c"], dtype=object))
+            s = h.stream()
+            keys = [K("s0"), K("big"), K("s1"), K("later"), K("dead"), "not a key", K("str"), K("s2")]
+            await s.send(recv_many(10, keys))
+            for i in (0, 2, 7):
+                np.testing.assert_array_equal(await s.value(10 + i), small[(0, 2, 7).index(i)])
+            np.testing.assert_array_equal(await s.value(11), big)
+            assert await s.result(14) == DEAD
+            assert isinstance(await s.result(15), InvalidArgument)
+            assert (await s.result(16)).tolist() == [b"ab", b"c"]
+            assert s.groups == [[10, 12, 17]]  # the small ones, in key order, in one reply
+            assert 13 not in s.done and _waiters(h.table) == {K("later"): 1}
+            h.table.send(1, K("later"), np.array([5.0]))
+            assert (await s.value(13)).tolist() == [5.0]
+            assert len(h.table) == 0
+            counts = h.stats.snapshot()["grpc"]
+            assert counts["served_fused"] == 3 and counts["served"] == 7
+    run(main(), 20)
+
+
+def test_group_replies_are_split_at_the_group_size_and_fusion_can_be_turned_off():
+    async def main():
+        values = [np.full(1000, i, np.float32) for i in range(10)]  # 4,000 bytes each
+        async with serving(fusion=(4096, 16 << 10)) as h:
+            for i, v in enumerate(values):
+                h.table.send(1, K(f"t{i}"), v)
+            s = h.stream()
+            await s.send(recv_many(1, [K(f"t{i}") for i in range(10)]))
+            for i, v in enumerate(values):
+                np.testing.assert_array_equal(await s.value(1 + i), v)
+            assert [len(g) for g in s.groups] == [4, 4, 2]  # at most 16 KiB of payload each
+        async with serving(fusion=(0, 1 << 20)) as h:
+            for i, v in enumerate(values):
+                h.table.send(1, K(f"t{i}"), v)
+            s = h.stream()
+            await s.send(recv_many(1, [K(f"t{i}") for i in range(10)]))
+            for i, v in enumerate(values):
+                np.testing.assert_array_equal(await s.value(1 + i), v)
+            assert s.groups == [] and h.stats.snapshot()["grpc"]["served_fused"] == 0
+    run(main(), 20)
+
+
+def test_a_cancel_of_a_call_a_group_answers_is_not_acknowledged_the_group_carries_it():
+    async def main():
+        async with serving() as h:
+            h.table.send(1, K("a"), np.array([1.0]))
+            h.table.send(1, K("b"), np.array([2.0]))
+            s = h.stream()
+            # one message: the group is planned, then call 2's cancel comes before any write
+            await s.send(recv_many(1, [K("a"), K("b")]), frames.cancel_request(2))
+            assert (await s.value(2)).tolist() == [2.0]
+            assert (await s.value(1)).tolist() == [1.0]
+            assert s.groups == [[1, 2]] and len(h.table) == 0
+    run(main(), 20)
+
+
+def test_retries_of_a_batched_request_get_the_same_answers_and_consume_once():
+    async def main():
+        async with serving() as h:
+            h.table.send(1, K("a"), np.array([1.0]))
+            h.table.send(1, K("a"), np.array([2.0]))
+            s = h.stream()
+            await s.send(recv_many(1, [K("a")], request_ids=[71]))
+            assert (await s.value(1)).tolist() == [1.0]
+            again = h.stream()  # the stream broke: asked again with the same id
+            await again.send(recv_many(5, [K("a"), K("a")], request_ids=[71, 72]))
+            assert (await again.value(5)).tolist() == [1.0]
+            assert (await again.value(6)).tolist() == [2.0]
+            assert len(h.table) == 0
+    run(main(), 20)
+
+
+@pytest.mark.parametrize("bad", ["ids", "in use"])
+def test_a_malformed_batched_request_ends_the_stream_with_invalid_argument(bad):
+    async def main():
+        async with serving() as h:
+            s = h.stream()
+            if bad == "ids":
+                await s.send(frames.recv_many_request(1, 1, [K("a").encode(), K("b").encode()], [3]))
+            else:
+                await s.send(recv(2, K("w")), recv_many(1, [K("x"), K("y")]))  # 2 is waiting already
+            assert await s.finish_within(PROMPT) == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request_ids" in s.details or "already in use" in s.details
+            # the server serves on
+            h.table.send(1, K("ok"), np.array([1]))
+            t = h.stream()
+            await t.send(recv_many(1, [K("ok")]))
+            assert (await t.value(1)).tolist() == [1]
+    run(main(), 20)
+
+
+def test_a_group_never_written_goes_back_to_the_table_when_the_stream_ends():
+    """The consumer's stream ends while a group reply waits behind a write that
+    never returns: every tensor of the group goes back, and the reply that was
+    being handed over does not (its consumer may have it)."""
+    async def main():
+        table, stats = WaitingTable(), Stats()
+        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                             staging=(4096, 2), stats=stats)
+        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
+                                      retry=RetryCache(30, 1 << 30), fusion=(4096, 1 << 20))
+        written: list[bytes] = []
+
+        class Stuck:
+            async def write(self, message: bytes) -> None:
+                written.append(message)
+                await asyncio.Event().wait()  # the consumer stopped reading
+
+            async def abort(self, code, details):
+                raise AssertionError(f"aborted: {code} {details}")
+
+        incoming: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def requests():
+            while True:
+                yield await incoming.get()
+
+        table.send(1, K("first"), np.array([0.0]))
+        for i in range(3):
+            table.send(1, K(f"g{i}"), np.array([float(i)]))
+        serving_ = asyncio.ensure_future(servicer.serve_stream(requests(), Stuck()))
+        incoming.put_nowait(recv(1, K("first"), request_id=5))
+        await until(lambda: len(written) == 1, what="the first reply's write")
+        incoming.put_nowait(recv_many(2, [K("g0"), K("g1"), K("g2")], request_ids=[6, 7, 8]))
+        await until(lambda: len(table) == 0, what="the group's tensors to be taken")
+        serving_.cancel()
+        await asyncio.gather(serving_, return_exceptions=True)
+        assert _tensors(table) == {K("g0"): 1, K("g1"): 1, K("g2"): 1}
     run(main(), 20)

@@ -112,6 +112,7 @@ class _Snapshot:
             ("bytes", "bytes", "Payload bytes this rank received, by path"),
             ("served", "served", "Tensors this rank served to other ranks, by path"),
             ("served_bytes", "served_bytes", "Payload bytes this rank served, by path"),
+            ("served_fused", "served_fused", "Tensors this rank served packed with others in one reply, by path"),
             ("fallbacks", "fallbacks", "Transfers that took a slower path than they could have"),
             ("path_errors", "errors", "Failed transfers, by path"),
         ):

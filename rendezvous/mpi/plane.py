@@ -27,7 +27,7 @@ import numpy as np
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames
+from rendezvous import frames, fused
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import Devices, DeviceTensor, Placement
@@ -136,20 +136,9 @@ class MpiPlane(DataPlane):
             return None
         if arr.nbytes < self.config.mpi_threshold:
             return None  # small: inline by design, not a fallback
-        opts = req.transport_options
-        if opts.type_url != _ENDPOINT_URL:
-            self.stats.fallback("grpc")  # the consumer has no MPI
+        endpoint = self._endpoint(req)
+        if endpoint is None:
             return None
-        endpoint = pb.MpiEndpoint()
-        try:
-            unpacked = opts.Unpack(endpoint)
-        except DecodeError:
-            raise InvalidArgument("request carries a malformed MpiEndpoint") from None
-        if not unpacked or endpoint.world_id != self.world.world_id:
-            self.stats.fallback("grpc")  # the consumer is in another MPI job
-            return None
-        if not 0 <= endpoint.rank < self.world.size:
-            raise InvalidArgument(f"MPI rank {endpoint.rank} is outside this world of {self.world.size}")
         if not on_device and arr.nbytes < endpoint.inline_below:
             return None  # the consumer wants it inside the reply (asked over MPI): by design
         chunk = self.config.mpi_chunk_bytes
@@ -184,6 +173,52 @@ class MpiPlane(DataPlane):
         # committed (no item): the send is posted, the descriptor is always delivered
         return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
                      lambda: response, None)
+
+    def _endpoint(self, req: Any) -> pb.MpiEndpoint | None:
+        """The consumer's MPI endpoint from its request, or None (counted as a
+        fallback) when it has none in this MPI job."""
+        opts = req.transport_options
+        if opts.type_url != _ENDPOINT_URL:
+            self.stats.fallback("grpc")  # the consumer has no MPI
+            return None
+        endpoint = pb.MpiEndpoint()
+        try:
+            unpacked = opts.Unpack(endpoint)
+        except DecodeError:
+            raise InvalidArgument("request carries a malformed MpiEndpoint") from None
+        if not unpacked or endpoint.world_id != self.world.world_id:
+            self.stats.fallback("grpc")  # the consumer is in another MPI job
+            return None
+        if not 0 <= endpoint.rank < self.world.size:
+            raise InvalidArgument(f"MPI rank {endpoint.rank} is outside this world of {self.world.size}")
+        return endpoint
+
+    def plan_group(self, req: Any, arrays: Any, layout: Any) -> bytes | None:
+        """The fusion buffer: a group's tensors copied into one buffer and sent
+        as one MPI message (posted before this returns), when the optimal path
+        is on, the group is at least the threshold and the consumer is in this
+        MPI job and does not want it inside the reply (asked over MPI)."""
+        nbytes = layout.nbytes
+        if not self.config.mpi_optimal_path or nbytes < self.config.mpi_threshold:
+            return None
+        endpoint = self._endpoint(req)
+        if endpoint is None or nbytes < endpoint.inline_below:
+            return None
+        buf = np.empty(nbytes, np.uint8)
+        fused.fill(buf, arrays, layout)
+        chunk = self.config.mpi_chunk_bytes
+        if endpoint.max_chunk_bytes > 0:
+            chunk = min(chunk, endpoint.max_chunk_bytes)
+        rank = endpoint.rank
+        tag = self._tags.take(rank)
+        try:
+            done = self.engine.isend(buf, rank, tag, chunk)
+        except BaseException:
+            self._tags.give_back(rank, tag)
+            raise
+        done.add_done_callback(lambda f, r=rank, t=tag: self._sent(f, r, t))
+        return _pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
+                                    tag=tag, nbytes=nbytes, chunk_bytes=chunk))
 
     def _sent(self, future: asyncio.Future, rank: int, tag: int, request_id: int = 0) -> None:
         self._tags.give_back(rank, tag)
@@ -256,6 +291,41 @@ class MpiPlane(DataPlane):
         fut = self.engine.irecv(np.empty(meta.nbytes, np.uint8), transfer.source_rank, transfer.tag,
                                 transfer.chunk_bytes)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def receive_group(self, buf: bytes, group: fused.Group) -> asyncio.Future:
+        """Post the receive of a group's fusion buffer (checked against the group
+        first); the future gives the buffer. It lands even if nobody waits."""
+        assert group.transport_options is not None
+        transfer = self._transfer(buf, group.transport_options)
+        if transfer.nbytes != group.nbytes:
+            raise Internal(f"group's MPI transfer announces {transfer.nbytes} bytes; its offsets say {group.nbytes}")
+        dest = np.empty(group.nbytes, np.uint8)
+        done = self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
+        out = asyncio.get_running_loop().create_future()
+
+        def landed(f: asyncio.Future) -> None:
+            if out.cancelled():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())  # type: ignore[arg-type]
+            else:
+                out.set_result(dest)
+        done.add_done_callback(landed)
+        return out
+
+    def _transfer(self, buf: bytes, span: tuple[int, int]) -> pb.MpiTransfer:
+        a, b = span
+        opts = any_pb2.Any.FromString(bytes(buf[a:b]))
+        transfer = pb.MpiTransfer()
+        if opts.type_url != _TRANSFER_URL or not opts.Unpack(transfer):
+            raise Internal(f"reply names an unknown transport {opts.type_url!r}")
+        if transfer.world_id != self.world.world_id:
+            raise Internal("MPI descriptor from another MPI job")
+        if transfer.chunk_bytes <= 0:
+            raise Internal("descriptor without a chunk size")
+        return transfer
 
     def _parse(self, buf: bytes, head: frames.ReplyHead) -> tuple[pb.MpiTransfer, TensorMeta]:
         if head.tensor is None or head.transport_options is None:

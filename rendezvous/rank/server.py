@@ -119,7 +119,8 @@ class Server:
         self.planes = Planes([inline]) if self.timeline is None else TracedPlanes([inline], self.timeline)
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
                                            retry=self._retry, max_waiting=cfg.max_waiting_calls,
-                                           timeline=self.timeline)
+                                           timeline=self.timeline,
+                                           fusion=(min(cfg.fusion_threshold, cfg.chunk_bytes), cfg.chunk_bytes))
         #: the Admin service (Stats, Pending) and gRPC health, on this server's port
         self.admin = Admin(self)
         #: this rank's part of its MPI job (rendezvous.mpi.rank.MpiRank), or None
@@ -502,7 +503,7 @@ class Server:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served,
-        served_bytes}}; "mpi" also has "in_flight" (MPI operations posted and not complete)."""
+        served_bytes, served_fused}}; "mpi" also has "in_flight" (MPI operations posted and not complete)."""
         snap = self._stats.snapshot()
         mpi = self.mpi.stats() if self.mpi is not None else {"in_flight": 0, "cuda_aware": 0}
         snap[Path.MPI]["in_flight"] = mpi["in_flight"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rendezvous import frames
+from rendezvous import frames, fused
 from rendezvous.errors import Internal, InvalidArgument, PeerUnavailable, RendezvousError, ResourceExhausted, \
     from_status
 from rendezvous.paths import Path
@@ -86,6 +86,11 @@ class ConsumerStream:
 
     def submit(self, call_id: int, pending: Pending, request: bytes) -> None:
         self.pending[call_id] = pending
+        self.outbox.put_nowait(request)
+
+    def submit_many(self, first: int, pendings: list[Pending], request: bytes) -> None:
+        """The calls ``first`` .. ``first + len(pendings) - 1`` of one RecvMany."""
+        self.pending.update(zip(range(first, first + len(pendings)), pendings))
         self.outbox.put_nowait(request)
 
     def cancel(self, call_id: int, p: Pending) -> bool:
@@ -170,7 +175,52 @@ class ConsumerStream:
         for frame in frames.iter_stream_frames(buf):
             self._dispatch_frame(buf, frame)
 
+    def _dispatch_group(self, buf: bytes, span: tuple[int, int]) -> None:
+        """A group reply: many calls answered at once, their tensors views on one
+        buffer (the frame's bytes, or a fusion buffer that comes by MPI). A
+        malformed group breaks the stream (InvalidArgument from the parse)."""
+        group = fused.parse_group(buf, *span, self.client.config.max_tensor_bytes)
+        pending = self.pending
+        calls = [(i, call_id, pending.get(call_id)) for i, call_id in enumerate(group.call_ids)]
+        planes = self.client.planes
+        if group.payload is not None:
+            values = fused.views(group, buf, group.payload[0])
+            path = self.inline_path
+            planes.answered([p.placement for _, _, p in calls if p is not None and not p.orphan], False)
+            for i, call_id, p in calls:
+                if p is not None:
+                    self._finish(call_id, p, Fetched(Received(values[i], False), path))
+            return
+        landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
+        moving = [(i, call_id, p) for i, call_id, p in calls if p is not None]
+        planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
+        for _, call_id, p in moving:
+            del pending[call_id]
+            self.moving[call_id] = p
+            p.path = Path.MPI
+        landing.add_done_callback(lambda f: self._settle_group(group, moving, f))
+
+    def _settle_group(self, group: fused.Group, moving: list[tuple[int, int, Pending]],
+                      landed: asyncio.Future) -> None:
+        """A group's fusion buffer is here (or failed): each call takes its view."""
+        values = fused.views(group, landed.result()) if not landed.cancelled() and landed.exception() is None \
+            else None
+        for i, call_id, p in moving:
+            if self.moving.get(call_id) is p:
+                del self.moving[call_id]
+            p.settled = True
+            if values is not None:
+                self._deliver(p, Fetched(Received(values[i], False), Path.MPI))
+            elif landed.cancelled():
+                if not p.future.done():
+                    p.future.cancel()
+            elif not p.orphan and not p.future.done():
+                p.future.set_exception(landed.exception())  # type: ignore[arg-type]
+
     def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
+        if frame.group is not None:
+            self._dispatch_group(buf, frame.group)
+            return
         p = self.pending.get(frame.call_id)
         planes = self.client.planes
         if p is None:

@@ -61,6 +61,8 @@ log = logging.getLogger("rendezvous.client")
 
 #: recvs per peer whose request_id is kept after they ended unanswered on a broken stream
 _UNSETTLED = 4096
+#: keys of one batch asked in one RecvMany up to about this many bytes (see recv_batch)
+_MANY_REQUEST_BYTES = 24 << 10
 
 
 class BatchFailed(Exception):
@@ -71,6 +73,15 @@ class BatchFailed(Exception):
         super().__init__(f"{len(failures)} failed")
         self.failures = failures
         self.arrived = arrived
+
+
+def _failure(exc: BaseException | None) -> BaseException | None:
+    """What a batch's call failed with, or None if it may be asked again: a
+    stream that broke under it because the peer went away (a stream ended by a
+    malformed reply is the peer's failure, as it is for a single recv)."""
+    if isinstance(exc, Broken):
+        return None if isinstance(exc.error, PeerUnavailable) else exc.error
+    return exc
 
 
 class PeerClient:
@@ -95,7 +106,7 @@ class PeerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stream: ConsumerStream | None = None
         self._lock = asyncio.Lock()
-        self._ids = itertools.count(1)
+        self._next_id = 1  # call ids: a batch takes a contiguous range (see _take_ids)
         # Unique per recv (a retry reuses its own); a random start keeps clients apart
         # in the producer's retry cache without a random draw per recv.
         self._request_ids = itertools.count(secrets.randbits(62) + 1)
@@ -163,7 +174,7 @@ class PeerClient:
             async with asyncio.timeout_at(deadline):
                 while True:
                     stream = await self._get_stream(deadline)
-                    call_id = next(self._ids)
+                    call_id = self._take_ids(1)
                     pending = Pending(loop.create_future(), key, step_id, placement, request_id)
                     stream.submit(call_id, pending, frames.recv_request(
                         call_id, step_id, key_bytes, request_id, options))
@@ -215,13 +226,22 @@ class PeerClient:
         options = self.planes.offer(placement)
         stream = await self._get_stream(None)
         calls: list[tuple[int, Pending]] = []
-        for key in keys:
-            request_id = self._unsettled.pop((step_id, key), None) or next(self._request_ids)
-            call_id = next(self._ids)
-            pending = Pending(loop.create_future(), key, step_id, placement, request_id)
-            stream.submit(call_id, pending, frames.recv_request(call_id, step_id, key.encode(), request_id,
-                                                                options))
-            calls.append((call_id, pending))
+        first = self._take_ids(len(keys))
+        unsettled = self._unsettled
+        # One RecvMany per up to _MANY_REQUEST_BYTES of keys: a request every
+        # producer accepts (max_request_bytes is at least 64 KiB).
+        start = 0
+        size = 0
+        encoded = [key.encode() for key in keys]
+        for i, key in enumerate(keys):
+            request_id = (unsettled.pop((step_id, key), None) if unsettled else None) or next(self._request_ids)
+            calls.append((first + i, Pending(loop.create_future(), key, step_id, placement, request_id)))
+            size += len(encoded[i]) + 12
+            if size >= _MANY_REQUEST_BYTES or i == len(keys) - 1:
+                part = calls[start:i + 1]
+                stream.submit_many(first + start, [p for _, p in part], frames.recv_many_request(
+                    first + start, step_id, encoded[start:i + 1], [p.request_id for _, p in part], options))
+                start, size = i + 1, 0
         futures = [p.future for _, p in calls]
         try:
             await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
@@ -230,8 +250,8 @@ class PeerClient:
         except BaseException:
             self._give_up_batch(stream, calls, (), arrived)
             raise
-        failures = {i: f.exception() for i, f in enumerate(futures)
-                    if f.done() and f.exception() is not None and not isinstance(f.exception(), Broken)}
+        failures = {i: _failure(f.exception()) for i, f in enumerate(futures)
+                    if f.done() and f.exception() is not None and _failure(f.exception()) is not None}
         if failures:
             in_hand = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
             self._give_up_batch(stream, calls, failures, arrived)
@@ -256,6 +276,12 @@ class PeerClient:
                 raise BatchFailed({i: exc for i in range(len(keys)) if out[i] is None}, len(done)) from None
             raise
         return out  # type: ignore[return-value]
+
+    def _take_ids(self, n: int) -> int:
+        """The first of ``n`` new consecutive call ids."""
+        first = self._next_id
+        self._next_id += n
+        return first
 
     def _give_up_batch(self, stream: ConsumerStream, calls: list[tuple[int, Pending]], failed: Any,
                        arrived: set[int]) -> None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames
+from rendezvous import frames, fused
 from rendezvous.errors import Cancelled, RendezvousError
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
@@ -32,9 +33,28 @@ from rendezvous.v1 import rendezvous_pb2 as pb
 if TYPE_CHECKING:
     from .servicer import RecvTensorServicer
 
-__all__ = ["ProducerStream"]
+__all__ = ["ProducerStream", "KeyRequest"]
 
 log = logging.getLogger("rendezvous.server")
+
+
+def _now_micros() -> int:
+    return time.time_ns() // 1000
+
+
+class KeyRequest:
+    """One key of a batched request (``RecvMany``), read like a
+    ``RecvTensorRequest`` by everything that serves it (the table's take, the
+    retry cache, the planes, the timeline), without a protobuf object per key."""
+
+    __slots__ = ("step_id", "rendezvous_key", "request_id", "transport_options")
+    dma_ok = False
+
+    def __init__(self, step_id: int, rendezvous_key: str, request_id: int, transport_options: Any) -> None:
+        self.step_id = step_id
+        self.rendezvous_key = rendezvous_key
+        self.request_id = request_id
+        self.transport_options = transport_options
 
 
 class _Outgoing:
@@ -43,10 +63,11 @@ class _Outgoing:
     the table if the call is cancelled before the first frame is written; a
     ``committed`` reply (its bytes already on their way) is written anyway."""
 
-    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack")
+    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack", "members")
 
     def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
-                 item: Received | None, committed: bool = False, ack: bool = False) -> None:
+                 item: Received | None, committed: bool = False, ack: bool = False,
+                 members: list[tuple[Any, str, Received]] | None = None) -> None:
         self.frames = frames_
         self.next_frame: bytes | None = next(frames_, None)
         self.req = req
@@ -55,6 +76,17 @@ class _Outgoing:
         self.started = False
         self.committed = committed
         self.ack = ack  # only the CANCELLED answer to a cancel
+        #: a group reply's (request, key, item) of each call it answers
+        self.members = members
+
+    def give_back(self, servicer: RecvTensorServicer) -> None:
+        """Its tensors go back to the table: it was never written to its end."""
+        if self.committed:
+            return
+        if self.item is not None:
+            servicer.put_back(self.req, self.key, self.item)
+        for req, key, item in self.members or ():
+            servicer.put_back(req, key, item)
 
 
 # Frames up to this size are packed together into one message (a `batch`);
@@ -85,6 +117,8 @@ class ProducerStream:
         self.closing = False  # set while draining: end once nothing is left to write
         self.failed = False  # the consumer broke the protocol: end now, with INVALID_ARGUMENT
         self.writing = False  # a message is being handed to gRPC
+        #: keys of group replies in ``replies``: negative, never a consumer's call_id
+        self._group_ids = -1
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         reader = asyncio.create_task(self._read(requests))
@@ -109,8 +143,7 @@ class ProducerStream:
             # with its request_id and the retry cache answers. Committed replies'
             # bytes travel another way and were delivered by their one frame.
             for reply in self.replies.values():
-                if reply.item is not None and not reply.committed:
-                    self.s.put_back(reply.req, reply.key, reply.item)
+                reply.give_back(self.s)
             self.replies.clear()
             self.flushing.clear()
 
@@ -163,8 +196,87 @@ class ProducerStream:
             self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
         elif kind == "cancel":
             self._cancel(call_id)
+        elif kind == "recv_many":
+            self._handle_many(call_id, msg.recv_many)
         else:
-            raise _BadStream(f"StreamRequest {call_id} has neither recv nor cancel")
+            raise _BadStream(f"StreamRequest {call_id} has neither recv, recv_many nor cancel")
+
+    def _handle_many(self, first: int, many: pb.RecvMany) -> None:
+        """A batched request: each key is the call ``first + i`` with a single
+        recv's rules; the small tensors found ready go back together in group
+        replies, anything else on its own (or when it is produced)."""
+        keys = many.rendezvous_keys
+        rids = many.request_ids
+        if len(rids) != len(keys):
+            raise _BadStream(f"RecvMany {first} has {len(rids)} request_ids for {len(keys)} keys")
+        if first + len(keys) > 1 << 64:
+            raise _BadStream(f"RecvMany {first} runs past the largest call_id")
+        step = many.step_id
+        opts = many.transport_options
+        s = self.s
+        threshold = s.fusion_threshold
+        group: list[tuple[int, Any, Received, str]] = []
+        for i, key in enumerate(keys):
+            call_id = first + i
+            queued = self.replies.get(call_id)
+            if queued is not None and queued.ack and not queued.started:
+                del self.replies[call_id]  # a reused id of a cancelled call (see _handle)
+            if call_id in self.waiting or call_id in self.replies:
+                raise _BadStream(f"call_id {call_id} is already in use on this stream")
+            req = KeyRequest(step, key, rids[i], opts)
+            try:
+                taken = s.take_now(req)
+            except Exception as exc:
+                self._reply_error(call_id, req, exc)  # type: ignore[arg-type]
+                continue
+            if taken is None:
+                try:
+                    s.check_room()
+                except RendezvousError as exc:
+                    self._reply_error(call_id, req, exc)  # type: ignore[arg-type]
+                    continue
+                self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))  # type: ignore[arg-type]
+            elif threshold and not taken.item.is_dead and fused.fusable(taken.item.value, threshold):
+                group.append((call_id, req, taken.item, taken.key))
+                if s.timeline is not None:
+                    s.timeline.served(req, self.inline_path)  # its reply is planned: into the group
+            else:
+                self._reply(call_id, req, taken.item, taken.key)  # type: ignore[arg-type]
+        if group:
+            self._reply_groups(group, many)
+
+    def _reply_groups(self, members: list[tuple[int, Any, Received, str]], request: Any) -> None:
+        """Answer ``members`` (ready together) with group replies of at most
+        ``group_bytes`` of payload each."""
+        limit = self.s.group_bytes
+        start = 0
+        size = 0
+        for i, (_, _, item, _) in enumerate(members):
+            n = item.value.nbytes + fused.ALIGN
+            if i > start and size + n > limit:
+                self._reply_group(members[start:i], request)
+                start, size = i, 0
+            size += n
+        self._reply_group(members[start:], request)
+
+    def _reply_group(self, members: list[tuple[int, Any, Received, str]], request: Any) -> None:
+        arrays = [item.value for _, _, item, _ in members]
+        call_ids = [m[0] for m in members]
+        try:
+            lay = fused.layout(arrays)
+            path, options = self.s.planes.plan_group(request, arrays, lay)
+            frame = fused.group_frame(call_ids, None if options else arrays, lay, _now_micros(), options)
+        except Exception as exc:  # answered one by one instead
+            log.debug("group reply of %d tensors failed (%r); answering them one by one", len(members), exc)
+            for call_id, req, item, key in members:
+                self._reply(call_id, req, item, key)
+            return
+        self.s.stats.served(self._path(path), lay.nbytes, len(members), fused=True)
+        group_id = self._group_ids
+        self._group_ids -= 1
+        self._ready(group_id, _Outgoing(iter((frame,)), None, "", None,  # type: ignore[arg-type]
+                                        committed=options is not None,
+                                        members=[(req, key, item) for _, req, item, key in members]))
 
     def _cancel(self, call_id: int) -> None:
         """The consumer gave up on ``call_id``. What was not sent goes back to the
@@ -176,12 +288,13 @@ class ProducerStream:
             task.cancel()  # its tensor, if handed over meanwhile, goes back (see _serve)
             self._ack_cancel(call_id)
             return
+        # A call answered by a group reply is not found here: the group is written
+        # whole, and the consumer keeps what it brings (its call is an orphan).
         reply = self.replies.get(call_id)
         if reply is None or reply.committed or reply.started:
             return
         del self.replies[call_id]
-        if reply.item is not None:
-            self.s.put_back(reply.req, reply.key, reply.item)
+        reply.give_back(self.s)
         self._ack_cancel(call_id)
 
     def _ack_cancel(self, call_id: int) -> None:

@@ -69,8 +69,10 @@ class RecvTensorServicer:
 
     def __init__(self, table: WaitingTable, task: TaskName | None, *, stats: Stats,
                  planes: Planes, retry: RetryCache, max_waiting: int = 1 << 16,
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, fusion: tuple[int, int] = (0, 0)) -> None:
         self.table = table
+        #: (largest tensor packed into a group reply, most bytes in one group): see fused
+        self.fusion_threshold, self.group_bytes = fusion
         self.max_waiting = max_waiting  # recvs held waiting at once, all streams and unary calls
         self.task = task
         self.stats = stats

@@ -113,6 +113,19 @@ class DataPlane(ABC):
         """A reply for a recv that no longer waits: take its bytes and drop them.
         Nothing to do where the bytes travel in the reply itself."""
 
+    def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> bytes | None:
+        """Carry the payload of a group reply (:mod:`rendezvous.fused`: ``arrays``
+        packed by ``layout``) for the consumer that sent ``request``: post the
+        transfer and return the ``Any`` the group frame announces it with, or
+        None (the payload travels inside the frame)."""
+        return None
+
+    def receive_group(self, reply: bytes, group: Any) -> Awaitable[Any]:
+        """The payload of a group whose ``transport_options`` name this plane:
+        an awaitable for a uint8 buffer of ``group.nbytes``, the tensors at
+        ``group.offsets``. Its bytes come even if nobody waits any more."""
+        raise Internal(f"{type(self).__name__} carries no group payloads")
+
     def close(self) -> None:
         """Release what the plane holds; called once the server has stopped."""
 
@@ -165,11 +178,27 @@ class Planes:
         assert reply is not None, "the inline plane carries every tensor"
         return reply
 
+    def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> tuple[Path, bytes | None]:
+        """How a group reply's payload travels: the first plane that posts it
+        (its path, and the ``Any`` the frame carries), else inside the frame."""
+        for plane in self.planes[:-1]:
+            options = plane.plan_group(request, arrays, layout)
+            if options is not None:
+                return plane.path, options
+        return self.inline.path, None
+
+    def receive_group(self, reply: bytes, group: Any) -> Awaitable[Any]:
+        """The payload of a group announced another way (see DataPlane.receive_group)."""
+        return self._by_span(reply, group.transport_options).receive_group(reply, group)
+
     def for_reply(self, reply: bytes, head: Any) -> DataPlane:
         """The plane a reply's first frame belongs to."""
-        if head.transport_options is None:
+        return self._by_span(reply, head.transport_options)
+
+    def _by_span(self, reply: bytes, span: tuple[int, int] | None) -> DataPlane:
+        if span is None:
             return self.inline
-        url = descriptor_type(reply, head.transport_options)
+        url = descriptor_type(reply, span)
         plane = self._by_url.get(url)
         if plane is None:
             raise Internal(f"reply names a transport this server does not have: {url!r}")
@@ -177,6 +206,10 @@ class Planes:
 
     def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
         return self.for_reply(reply, head).receive(reply, head, placement)
+
+    def answered(self, placements: list[Any], moving: bool) -> None:
+        """The recvs bound for ``placements`` were answered by one group reply
+        (``moving``: their bytes still come another way). Only a timeline listens."""
 
     def drain(self, reply: bytes, head: Any) -> None:
         try:

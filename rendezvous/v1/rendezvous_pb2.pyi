@@ -64,17 +64,51 @@ class Cancel(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RecvMany(_message.Message):
+    __slots__ = ("step_id", "rendezvous_keys", "request_ids", "transport_options")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rendezvous_keys: _containers.RepeatedScalarFieldContainer[str]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    transport_options: _any_pb2.Any
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_keys: _Optional[_Iterable[str]] = ..., request_ids: _Optional[_Iterable[int]] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
+
+class ReplyGroup(_message.Message):
+    __slots__ = ("call_ids", "dtypes", "ranks", "dims", "offsets", "payload", "transport_options", "send_start_micros")
+    CALL_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SEND_START_MICROS_FIELD_NUMBER: _ClassVar[int]
+    call_ids: _containers.RepeatedScalarFieldContainer[int]
+    dtypes: bytes
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    payload: bytes
+    transport_options: _any_pb2.Any
+    send_start_micros: int
+    def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., dtypes: _Optional[bytes] = ..., ranks: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., send_start_micros: _Optional[int] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
-    __slots__ = ("call_id", "recv", "cancel", "batch")
+    __slots__ = ("call_id", "recv", "cancel", "recv_many", "batch")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RECV_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RECV_MANY_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     recv: RecvTensorRequest
     cancel: Cancel
+    recv_many: RecvMany
     batch: _containers.RepeatedCompositeFieldContainer[StreamRequest]
-    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., recv_many: _Optional[_Union[RecvMany, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamRequest, _Mapping]]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -85,15 +119,17 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("call_id", "response", "chunk", "error", "batch")
+    __slots__ = ("call_id", "response", "chunk", "error", "batch", "group")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     response: RecvTensorResponse
     chunk: bytes
     error: Status
     batch: _containers.RepeatedCompositeFieldContainer[StreamResponse]
-    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[RecvTensorResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamResponse, _Mapping]]] = ...) -> None: ...
+    group: ReplyGroup
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[RecvTensorResponse, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamResponse, _Mapping]]] = ..., group: _Optional[_Union[ReplyGroup, _Mapping]] = ...) -> None: ...

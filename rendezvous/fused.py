@@ -1,0 +1,232 @@
+"""Many small tensors in one reply: the ``ReplyGroup`` frame, written and read as arrays.
+
+A producer answering a batched request (``RecvMany``) packs the small tensors
+that are ready together into one group: their call ids, dtypes, ranks, dims
+and byte offsets as packed fixed-width arrays, and their bytes one after the
+other (each at an 8-byte aligned offset) in one payload. The payload travels
+inside the frame, or, on the MPI optimal path, as one MPI message (the fusion
+buffer) that the frame announces. Either way the consumer parses one frame
+with a handful of fields, reads the arrays with ``numpy.frombuffer``, and
+hands out each tensor as a view on the one buffer: no protobuf object, no
+frame, no MPI message and no copy per tensor.
+
+Copies of the payload: producer 1 (into the frame, or into the fusion
+buffer), consumer 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import fields as F
+from . import wire
+from .dtypes import dtype_to_proto, proto_to_dtype
+from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
+from .tensors import _MAX_NDIM
+
+__all__ = ["ALIGN", "Layout", "layout", "group_frame", "fill", "Group", "parse_group", "fusable"]
+
+#: every tensor's bytes start at a multiple of this within the payload
+ALIGN = 8
+_U64 = np.dtype("<u8")
+_U32 = np.dtype("<u4")
+_CODES: dict[np.dtype, int] = {}  # dtype -> DataType value, filled as dtypes are met
+_DTYPES: dict[int, np.dtype] = {}  # and back
+
+
+def _code(dtype: np.dtype) -> int:
+    code = _CODES.get(dtype)
+    if code is None:
+        code = dtype_to_proto(dtype)
+        if not 0 < code < 256:
+            raise UnsupportedDType(f"dtype {dtype} cannot travel in a group")
+        _CODES[dtype] = code
+    return code
+
+
+def _dtype(code: int) -> np.dtype:
+    dt = _DTYPES.get(code)
+    if dt is None:
+        dt = proto_to_dtype(code)
+        if dt.hasobject or dt.kind in "SUV":
+            raise InvalidArgument(f"group carries a tensor of dtype {dt}, which cannot be packed")
+        _DTYPES[code] = dt
+    return dt
+
+
+def fusable(value: object, limit: int) -> bool:
+    """Whether ``value`` (a produced tensor) may travel packed in a group: a
+    host array of a fixed-size dtype with at most ``limit`` bytes."""
+    return (type(value) is np.ndarray and value.nbytes <= limit  # type: ignore[attr-defined]
+            and not value.dtype.hasobject and value.dtype.kind not in "SUV")  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where each tensor of a group lies in its payload, and the group's arrays."""
+
+    dtypes: bytes
+    ranks: bytes
+    dims: bytes
+    #: each tensor's start (a multiple of ALIGN), then the payload's size
+    offsets: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets[-1]
+
+
+def layout(arrays: Sequence[np.ndarray]) -> Layout:
+    """The layout of ``arrays`` packed one after the other, each aligned."""
+    codes = bytearray()
+    ranks: list[int] = []
+    dims: list[int] = []
+    offsets: list[int] = []
+    end = 0
+    for a in arrays:
+        codes.append(_code(a.dtype))
+        ranks.append(a.ndim)
+        dims.extend(a.shape)
+        start = (end + ALIGN - 1) & ~(ALIGN - 1)
+        offsets.append(start)
+        end = start + a.nbytes
+    offsets.append(end)
+    return Layout(bytes(codes), np.array(ranks, _U32).tobytes(), np.array(dims, _U64).tobytes(), offsets)
+
+
+def _parts(arrays: Sequence[np.ndarray], lay: Layout) -> list:
+    """The payload's pieces: each array's bytes, and the padding before the next."""
+    parts: list = []
+    offsets = lay.offsets
+    for i, a in enumerate(arrays):
+        if i and offsets[i] > offsets[i - 1] + arrays[i - 1].nbytes:
+            parts.append(bytes(offsets[i] - offsets[i - 1] - arrays[i - 1].nbytes))
+        if a.nbytes:
+            parts.append(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+    return parts
+
+
+def fill(buffer: np.ndarray, arrays: Sequence[np.ndarray], lay: Layout) -> None:
+    """Copy ``arrays`` into ``buffer`` (uint8, ``lay.nbytes`` long) at their offsets."""
+    for a, pos in zip(arrays, lay.offsets):
+        n = a.nbytes
+        if n:
+            buffer[pos:pos + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def group_frame(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, lay: Layout,
+                send_start_micros: int = 0, transport_options: bytes | None = None) -> bytes:
+    """A ``StreamResponse`` whose ``group`` answers ``call_ids``: with the arrays'
+    bytes inside (``arrays`` given) or announced by ``transport_options`` (the
+    payload travels another way)."""
+    ids = np.array(call_ids, _U64).tobytes()
+    offsets = np.array(lay.offsets, _U64).tobytes()
+    head = [
+        wire.len_field_header(F.GROUP_CALL_IDS, len(ids)), ids,
+        wire.len_field_header(F.GROUP_DTYPES, len(lay.dtypes)), lay.dtypes,
+        wire.len_field_header(F.GROUP_RANKS, len(lay.ranks)), lay.ranks,
+        wire.len_field_header(F.GROUP_DIMS, len(lay.dims)), lay.dims,
+        wire.len_field_header(F.GROUP_OFFSETS, len(offsets)), offsets,
+        wire.varint_field(F.GROUP_SEND_START_MICROS, send_start_micros),
+    ]
+    if transport_options:
+        head += [wire.len_field_header(F.GROUP_TRANSPORT_OPTIONS, len(transport_options)), transport_options]
+    body: list = []
+    if arrays is not None:
+        body = [wire.len_field_header(F.GROUP_PAYLOAD, lay.nbytes), *_parts(arrays, lay)]
+    size = sum(len(p) for p in head) + sum(len(p) for p in body)
+    return b"".join([wire.len_field_header(F.STREAM_RESPONSE_GROUP, size), *head, *body])
+
+
+# --- consumer side -----------------------------------------------------------
+
+@dataclass(slots=True)
+class Group:
+    """A parsed ``ReplyGroup``: its arrays, and spans into the message bytes."""
+
+    call_ids: list[int]
+    dtypes: list[np.dtype]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]
+    nbytes: int  # the payload's size
+    payload: tuple[int, int] | None = None  # span of the bytes inside the frame
+    transport_options: tuple[int, int] | None = None  # span of the Any announcing them
+    send_start_micros: int = 0
+
+
+def _array(buf, span: tuple[int, int] | None, dtype: np.dtype, what: str) -> np.ndarray:
+    if span is None:
+        return np.empty(0, dtype)
+    a, b = span
+    if (b - a) % dtype.itemsize:
+        raise InvalidArgument(f"group's {what} is not a whole number of {dtype.itemsize}-byte entries")
+    return np.frombuffer(buf, dtype, (b - a) // dtype.itemsize, a)
+
+
+def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Group:
+    """Read and check the ``ReplyGroup`` in ``buf[start:end]``: every array as
+    long as the group, each tensor's bytes inside the payload, and a payload
+    announced another way no larger than ``max_bytes``. InvalidArgument (or
+    ResourceExhausted) for a group that breaks them; nothing is allocated."""
+    spans: dict[int, tuple[int, int]] = {}
+    send_start = 0
+    for num, wt, a, b in wire.iter_fields(buf, start, end):
+        if wt == wire.LEN:
+            spans[num] = (a, b)
+        elif num == F.GROUP_SEND_START_MICROS and wt == wire.VARINT:
+            send_start = wire.to_signed64(a)
+    call_ids = _array(buf, spans.get(F.GROUP_CALL_IDS), _U64, "call_ids")
+    n = len(call_ids)
+    codes = _array(buf, spans.get(F.GROUP_DTYPES), np.dtype(np.uint8), "dtypes")
+    ranks = _array(buf, spans.get(F.GROUP_RANKS), _U32, "ranks")
+    dims = _array(buf, spans.get(F.GROUP_DIMS), _U64, "dims")
+    offsets = _array(buf, spans.get(F.GROUP_OFFSETS), _U64, "offsets")
+    if n == 0:
+        raise InvalidArgument("group answers no call")
+    if len(codes) != n or len(ranks) != n or len(offsets) != n + 1:
+        raise InvalidArgument(f"group of {n} calls has {len(codes)} dtypes, {len(ranks)} ranks and "
+                              f"{len(offsets)} offsets (needs {n}, {n} and {n + 1})")
+    if int(ranks.max()) > _MAX_NDIM:
+        raise InvalidArgument(f"group carries a tensor of {int(ranks.max())} dimensions; at most {_MAX_NDIM}")
+    if int(ranks.sum()) != len(dims):
+        raise InvalidArgument(f"group's ranks add up to {int(ranks.sum())}, but it has {len(dims)} dims")
+    payload = spans.get(F.GROUP_PAYLOAD)
+    options = spans.get(F.GROUP_TRANSPORT_OPTIONS)
+    if (payload is None) == (options is None):
+        raise InvalidArgument("group needs exactly one of payload and transport_options")
+    offs = offsets.tolist()
+    total = offs[-1]
+    if payload is not None and payload[1] - payload[0] != total:
+        raise InvalidArgument(f"group's payload has {payload[1] - payload[0]} bytes; its offsets say {total}")
+    if payload is None and max_bytes is not None and total > max_bytes:
+        raise ResourceExhausted(f"group announces {total} bytes; the limit is {max_bytes} (max_tensor_bytes)")
+    dts = [_dtype(c) for c in codes.tolist()]
+    dim_list = dims.tolist()
+    shapes: list[tuple[int, ...]] = []
+    pos = 0
+    prev = 0
+    for i, r in enumerate(ranks.tolist()):
+        shape = tuple(dim_list[pos:pos + r])
+        pos += r
+        nbytes = math.prod(shape) * dts[i].itemsize
+        o = offs[i]
+        if o < prev or o % ALIGN or o + nbytes > offs[i + 1]:
+            raise InvalidArgument(f"group's tensor {i} ({nbytes} bytes at offset {o}) does not fit its payload")
+        prev = o + nbytes
+        shapes.append(shape)
+    return Group(call_ids.tolist(), dts, shapes, offs, total, payload, options, send_start)
+
+
+def views(group: Group, base, start: int = 0) -> list[np.ndarray]:
+    """Each tensor of ``group`` as a view on ``base`` (the frame's bytes, with
+    the payload at ``start``; or the fusion buffer, at 0)."""
+    out = []
+    offs = group.offsets
+    for i, (dt, shape) in enumerate(zip(group.dtypes, group.shapes)):
+        count = math.prod(shape)
+        out.append(np.frombuffer(base, dt, count, start + offs[i]).reshape(shape))
+    return out
