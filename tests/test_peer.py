@@ -25,6 +25,7 @@ from rendezvous.errors import (
     ResourceExhausted,
 )
 from rendezvous.keys import TaskName
+from rendezvous.rpc.consumer_stream import Pending
 from rendezvous.rpc.peer import BatchFailed, PeerClient
 from rendezvous.stats import Stats
 from rendezvous.table import Received
@@ -899,4 +900,40 @@ def test_a_group_that_lies_fails_its_calls_with_internal(lie):
                 await r
             assert all(isinstance(e, errors.Internal) for e in info.value.failures.values())
             assert "malformed reply" in str(next(iter(info.value.failures.values())))
+    run(main(), 20)
+
+
+# -- coalescing: recvs issued together leave as one RecvMany ------------------------------------
+
+
+def test_recvs_gathered_in_one_turn_leave_as_one_batched_request():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            got = asyncio.ensure_future(asyncio.gather(*(client.recv(k, step_id=5, timeout=10) for k in (K1, K2, K3))))
+            reqs = await side.recvs(3)
+            assert len(side.many) == 1 and list(side.many[0].recv_many.rendezvous_keys) == [K1, K2, K3]
+            assert len({q.recv.request_id for q in reqs}) == 3 and all(q.recv.request_id for q in reqs)
+            side.write(_group([(q.call_id, np.array([i])) for i, q in enumerate(reqs)]))
+            assert [f.item.value.tolist() for f in await got] == [[0], [1], [2]]
+            # a recv on its own still goes as a plain request
+            one = asyncio.ensure_future(client.recv(K1, step_id=6, timeout=10))
+            (q,) = await side.recvs(1)
+            side.write(*reply(q.call_id, np.array([9])))
+            assert (await one).item.value.tolist() == [9] and len(side.many) == 1
+    run(main(), 20)
+
+
+def test_a_cancel_never_overtakes_the_request_it_cancels():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            stream = client.live_stream()
+            pending = Pending(asyncio.get_running_loop().create_future(), K1, 5, None, 77)
+            # submitted and given up in the same turn: the request still waits for the turn's end
+            stream.submit(1000, pending, 5, K1.encode(), 77, None)
+            assert stream.cancel(1000, pending)
+            first, second = await side.next(), await side.next()
+            assert (first.WhichOneof("kind"), second.WhichOneof("kind")) == ("recv", "cancel")
+            assert first.call_id == second.call_id == 1000 and first.recv.request_id == 77
     run(main(), 20)

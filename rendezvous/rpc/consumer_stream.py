@@ -31,13 +31,16 @@ from rendezvous.transport import Fetched
 if TYPE_CHECKING:
     from .peer import PeerClient
 
-__all__ = ["ConsumerStream", "Broken", "Pending"]
+__all__ = ["ConsumerStream", "Broken", "Pending", "MANY_REQUEST_BYTES"]
 
 log = logging.getLogger("rendezvous.client")
 #: queued requests packed into one stream message up to about this size (a
 #: request with the longest key, 16,384 characters, still fits once more): below
 #: the 64 KiB that every producer's max_request_bytes allows
 _BATCH_REQUEST_BYTES = 32 << 10
+#: keys asked in one RecvMany up to about this many bytes: with its other
+#: fields, well within one stream message of _BATCH_REQUEST_BYTES
+MANY_REQUEST_BYTES = 24 << 10
 
 
 class Broken(Exception):
@@ -80,18 +83,56 @@ class ConsumerStream:
         #: calls whose bytes are on their way another way (an MPI transfer posted)
         self.moving: dict[int, Pending] = {}
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        #: recvs submitted in this turn of the loop, not sent yet (see submit)
+        self._coalescing: list[tuple[int, int, bytes, int, bytes | None]] = []
         self.alive = True
         self.reader = asyncio.create_task(self._read())
         self.writer = asyncio.create_task(self._write())
 
-    def submit(self, call_id: int, pending: Pending, request: bytes) -> None:
+    def submit(self, call_id: int, pending: Pending, step_id: int, key: bytes, request_id: int,
+               options: bytes | None) -> None:
+        """One recv's request. The recvs submitted in one turn of the loop (an
+        ``asyncio.gather`` of recvs, a daemon's batch of local recvs) leave
+        together at its end, as RecvMany requests of consecutive calls: the
+        producer answers the small tensors among them with group replies."""
         self.pending[call_id] = pending
-        self.outbox.put_nowait(request)
+        if not self._coalescing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._coalescing.append((call_id, step_id, key, request_id, options))
 
     def submit_many(self, first: int, pendings: list[Pending], request: bytes) -> None:
         """The calls ``first`` .. ``first + len(pendings) - 1`` of one RecvMany."""
+        self._flush()  # requests leave in the order they were made
         self.pending.update(zip(range(first, first + len(pendings)), pendings))
         self.outbox.put_nowait(request)
+
+    def _flush(self) -> None:
+        """Send the recvs submitted since the last flush: runs of consecutive
+        calls of one step (and one offer) as one RecvMany each, up to
+        ``MANY_REQUEST_BYTES`` of keys; a run of one as a plain request."""
+        queued, self._coalescing = self._coalescing, []
+        if not queued:
+            return
+        run = [queued[0]]
+        size = len(queued[0][2])
+        for call in queued[1:]:
+            last = run[-1]
+            if call[0] == last[0] + 1 and call[1] == last[1] and call[4] == last[4] and size < MANY_REQUEST_BYTES:
+                run.append(call)
+                size += len(call[2]) + 12
+            else:
+                self._send_run(run)
+                run = [call]
+                size = len(call[2])
+        self._send_run(run)
+
+    def _send_run(self, run: list[tuple[int, int, bytes, int, bytes | None]]) -> None:
+        call_id, step_id, key, request_id, options = run[0]
+        if len(run) == 1:
+            self.outbox.put_nowait(frames.recv_request(call_id, step_id, key, request_id, options))
+        else:
+            self.outbox.put_nowait(frames.recv_many_request(call_id, step_id, [c[2] for c in run],
+                                                            [c[3] for c in run], options))
 
     def cancel(self, call_id: int, p: Pending) -> bool:
         """The recv of ``call_id`` (``p``) gave up. True when this stream settles
@@ -112,6 +153,7 @@ class ConsumerStream:
             del self.pending[call_id]
             return False
         p.orphan = True
+        self._flush()  # its request leaves first: a cancel never overtakes it
         self.outbox.put_nowait(frames.cancel_request(call_id))
         return True
 

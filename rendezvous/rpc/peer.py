@@ -52,7 +52,7 @@ from rendezvous.errors import DeadlineExceeded, PeerUnavailable, RendezvousError
 from rendezvous.keys import TaskName
 from rendezvous.transport import Fetched, Path, Planes
 
-from .consumer_stream import Broken, ConsumerStream, Pending
+from .consumer_stream import MANY_REQUEST_BYTES, Broken, ConsumerStream, Pending
 from .options import STREAM_METHOD, peer_channel_options
 
 __all__ = ["PeerClient", "BatchFailed"]
@@ -61,8 +61,6 @@ log = logging.getLogger("rendezvous.client")
 
 #: recvs per peer whose request_id is kept after they ended unanswered on a broken stream
 _UNSETTLED = 4096
-#: keys of one batch asked in one RecvMany up to about this many bytes (see recv_batch)
-_MANY_REQUEST_BYTES = 24 << 10
 
 
 class BatchFailed(Exception):
@@ -176,8 +174,7 @@ class PeerClient:
                     stream = await self._get_stream(deadline)
                     call_id = self._take_ids(1)
                     pending = Pending(loop.create_future(), key, step_id, placement, request_id)
-                    stream.submit(call_id, pending, frames.recv_request(
-                        call_id, step_id, key_bytes, request_id, options))
+                    stream.submit(call_id, pending, step_id, key_bytes, request_id, options)
                     asked = True
                     try:
                         return await pending.future
@@ -228,7 +225,7 @@ class PeerClient:
         calls: list[tuple[int, Pending]] = []
         first = self._take_ids(len(keys))
         unsettled = self._unsettled
-        # One RecvMany per up to _MANY_REQUEST_BYTES of keys: a request every
+        # One RecvMany per up to MANY_REQUEST_BYTES of keys: a request every
         # producer accepts (max_request_bytes is at least 64 KiB).
         start = 0
         size = 0
@@ -237,7 +234,7 @@ class PeerClient:
             request_id = (unsettled.pop((step_id, key), None) if unsettled else None) or next(self._request_ids)
             calls.append((first + i, Pending(loop.create_future(), key, step_id, placement, request_id)))
             size += len(encoded[i]) + 12
-            if size >= _MANY_REQUEST_BYTES or i == len(keys) - 1:
+            if size >= MANY_REQUEST_BYTES or i == len(keys) - 1:
                 part = calls[start:i + 1]
                 stream.submit_many(first + start, [p for _, p in part], frames.recv_many_request(
                     first + start, step_id, encoded[start:i + 1], [p.request_id for _, p in part], options))

@@ -119,6 +119,8 @@ class ProducerStream:
         self.writing = False  # a message is being handed to gRPC
         #: keys of group replies in ``replies``: negative, never a consumer's call_id
         self._group_ids = -1
+        #: batches' keys produced while they waited, grouped at the end of the turn
+        self._late: list[tuple[int, Any, Received, str]] = []
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
         reader = asyncio.create_task(self._read(requests))
@@ -145,6 +147,9 @@ class ProducerStream:
             for reply in self.replies.values():
                 reply.give_back(self.s)
             self.replies.clear()
+            for _, req, item, key in self._late:  # taken, their group not made yet
+                self.s.put_back(req, key, item)
+            self._late.clear()
             self.flushing.clear()
 
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
@@ -318,7 +323,30 @@ class ProducerStream:
             return
         finally:
             self._done_waiting(call_id)
+        s = self.s
+        if type(req) is KeyRequest and s.fusion_threshold and not item.is_dead \
+                and fused.fusable(item.value, s.fusion_threshold):
+            # A batch's key produced while it waited: the tensors produced
+            # together (a send_many, a step's gradients) answer in one group
+            # at the end of this turn of the loop.
+            if not self._late:
+                asyncio.get_running_loop().call_soon(self._reply_late)
+            self._late.append((call_id, req, item, key))
+            if s.timeline is not None:
+                s.timeline.served(req, self.inline_path)
+            return
         self._reply(call_id, req, item, key)
+
+    def _reply_late(self) -> None:
+        """Group replies for the batches' keys produced in the last turn, one
+        group per offer (the calls of one RecvMany share theirs)."""
+        late, self._late = self._late, []
+        by_offer: dict[tuple[str, bytes], list[tuple[int, Any, Received, str]]] = {}
+        for member in late:
+            opts = member[1].transport_options
+            by_offer.setdefault((opts.type_url, opts.value), []).append(member)
+        for members in by_offer.values():
+            self._reply_groups(members, members[0][1])
 
     def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
         try:
@@ -410,7 +438,7 @@ class ProducerStream:
                     self.writing = False
                 self.flushing.clear()
                 continue
-            if (self.reader_done or self.closing) and not self.waiting and not self.replies:
+            if (self.reader_done or self.closing) and not self.waiting and not self.replies and not self._late:
                 return
             self.wakeup.clear()
             await self.wakeup.wait()

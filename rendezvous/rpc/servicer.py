@@ -275,7 +275,7 @@ class RecvTensorServicer:
 
     def busy(self) -> bool:
         """Whether any reply is still being written (or a unary call served)."""
-        return self._unary_active > 0 or any(c.replies or c.writing or c.waiting for c in self._streams)
+        return self._unary_active > 0 or any(c.replies or c.writing or c.waiting or c._late for c in self._streams)
 
     def close_streams(self) -> None:
         """End every stream once its replies are written (used when draining):
