@@ -386,7 +386,8 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
             await recv(key(other, me, "done"), 2, 300)
             await on_server(lambda: quiet(server))
             left = await on_server(lambda: [e for e in server.pending() if e.step_id == 1])
-            result(rank=rank, left=len(left), left_items=repr(left)[:2000])
+            fused = sum(c["served_fused"] for p, c in server.stats().items() if p != "gpu")
+            result(rank=rank, left=len(left), left_items=repr(left)[:2000], fused=fused)
         else:
             await send(key(me, other, "go"), np.zeros(1), 2)
             if api == "batch":  # recv_many, batches of 10 under one racing deadline
@@ -425,7 +426,7 @@ async def quiet(server) -> None:
 
     def busy() -> bool:
         streams = [p.live_stream() for p in server.peers.values()]
-        replying = any(c.replies or c.writing for c in server.servicer._streams)
+        replying = any(c.replies or c.writing or c._late for c in server.servicer._streams)
         return (replying or server.stats()["mpi"]["in_flight"] > 0
                 or any(s is not None and (s.pending or s.moving) for s in streams))
 

@@ -44,6 +44,9 @@ def test_a_batch_through_two_daemons_in_key_order_and_all_or_none(sockdir, block
             try:
                 got = await recv_many(keys, 20)
                 assert [int(g[0]) for g in got[:30]] == list(range(30)) and got[30].tolist() == [0, 1, 2, 3, 4]
+                # the other node's daemon answered its 15 small tensors in group replies
+                # (the 320 KB ones are above the fusion threshold: one reply each)
+                assert sum(c["served_fused"] for p, c in d1.server.stats().items() if p != "gpu") == 15
                 del got
                 # a batch with a key nobody sends fails whole; what arrived goes back
                 await c1.send_many([(node_key(1, 0, "a"), np.ones(2)), (node_key(1, 0, "b"), np.ones(70000))],
