@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-hosts demo-loopback test test-quick soak protos bench clean
+.PHONY: all venv demo demo-hosts bench-hosts demo-loopback test test-quick soak protos bench clean
 
 all: test
 
@@ -31,6 +31,11 @@ demo: $(STAMP)
 # The demo across three "hosts" (network namespaces; needs root): tests/netns.py.
 demo-hosts: $(STAMP)
 	$(BIN)/python tests/netns.py demo
+
+# bench-steps with its two ranks on two such hosts (MPI and gloo over eth0);
+# STEPS_ARGS as for make bench, e.g. STEPS_ARGS='--steps 5 --models resnet50'.
+bench-hosts: $(STAMP)
+	$(BIN)/python tests/netns.py bench-steps $(STEPS_ARGS)
 
 demo-loopback: $(STAMP)
 	$(BIN)/python examples/loopback_demo.py

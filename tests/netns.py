@@ -25,6 +25,7 @@ Command line (as root):
     tests/netns.py status                 # hosts, addresses, links, processes
     tests/netns.py down                   # remove everything `up` built
     tests/netns.py demo                   # the parameter-server demo across 3 hosts
+    tests/netns.py bench-steps --steps 5  # rendezvous bench-steps, one rank on each of 2 hosts
 
 mpiexec reaches the hosts the way it reaches real ones, through its ssh
 launcher: ``mpiexec -hosts 10.77.0.1,10.77.0.2 -launcher ssh -launcher-exec
@@ -60,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SSH_SHIM = Path(__file__).resolve().parent / "netns-ssh"
 IFACE = "eth0"
 
-__all__ = ["Host", "Net", "unavailable", "sweep", "mpi_network_env", "IFACE", "SSH_SHIM"]
+__all__ = ["Host", "Net", "unavailable", "sweep", "mpi_network_env", "bench_env", "IFACE", "SSH_SHIM"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -302,11 +303,35 @@ def _demo(net: Net, steps: int) -> int:
     return code
 
 
+def bench_env(net: Net, hosts: Sequence[Host]) -> dict[str, str]:
+    """The environment for ``rendezvous bench-steps`` run in ``hosts[0]`` with one
+    rank on each of ``hosts``: its mpiexec reaches them through ssh's seat, MPI
+    and gloo on the network path (gloo on eth0: the shared hostname resolves to
+    no address of a namespace host)."""
+    return net.env({**mpi_network_env(), "GLOO_SOCKET_IFNAME": IFACE, "GRPC_VERBOSITY": "ERROR",
+                    "RENDEZVOUS_MPIEXEC": " ".join([_tool("mpiexec"), *net.launcher()]),
+                    "RENDEZVOUS_BENCH_HOSTS": ",".join(h.address for h in hosts)})
+
+
+def _bench_steps(net: Net, flags: Sequence[str]) -> int:
+    """``rendezvous bench-steps FLAGS`` with rank 0 in h0 and rank 1 in h1 (it prints its tables)."""
+    hosts = net.hosts[:2]
+    before = [h.counters() for h in hosts]
+    code = hosts[0].run([_tool("python"), "-m", "rendezvous", "bench-steps", *flags], env=bench_env(net, hosts),
+                        timeout=None).returncode
+    after = [h.counters() for h in hosts]
+    for h, b, a in zip(hosts, before, after):
+        print(f"{h.name} ({h.address}) eth0: sent {(a['tx_bytes'] - b['tx_bytes']) / 2**20:,.1f} MiB, "
+              f"received {(a['rx_bytes'] - b['rx_bytes']) / 2**20:,.1f} MiB")
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--prefix", default="rdv", help="namespace name prefix (default rdv)")
+    naming = argparse.ArgumentParser(add_help=False)
+    naming.add_argument("--prefix", default="rdv", help="namespace name prefix (default rdv)")
+    naming.add_argument("--subnet", default="10.77.0", help="first three octets of the hosts' /24 (default 10.77.0)")
+    common = argparse.ArgumentParser(add_help=False, parents=[naming])
     common.add_argument("--hosts", type=int, default=3, help="number of hosts (default 3)")
-    common.add_argument("--subnet", default="10.77.0", help="first three octets of the hosts' /24 (default 10.77.0)")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("up", parents=[common], help="build the hosts")
@@ -325,7 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("mbit")
     dm = sub.add_parser("demo", parents=[common], help="build 3 hosts, run the PS demo across them, remove them")
     dm.add_argument("--steps", type=int, default=20)
-    args = p.parse_args(argv)
+    bench = ("build 2 hosts, run rendezvous bench-steps with a rank on each, remove them; every other flag is "
+             "bench-steps' own (rendezvous bench-steps --help)")
+    sub.add_parser("bench-steps", parents=[naming], allow_abbrev=False, help=bench, description=bench)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd != "bench-steps" and rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.bench = rest
     try:
         return _command(p, args)
     except (subprocess.CalledProcessError, KeyError, RuntimeError) as exc:
@@ -336,11 +367,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
-    why = unavailable() if args.cmd in ("up", "demo") else None
+    why = unavailable() if args.cmd in ("up", "demo", "bench-steps") else None
     if why:
         print(f"netns: {why}", file=sys.stderr)
         return 2
-    net = Net(max(args.hosts, 3) if args.cmd == "demo" else args.hosts, args.prefix, args.subnet)
+    n = 2 if args.cmd == "bench-steps" else max(args.hosts, 3) if args.cmd == "demo" else args.hosts
+    net = Net(n, args.prefix, args.subnet)
     if args.cmd == "up":
         net.up()
         for line in net.status():
@@ -365,6 +397,9 @@ def _command(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     elif args.cmd == "demo":
         with net:
             return _demo(net, args.steps)
+    elif args.cmd == "bench-steps":
+        with net:
+            return _bench_steps(net, args.bench)
     return 0
 
 

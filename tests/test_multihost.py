@@ -1,7 +1,8 @@
 """Across hosts: three network namespaces on one bridge (tests/netns.py) stand
 in for three machines. The demo runs across them with gRPC only and with MPI
-on its network path; a rendezvousd per host serves local clients; cables are
-pulled during waits and during a large transfer, and a whole host is lost.
+on its network path; the step bench runs its two ranks on two of them; a
+rendezvousd per host serves local clients; cables are pulled during waits and
+during a large transfer, and a whole host is lost.
 
 Skipped, with the reason, where namespaces cannot be built (not root)."""
 
@@ -279,6 +280,31 @@ def test_daemons_in_one_mpi_job_across_hosts_move_tensors_over_mpi_on_the_networ
     nodes[1].agent.recv_ok(key(2, 1, "big"), 8 << 20, seed=2)
     assert nodes[1].metrics()['rendezvous_transfers_total{path="mpi"}'] == 2
     assert nodes[1].host.counters()["rx_bytes"] - before["rx_bytes"] >= 16 << 20  # over the cable
+
+
+@pytest.mark.timeout(90)
+def test_the_step_bench_runs_its_ranks_on_two_hosts_and_every_contender_crosses_the_cable(hosts, tmp_path):
+    """``tests/netns.py bench-steps``'s run, tiny: rank 0 in h0, rank 1 in h1
+    (RENDEZVOUS_BENCH_HOSTS), raw MPI on its network path, rendezvous and raw
+    gRPC on the hosts' addresses; every contender times its step, and every
+    step's bytes crossed the producer's cable."""
+    from rendezvous.bench.models import nbytes
+
+    pair = hosts.hosts[:2]
+    contenders = ["mpi", "optimal_many", "grpc"]
+    before = pair[1].counters()
+    run = pair[0].run([sys.executable, "-m", "rendezvous", "bench-steps", "--steps", "1", "--models", "many-small",
+                       "--contenders", ",".join(contenders), "--out", str(tmp_path), "--timeout", "60"],
+                      env=netns.bench_env(hosts, pair), capture_output=True, text=True, timeout=80)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads((tmp_path / "steps.json").read_text())
+    assert doc["contenders"] == contenders
+    seconds = doc["models"]["many-small"]["seconds"]
+    assert {n: len(seconds[n]) for n in contenders} == dict.fromkeys(contenders, 1), seconds
+    assert all(t > 0 for n in contenders for t in seconds[n]), seconds
+    assert "| optimal_many |" in run.stdout  # the table, printed
+    # Warm-up and timed step, each contender: all of it left h1 through eth0.
+    assert pair[1].counters()["tx_bytes"] - before["tx_bytes"] >= 2 * len(contenders) * nbytes("many-small")
 
 
 # --- partitions and lost hosts -----------------------------------------------------------

@@ -30,13 +30,19 @@ Beside the time, each asyncio contender's CPU per tensor on each rank: the
 consumer's process while it receives, the producer's loop thread until the
 step is over (MPICH's barrier spins; it runs on a thread not counted).
 
-Run outside MPI it launches itself under ``mpiexec -n 2``.
+Run outside MPI it launches itself under ``mpiexec -n 2``, both ranks on
+this host, every server on 127.0.0.1. Across hosts, ``RENDEZVOUS_BENCH_HOSTS``
+names two (``A,B``): the launch places rank 0 on A and rank 1 on B
+(``mpiexec -hosts A,B -ppn 1``), each rank binds its servers (rendezvous's,
+raw gRPC's) to its own host's address, and gloo meets at rank 0's
+(``tests/netns.py bench-steps`` runs it across two namespace hosts).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -46,7 +52,8 @@ from .models import MODELS, nbytes, shapes
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "CONTENDERS"]
+__all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "CONTENDERS",
+           "HOSTS_ENV"]
 
 CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many", "blocking",
               "blocking_many", "grpc", "gloo")
@@ -57,6 +64,9 @@ _SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
             "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True),
             "optimal_many": ("optm", True, False), "optimal_mr_many": ("optmrm", True, True)}
 _RESULT = "@steps-result "
+#: the two ranks' hosts, ``A,B`` (rank 0 on A); unset: both on 127.0.0.1
+HOSTS_ENV = "RENDEZVOUS_BENCH_HOSTS"
+_LOOPBACK = "127.0.0.1"
 _RAW_METHOD = "/rendezvous.bench.Steps/Get"
 #: ``rendezvous --help``'s line for the command, its own --help's description and epilog
 HELP = ("one training step's gradient exchange (ResNet-50, BERT-base, many small tensors) against raw MPI, "
@@ -70,6 +80,22 @@ EPILOG = "Writes steps.json and steps.md into --out."
 def _key(job: str, model: str, i: int) -> str:
     return (f"/job:{job}/replica:0/task:1/device:CPU:0;0000000000000001;"
             f"/job:{job}/replica:0/task:0/device:CPU:0;{model}_{i};0:0")
+
+
+def _address(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _hosts() -> list[str] | None:
+    """The ranks' hosts from ``RENDEZVOUS_BENCH_HOSTS`` (None: unset, both on loopback)."""
+    listed = [h.strip() for h in os.environ.get(HOSTS_ENV, "").split(",") if h.strip()]
+    if not listed:
+        return None
+    if len(listed) != 2:
+        raise SystemExit(f"rendezvous bench-steps: {HOSTS_ENV} must name 2 hosts (rank 0's first), "
+                         f"not {len(listed)}")
+    return listed
 
 
 def _produce(tensors: list[tuple[int, ...]], step: int) -> list[np.ndarray]:
@@ -106,6 +132,8 @@ class _Rank:
         self.rank = self.world.Get_rank()
         self.comm = self.world.Dup()  # raw MPI's own traffic
         self.opts = opts
+        #: each rank's host: its servers bind there, peers reach them there
+        self.hosts: list[str] = opts.hosts or [_LOOPBACK] * 2
         self.servers: dict[str, Any] = {}
         #: CPU seconds of the last step on this rank (see _step)
         self.cpu = 0.0
@@ -117,7 +145,7 @@ class _Rank:
     async def setup(self, names: list[str]) -> list[str]:
         from rendezvous import aio
 
-        cluster = {job: ["127.0.0.1:0"] * 2 for job, _, _ in _SERVERS.values()}
+        cluster = {job: [_address(h, 0) for h in self.hosts] for job, _, _ in _SERVERS.values()}
         for name, (job, optimal, requests) in _SERVERS.items():
             if name in names:
                 self.servers[name] = aio.Server(cluster, job, self.rank, "grpc+mpi", mpi_optimal_path=optimal,
@@ -144,13 +172,13 @@ class _Rank:
                                               ("grpc.max_receive_message_length", -1)])
             server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
                 "rendezvous.bench.Steps", {"Get": grpc.unary_unary_rpc_method_handler(get)})])
-            port = server.add_insecure_port("127.0.0.1:0")
+            port = server.add_insecure_port(_address(self.hosts[1], 0))
             await server.start()
             self.grpc = server
             self.world.bcast(port, root=1)
         else:
             port = self.world.bcast(None, root=1)
-            self.grpc = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+            self.grpc = grpc.aio.insecure_channel(_address(self.hosts[1], port), options=[
                 ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
             self.raw_call = self.grpc.unary_unary(_RAW_METHOD)
 
@@ -159,8 +187,11 @@ class _Rank:
             import torch.distributed as dist
         except ImportError:
             return False
-        port = self.world.bcast(_free_port() if self.rank == 0 else None, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=2)
+        # Rank 0's host is the master (MASTER_ADDR/MASTER_PORT's tcp:// form). Which
+        # interface gloo itself listens on is its own choice: GLOO_SOCKET_IFNAME.
+        port = self.world.bcast(_free_port(self.hosts[0]) if self.rank == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://{_address(self.hosts[0], port)}", rank=self.rank,
+                                world_size=2)
         return True
 
     async def close(self) -> None:
@@ -272,11 +303,13 @@ class _Rank:
         return took
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now (this process's own address)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -300,8 +333,9 @@ def _run_blocking(opts: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     names = [n for n in _BLOCKING if n in opts.contenders]
-    server = rendezvous.Server({"blk": ["127.0.0.1:0"] * 2}, "blk", rank, "grpc+mpi", mpi_optimal_path=True,
-                               mpi_disabled=False)
+    hosts = opts.hosts or [_LOOPBACK] * 2
+    server = rendezvous.Server({"blk": [_address(h, 0) for h in hosts]}, "blk", rank, "grpc+mpi",
+                               mpi_optimal_path=True, mpi_disabled=False)
     server.start()
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     try:
@@ -430,7 +464,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` checked, with ``models`` and ``contenders`` as lists (a copy)."""
+    """``args`` checked, with ``models`` and ``contenders`` as lists (a copy), and
+    ``hosts`` the ranks' hosts from ``RENDEZVOUS_BENCH_HOSTS`` (None: loopback)."""
     opts = argparse.Namespace(**vars(args))
     opts.models = [m.strip() for m in args.models.split(",") if m.strip()]
     opts.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
@@ -443,6 +478,7 @@ def options(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit("rendezvous bench-steps: --steps must be >= 1")
     if args.timeout <= 0:
         raise SystemExit("rendezvous bench-steps: --timeout must be positive")
+    opts.hosts = _hosts()
     return opts
 
 
@@ -489,7 +525,9 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     if launcher is None:
         print(f"rendezvous bench-steps: {procs.NO_MPIEXEC}", file=sys.stderr)
         return 2
-    cmd = [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous.bench.steps", *argv]
+    # Across hosts: one rank on each, in order (rank 0 on the first).
+    placement = ["-hosts", ",".join(args.hosts), "-ppn", "1"] if args.hosts else []
+    cmd = [*launcher, *placement, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous.bench.steps", *argv]
     done = procs.run("the bench-steps job", cmd, args.timeout)
     if done.timed_out:
         print(f"rendezvous bench-steps: the job ran past {args.timeout:g}s", file=sys.stderr)
