@@ -17,8 +17,8 @@ Contenders:
   gRPC reply);
 * ``optimal_mr``, ``default_mr``: the same two with requests over MPI
   (``RENDEZVOUS_MPI_REQUESTS=1``);
-* ``optimal_many``, ``optimal_mr_many``: ``optimal`` and ``optimal_mr``
-  with the whole step in one ``recv_many``;
+* ``optimal_many``, ``optimal_mr_many``, ``default_many``: ``optimal``,
+  ``optimal_mr`` and ``default`` with the whole step in one ``recv_many``;
 * ``blocking``: the blocking ``rendezvous.Server`` (optimal path), one
   ``recv`` after another, as a plain script does; ``blocking_many``: the
   same server's ``recv_many`` of the whole step;
@@ -55,14 +55,16 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "CONTENDERS",
            "HOSTS_ENV"]
 
-CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many", "blocking",
+CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many",
+              "default_many", "blocking",
               "blocking_many", "grpc", "gloo")
 #: the contenders the blocking Server runs (after the others, on a loop thread of its own)
 _BLOCKING = ("blocking", "blocking_many")
 #: rendezvous contenders: (job, optimal path, requests over MPI)
 _SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
             "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True),
-            "optimal_many": ("optm", True, False), "optimal_mr_many": ("optmrm", True, True)}
+            "optimal_many": ("optm", True, False), "optimal_mr_many": ("optmrm", True, True),
+            "default_many": ("dfltm", False, False)}
 _RESULT = "@steps-result "
 #: the two ranks' hosts, ``A,B`` (rank 0 on A); unset: both on 127.0.0.1
 HOSTS_ENV = "RENDEZVOUS_BENCH_HOSTS"
@@ -281,6 +283,9 @@ class _Rank:
 
     async def _optimal_mr_many(self, model: str, tensors: list, step: int) -> float | None:
         return await self._rendezvous("optimal_mr_many", model, tensors, step)
+
+    async def _default_many(self, model: str, tensors: list, step: int) -> float | None:
+        return await self._rendezvous("default_many", model, tensors, step)
 
     async def _grpc(self, model: str, tensors: list, step: int) -> float | None:
         import numpy as np

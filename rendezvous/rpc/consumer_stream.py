@@ -82,7 +82,7 @@ class ConsumerStream:
         self.pending: dict[int, Pending] = {}
         #: calls whose bytes are on their way another way (an MPI transfer posted)
         self.moving: dict[int, Pending] = {}
-        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         #: recvs submitted in this turn of the loop, not sent yet (see submit)
         self._coalescing: list[tuple[int, int, bytes, int, bytes | None]] = []
         self.alive = True
@@ -91,14 +91,13 @@ class ConsumerStream:
 
     def submit(self, call_id: int, pending: Pending, step_id: int, key: bytes, request_id: int,
                options: bytes | None) -> None:
-        """One recv's request. It leaves when the stream's writer next runs (the
-        next turn of the loop), with every recv submitted until then (an
-        ``asyncio.gather`` of recvs, a daemon's batch of local recvs), as
-        RecvMany requests of consecutive calls: the producer answers the small
-        tensors among them with group replies."""
+        """One recv's request. The recvs submitted in one turn of the loop (an
+        ``asyncio.gather`` of recvs, a daemon's batch of local recvs) leave
+        together at its end, as RecvMany requests of consecutive calls: the
+        producer answers the small tensors among them with group replies."""
         self.pending[call_id] = pending
         if not self._coalescing:
-            self.outbox.put_nowait(None)  # the writer, when it next runs, sends them
+            asyncio.get_running_loop().call_soon(self._flush)
         self._coalescing.append((call_id, step_id, key, request_id, options))
 
     def submit_many(self, first: int, pendings: list[Pending], request: bytes) -> None:
@@ -162,23 +161,18 @@ class ConsumerStream:
         outbox = self.outbox
         try:
             while True:
-                item = await outbox.get()
+                first = await outbox.get()
+                if outbox.empty():
+                    await self.call.write(first)
+                    continue
                 # Everything queued while the last write was in flight goes as one
-                # message, up to a size every producer accepts (max_request_bytes >= 64 KiB);
-                # a None is the recvs submitted since (see submit), made into requests now.
-                queued: list[bytes] = []
-                size = 0
-                while True:
-                    if item is None:
-                        self._flush()
-                    else:
-                        queued.append(item)
-                        size += len(item) + 4
-                    if outbox.empty() or size >= _BATCH_REQUEST_BYTES:
-                        break
-                    item = outbox.get_nowait()
-                if queued:
-                    await self.call.write(queued[0] if len(queued) == 1 else frames.batch_requests(queued))
+                # message, up to a size every producer accepts (max_request_bytes >= 64 KiB).
+                queued = [first]
+                size = len(first)
+                while not outbox.empty() and size < _BATCH_REQUEST_BYTES:
+                    queued.append(outbox.get_nowait())
+                    size += len(queued[-1]) + 4
+                await self.call.write(frames.batch_requests(queued))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the reader sees the status; just stop
