@@ -74,9 +74,9 @@ class Config:
         "Largest piece of tensor bytes in one gRPC stream frame; bigger tensors are chunked and interleaved.")
     fusion_threshold: int = _knob(
         256 << 10, "RENDEZVOUS_FUSION_THRESHOLD",
-        "Largest tensor (bytes) packed with others into one reply when a batched recv (`recv_many`) finds "
-        "them ready together: one frame, or on the MPI optimal path one MPI message, for up to `chunk_bytes` "
-        "of them. `0` sends every tensor on its own.")
+        "Largest tensor (bytes) packed with others into one reply when a batched recv (`recv_many`, or recvs "
+        "issued together) finds them ready together: one frame, or on the MPI optimal path one MPI message, for "
+        "up to `chunk_bytes` of them. `0` sends every tensor on its own. Read by the producer.")
     connect_timeout: float = _knob(
         60.0, "RENDEZVOUS_CONNECT_TIMEOUT",
         "Seconds a first recv waits for a peer's server to come up before failing with UNAVAILABLE.")

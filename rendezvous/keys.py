@@ -432,6 +432,19 @@ def parse_key(s: str) -> Key:
     return _parse_key_cached(s)
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _canonical_cached(s: str) -> str:
+    return _parse_key_cached(s).format()
+
+
+def canonical_key(key: Key | str) -> str:
+    """The canonical string of ``key`` (a :class:`Key` or a key string), cached
+    on the string like :func:`parse_key`: a step asks for the same keys again."""
+    if type(key) is str and len(key) <= _CACHEABLE:
+        return _canonical_cached(key)
+    return as_key(key).format()
+
+
 def format_key(key: Key) -> str:
     """``key.format()``: the canonical string of ``key``."""
     return key.format()

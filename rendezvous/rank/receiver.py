@@ -22,7 +22,7 @@ from typing import Any
 from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
 from rendezvous.errors import (DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable,
                                batch_failure)
-from rendezvous.keys import Key, TaskName, as_key
+from rendezvous.keys import Key, TaskName, as_key, canonical_key, parse_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.stats import Stats, payload_nbytes
@@ -175,7 +175,7 @@ class Receiver:
         deadline), the others are cancelled, whatever had arrived is kept for the
         next recv of its key (in order, in front), and the error (the first
         failure's class) names every key that failed and why."""
-        canonical = [as_key(k).format() for k in keys]  # malformed keys: refused before anything is asked
+        canonical = [canonical_key(k) for k in keys]  # malformed keys: refused before anything is asked
         if not canonical:
             return []
         loop = asyncio.get_running_loop()
@@ -184,9 +184,10 @@ class Receiver:
         groups: dict[TaskName, list[int]] = {}
         singles: list[int] = []
         explicit = parse_placement(device)
+        kept = self.kept
         for i, k in enumerate(canonical):
-            src = as_key(k).src_task
-            if self.timeline is None and src is not None and src != self.task and not self.kept.has(step_id, k):
+            src = parse_key(k).src_task
+            if self.timeline is None and src is not None and src != self.task and not kept.has(step_id, k):
                 groups.setdefault(src, []).append(i)
             else:
                 singles.append(i)
@@ -273,10 +274,13 @@ class Receiver:
                 self._stats.error(path)
             raise
         out = []
+        received = self._stats.received
+        needs_copy = self.devices.needs_copy
         for j, fetched in enumerate(got):
             item = fetched.item
-            self._stats.received(fetched.path, payload_nbytes(item.value))
-            if not fetched.placed:
+            value = item.value
+            received(fetched.path, payload_nbytes(value))
+            if not fetched.placed and (isinstance(value, DeviceTensor) or needs_copy(value, target, True)):
                 try:
                     item = Received(await self._place(item.value, target), item.is_dead)
                 except BaseException as exc:
