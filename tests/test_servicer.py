@@ -764,24 +764,24 @@ def test_a_batched_request_answers_the_small_ready_tensors_in_one_group():
 
 
 def test_group_replies_are_split_at_the_group_size_and_fusion_can_be_turned_off():
+    values = [np.full(1000, i, np.float32) for i in range(10)]  # 4,000 bytes each
+
+    async def ten(fusion: tuple[int, int]) -> tuple[RawStream, Stats]:
+        """The ten values produced, then asked for in one RecvMany; each checked."""
+        async with serving(fusion=fusion) as h:
+            for i, v in enumerate(values):
+                h.table.send(1, K(f"t{i}"), v)
+            s = h.stream()
+            await s.send(recv_many(1, [K(f"t{i}") for i in range(10)]))
+            for i, v in enumerate(values):
+                np.testing.assert_array_equal(await s.value(1 + i), v)
+            return s, h.stats
+
     async def main():
-        values = [np.full(1000, i, np.float32) for i in range(10)]  # 4,000 bytes each
-        async with serving(fusion=(4096, 16 << 10)) as h:
-            for i, v in enumerate(values):
-                h.table.send(1, K(f"t{i}"), v)
-            s = h.stream()
-            await s.send(recv_many(1, [K(f"t{i}") for i in range(10)]))
-            for i, v in enumerate(values):
-                np.testing.assert_array_equal(await s.value(1 + i), v)
-            assert [len(g) for g in s.groups] == [4, 4, 2]  # at most 16 KiB of payload each
-        async with serving(fusion=(0, 1 << 20)) as h:
-            for i, v in enumerate(values):
-                h.table.send(1, K(f"t{i}"), v)
-            s = h.stream()
-            await s.send(recv_many(1, [K(f"t{i}") for i in range(10)]))
-            for i, v in enumerate(values):
-                np.testing.assert_array_equal(await s.value(1 + i), v)
-            assert s.groups == [] and h.stats.snapshot()["grpc"]["served_fused"] == 0
+        s, _ = await ten((4096, 16 << 10))
+        assert [len(g) for g in s.groups] == [4, 4, 2]  # at most 16 KiB of payload each
+        s, stats = await ten((0, 1 << 20))
+        assert s.groups == [] and stats.snapshot()["grpc"]["served_fused"] == 0
     run(main(), 20)
 
 

@@ -141,35 +141,26 @@ class MpiPlane(DataPlane):
             return None
         if not on_device and arr.nbytes < endpoint.inline_below:
             return None  # the consumer wants it inside the reply (asked over MPI): by design
-        chunk = self.config.mpi_chunk_bytes
-        if endpoint.max_chunk_bytes > 0:
-            chunk = min(chunk, endpoint.max_chunk_bytes)
+        chunk = self._chunk(endpoint)
         rank = endpoint.rank
-        tag = self._tags.take(rank)
-        try:
-            if not on_device:
-                buf = np.ascontiguousarray(arr)  # no copy for a C-contiguous array
-                done = self.engine.isend(buf, rank, tag, chunk)
-            elif self.cuda_aware:
-                done = self.engine.pipeline(
-                    lambda comm, MPI, t=tag, c=chunk: DirectSend(comm, MPI, arr, rank, t, c))
-                self.stats.gpu("direct_sends")
-            else:
-                chunk = min(chunk, self.config.gpu_staging_chunk_bytes)
-                pool = self.devices.pool(arr.backend, chunk, self.config.gpu_staging_depth)
-                done = self.engine.pipeline(
-                    lambda comm, MPI, t=tag, c=chunk: StagedSend(comm, MPI, arr, rank, t, c, pool))
-                self.stats.gpu("staged_sends")
+        if not on_device:
+            buf = np.ascontiguousarray(arr)  # no copy for a C-contiguous array
+            post = lambda t: self.engine.isend(buf, rank, t, chunk)  # noqa: E731
+        elif self.cuda_aware:
+            post = lambda t: self.engine.pipeline(  # noqa: E731
+                lambda comm, MPI: DirectSend(comm, MPI, arr, rank, t, chunk))
+        else:
+            chunk = min(chunk, self.config.gpu_staging_chunk_bytes)
+            pool = self.devices.pool(arr.backend, chunk, self.config.gpu_staging_depth)
+            post = lambda t: self.engine.pipeline(  # noqa: E731
+                lambda comm, MPI: StagedSend(comm, MPI, arr, rank, t, chunk, pool))
+        tag = self._post_send(rank, post, req.request_id if arr.nbytes >= DELIVERED_BYTES else 0)
+        if on_device:
+            self.stats.gpu("direct_sends" if self.cuda_aware else "staged_sends")
+            if not self.cuda_aware:
                 self.stats.gpu("staged_bytes", arr.nbytes)
-        except BaseException:
-            self._tags.give_back(rank, tag)
-            raise
-        rid = req.request_id if arr.nbytes >= DELIVERED_BYTES else 0
-        done.add_done_callback(lambda f, r=rank, t=tag, rid=rid: self._sent(f, r, t, rid))
-        transfer = any_pb2.Any()
-        transfer.Pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
-                                     tag=tag, nbytes=arr.nbytes, chunk_bytes=chunk))
-        response = frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), transfer.SerializeToString())
+        transfer = self._transfer_any(tag, arr.nbytes, chunk)
+        response = frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), transfer)
         # committed (no item): the send is posted, the descriptor is always delivered
         return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
                      lambda: response, None)
@@ -206,17 +197,29 @@ class MpiPlane(DataPlane):
             return None
         buf = np.empty(nbytes, np.uint8)
         fused.fill(buf, arrays, layout)
+        chunk = self._chunk(endpoint)
+        tag = self._post_send(endpoint.rank, lambda t: self.engine.isend(buf, endpoint.rank, t, chunk))
+        return self._transfer_any(tag, nbytes, chunk)
+
+    def _chunk(self, endpoint: pb.MpiEndpoint) -> int:
+        """Bytes per MPI message to this consumer (it may ask for smaller ones)."""
         chunk = self.config.mpi_chunk_bytes
-        if endpoint.max_chunk_bytes > 0:
-            chunk = min(chunk, endpoint.max_chunk_bytes)
-        rank = endpoint.rank
+        return min(chunk, endpoint.max_chunk_bytes) if endpoint.max_chunk_bytes > 0 else chunk
+
+    def _post_send(self, rank: int, post: Callable[[int], asyncio.Future], request_id: int = 0) -> int:
+        """Take a tag to ``rank`` and post a send on it (``post(tag)``); the tag
+        is given back when the send completes (see _sent)."""
         tag = self._tags.take(rank)
         try:
-            done = self.engine.isend(buf, rank, tag, chunk)
+            done = post(tag)
         except BaseException:
             self._tags.give_back(rank, tag)
             raise
-        done.add_done_callback(lambda f, r=rank, t=tag: self._sent(f, r, t))
+        done.add_done_callback(lambda f: self._sent(f, rank, tag, request_id))
+        return tag
+
+    def _transfer_any(self, tag: int, nbytes: int, chunk: int) -> bytes:
+        """The ``Any`` a descriptor carries: an MpiTransfer of ours on ``tag``."""
         return _pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
                                     tag=tag, nbytes=nbytes, chunk_bytes=chunk))
 
@@ -316,6 +319,7 @@ class MpiPlane(DataPlane):
         return out
 
     def _transfer(self, buf: bytes, span: tuple[int, int]) -> pb.MpiTransfer:
+        """The MpiTransfer in the ``Any`` at ``span``, checked: ours, from this job, chunked."""
         a, b = span
         opts = any_pb2.Any.FromString(bytes(buf[a:b]))
         transfer = pb.MpiTransfer()
@@ -330,17 +334,9 @@ class MpiPlane(DataPlane):
     def _parse(self, buf: bytes, head: frames.ReplyHead) -> tuple[pb.MpiTransfer, TensorMeta]:
         if head.tensor is None or head.transport_options is None:
             raise Internal("MPI descriptor without dtype and shape")
-        a, b = head.transport_options
-        opts = any_pb2.Any.FromString(bytes(buf[a:b]))
-        transfer = pb.MpiTransfer()
-        if opts.type_url != _TRANSFER_URL or not opts.Unpack(transfer):
-            raise Internal(f"reply names an unknown transport {opts.type_url!r}")
-        if transfer.world_id != self.world.world_id:
-            raise Internal("MPI descriptor from another MPI job")
+        transfer = self._transfer(buf, head.transport_options)
         meta, _, _ = decode_meta(buf, *head.tensor)
         if meta.nbytes != transfer.nbytes:
             raise Internal(f"descriptor announces {transfer.nbytes} bytes for {meta.dtype}{list(meta.shape)}"
                            f" ({meta.nbytes} bytes)")
-        if transfer.chunk_bytes <= 0:
-            raise Internal("descriptor without a chunk size")
         return transfer, meta
