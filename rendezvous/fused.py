@@ -187,6 +187,8 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
     offsets = _array(buf, spans.get(F.GROUP_OFFSETS), _U64, "offsets")
     if n == 0:
         raise InvalidArgument("group answers no call")
+    if len(np.unique(call_ids)) != n:
+        raise InvalidArgument("group answers a call twice")
     if len(codes) != n or len(ranks) != n or len(offsets) != n + 1:
         raise InvalidArgument(f"group of {n} calls has {len(codes)} dtypes, {len(ranks)} ranks and "
                               f"{len(offsets)} offsets (needs {n}, {n} and {n + 1})")

@@ -91,6 +91,7 @@ def test_the_hand_written_group_of_the_lies_below_is_valid_as_it_stands():
     (_lie(ranks=[1]), "ranks"),
     (_lie(offsets=[0, 16]), "offsets"),
     (_lie(call_ids=[]), "no call"),
+    (_lie(call_ids=[3, 3]), "a call twice"),
     (_lie(dims=[4, 5]), "does not fit"),           # more bytes than the payload has
     (_lie(offsets=[4, 20, 36], payload=bytes(36)), "does not fit"),  # not aligned
     (_lie(offsets=[0, 8, 32]), "does not fit"),    # the first runs into the second

@@ -44,7 +44,7 @@ from hypothesis.extra import numpy as hnp
 
 from rendezvous.client.core import GRPC_METHODS, Op
 from rendezvous import fields as F
-from rendezvous import dtypes, frames, keys, tensors, wire
+from rendezvous import dtypes, frames, fused, keys, tensors, wire
 from rendezvous.local import frames as localwire
 from rendezvous.local import segments as shm
 from rendezvous.buffers import RecvBuffers
@@ -486,8 +486,15 @@ _ERRORS = st.sampled_from([InvalidArgument("bad"), Aborted("step 3 aborted"), No
 def _frame_messages(draw: st.DrawFn) -> bytes:
     """Valid StreamResponse frames (data, dead, error), batches of them, and
     whole RecvTensorResponses."""
-    kind = draw(st.sampled_from(("data", "data", "dead", "error", "batch", "unary")))
+    kind = draw(st.sampled_from(("data", "data", "dead", "error", "batch", "unary", "group")))
     cid = draw(_CALL_IDS)
+    if kind == "group":  # a group reply of fixed-size arrays, its payload inside or announced
+        arrays = [a for a in draw(st.lists(_small_arrays(), min_size=1, max_size=4))
+                  if not a.dtype.hasobject and a.dtype.kind not in "SUV"] or [np.zeros(2)]
+        ids = draw(st.lists(_CALL_IDS, min_size=len(arrays), max_size=len(arrays), unique=True))
+        inside = draw(st.booleans())
+        return fused.group_frame(ids, arrays if inside else None, fused.layout(arrays),
+                                 draw(st.integers(0, 2**63 - 1)), None if inside else b"\x0a\x01x")
     if kind == "error":
         return frames.error_frame(cid, draw(_ERRORS))
     if kind == "dead":
@@ -536,15 +543,37 @@ def _check_inline(buf: bytes, span: tuple[int, int]) -> None:
 
 
 def _check_stream_frame(buf: bytes, fr: frames.StreamFrame) -> None:
-    assert isinstance(fr, frames.StreamFrame) and 0 <= fr.call_id < 2**64
+    # a frame names its call, or is a group (which names its calls inside)
+    assert isinstance(fr, frames.StreamFrame) and (0 <= fr.call_id < 2**64 or fr.group is not None)
     head = fr.head
     for span in (fr.chunk, head and head.tensor, head and head.transport_options):
         if span:
             assert 0 <= span[0] <= span[1] <= len(buf)
     if fr.error is not None:
         assert isinstance(fr.error, RendezvousError) and fr.error.code != Code.OK
+    if fr.group is not None:
+        _check_group(buf, fr.group)
     if head is not None and head.tensor is not None:
         _check_inline(buf, head.tensor)
+
+
+def _check_group(buf: bytes, span: tuple[int, int]) -> None:
+    """A group parses to arrays that fit what it says, or is refused with
+    InvalidArgument; its views never reach past its payload."""
+    assert 0 <= span[0] <= span[1] <= len(buf)
+    try:
+        group = fused.parse_group(buf, *span, max_bytes=1 << 20)
+    except RendezvousError as exc:
+        assert isinstance(exc, (InvalidArgument, ResourceExhausted)), repr(exc)
+        return
+    assert len(group.call_ids) == len(set(group.call_ids)) == len(group.dtypes) == len(group.shapes)
+    if group.payload is None:
+        assert group.transport_options is not None and group.nbytes <= 1 << 20
+        return
+    a, b = group.payload
+    assert span[0] <= a <= b <= span[1] and b - a == group.nbytes
+    for v, o in zip(fused.views(group, buf, a), group.offsets):
+        assert o + v.nbytes <= group.nbytes
 
 
 @settings(deadline=None, max_examples=600)
@@ -751,9 +780,16 @@ def _recv_requests(draw: st.DrawFn) -> pb.RecvTensorRequest:
 @st.composite
 def _stream_requests(draw: st.DrawFn, nested: bool = True) -> pb.StreamRequest:
     msg = pb.StreamRequest(call_id=draw(_CALL_IDS))
-    kind = draw(st.sampled_from(("recv", "recv", "cancel", "none")))
+    kind = draw(st.sampled_from(("recv", "recv", "recv_many", "cancel", "none")))
     if kind == "recv":
         msg.recv.CopyFrom(draw(_recv_requests()))
+    elif kind == "recv_many":
+        many = [draw(_recv_requests()) for _ in range(draw(st.integers(0, 4)))]
+        msg.recv_many.step_id = draw(_STEPS)
+        msg.recv_many.rendezvous_keys.extend(r.rendezvous_key for r in many)
+        ids = [r.request_id % 2**64 for r in many]
+        msg.recv_many.request_ids.extend(ids[:len(ids) - draw(st.integers(0, 1))] if ids else ids)
+        msg.recv_many.SetInParent()
     elif kind == "cancel":
         msg.cancel.SetInParent()
     if nested and draw(st.integers(0, 2)) == 0:
@@ -797,6 +833,9 @@ def _stream_may_wait(messages: list[bytes]) -> bool:
             return False  # the stream ends here
         for one in (msg, *msg.batch):
             if one.WhichOneof("kind") == "recv" and _would_wait(one.recv):
+                return True
+            if one.WhichOneof("kind") == "recv_many" and any(
+                    _would_wait(pb.RecvTensorRequest(rendezvous_key=k)) for k in one.recv_many.rendezvous_keys):
                 return True
     return False
 
