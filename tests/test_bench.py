@@ -574,17 +574,18 @@ def test_model_shapes_match_the_published_architectures():
 @pytest.mark.timeout(300)
 def test_a_tiny_step_exchange_run_writes_its_table(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rendezvous", "bench-steps", "--steps", "1", "--models",
-                          "resnet50,many-small", "--contenders", "mpi,optimal,default,optimal_many,blocking,blocking_many,grpc",
+                          "resnet50,many-small", "--contenders",
+                          "mpi,optimal,default,optimal_many,daemon_many,blocking,blocking_many,grpc",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     doc = json.loads((tmp_path / "steps.json").read_text())
     assert set(doc["models"]) == {"resnet50", "many-small"}
     for model in doc["models"].values():
-        assert set(model["seconds"]) == {"mpi", "optimal", "default", "optimal_many", "blocking", "blocking_many",
-                                         "grpc"}
+        assert set(model["seconds"]) == {"mpi", "optimal", "default", "optimal_many", "daemon_many", "blocking",
+                                         "blocking_many", "grpc"}
         assert all(len(t) == 1 and t[0] > 0 for t in model["seconds"].values())
         cpu = model["cpu_us_per_tensor"]  # the loop's contenders, on each rank
-        assert set(cpu) == {"mpi", "optimal", "default", "optimal_many", "grpc"}
+        assert set(cpu) == {"mpi", "optimal", "default", "optimal_many", "daemon_many", "grpc"}
         assert all(c["consumer"] > 0 and c["producer"] > 0 for c in cpu.values()), cpu
     table = (tmp_path / "steps.md").read_text()
     assert "**resnet50**: 161 tensors, 97.5 MiB per step" in table and "| optimal |" in table

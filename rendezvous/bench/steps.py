@@ -19,6 +19,10 @@ Contenders:
   (``RENDEZVOUS_MPI_REQUESTS=1``);
 * ``optimal_many``, ``optimal_mr_many``, ``default_many``: ``optimal``,
   ``optimal_mr`` and ``default`` with the whole step in one ``recv_many``;
+* ``daemon_many``: through two daemons (``rendezvousd``, optimal path), one
+  per rank: the producer's local client ``send_many`` to its daemon, the
+  consumer's ``recv_many`` from its own (client and daemon share each
+  rank's process and loop here; the CPU figures count both);
 * ``blocking``: the blocking ``rendezvous.Server`` (optimal path), one
   ``recv`` after another, as a plain script does; ``blocking_many``: the
   same server's ``recv_many`` of the whole step;
@@ -56,7 +60,7 @@ __all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIP
            "HOSTS_ENV"]
 
 CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many",
-              "default_many", "blocking",
+              "default_many", "daemon_many", "blocking",
               "blocking_many", "grpc", "gloo")
 #: the contenders the blocking Server runs (after the others, on a loop thread of its own)
 _BLOCKING = ("blocking", "blocking_many")
@@ -141,6 +145,7 @@ class _Rank:
         self.cpu = 0.0
         self.grpc: Any = None
         self.gloo = False
+        self.daemon: Any = None  # daemon_many's daemon and its local client (client)
 
     # -- set-up -----------------------------------------------------------------
 
@@ -154,6 +159,8 @@ class _Rank:
                                                 mpi_requests=requests, mpi_disabled=False)
         for server in self.servers.values():
             await server.start()  # collective: both ranks, same order
+        if "daemon_many" in names:
+            await self._start_daemon()
         if "grpc" in names:
             await self._start_raw_grpc()
         if "gloo" in names:
@@ -161,6 +168,25 @@ class _Rank:
             if not self.gloo:
                 names = [n for n in names if n != "gloo"]
         return names
+
+    async def _start_daemon(self) -> None:
+        """A daemon on this rank (its own job, ``dmn``) and a local client of it."""
+        import json
+        import tempfile
+
+        from rendezvous.client.aio import Client
+        from rendezvous.config import Config
+        from rendezvous.daemon.daemon import Daemon
+
+        self.daemon_dir = tempfile.TemporaryDirectory(prefix="rdv-steps-")
+        config = Config.load({"cluster": json.dumps({"dmn": [_address(h, 0) for h in self.hosts]}),
+                              "job_name": "dmn", "task_index": self.rank, "protocol": "grpc+mpi",
+                              "mpi_optimal_path": True, "mpi_disabled": False, "stall_warning": 0.0,
+                              "local_address": f"unix:{self.daemon_dir.name}/d.sock"}, env={})
+        self.daemon = Daemon(config)
+        await self.daemon.start()  # collective, as the servers' starts
+        self.client = Client(self.daemon.local_target)
+        await self.client.connect()
 
     async def _start_raw_grpc(self) -> None:
         import grpc
@@ -199,6 +225,10 @@ class _Rank:
     async def close(self) -> None:
         for server in self.servers.values():
             await server.stop(1.0)
+        if self.daemon is not None:
+            await self.client.close()
+            await self.daemon.stop(1.0)
+            self.daemon_dir.cleanup()
         if self.grpc is not None:
             await (self.grpc.stop(0) if self.rank == 1 else self.grpc.close())
         if self.gloo:
@@ -262,6 +292,16 @@ class _Rank:
             out = await server.recv_many(keys, step, 300)
         else:
             out = await asyncio.gather(*(server.recv(k, step, 300) for k in keys))
+        took = time.perf_counter() - t0
+        _check(out, tensors, step)
+        return took
+
+    async def _daemon_many(self, model: str, tensors: list, step: int) -> float | None:
+        if self.rank == 1:
+            return None
+        keys = [_key("dmn", model, i) for i in range(len(tensors))]
+        t0 = time.perf_counter()
+        out = await self.client.recv_many(keys, step_id=step, timeout=300)
         took = time.perf_counter() - t0
         _check(out, tensors, step)
         return took
@@ -424,7 +464,9 @@ def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, dict[str, li
 
 async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) -> float | None:
     produced = _produce(tensors, step) if rank.rank == 1 else None
-    if rank.rank == 1:
+    if rank.rank == 1 and name == "daemon_many":
+        await rank.client.send_many([(_key("dmn", model, i), a) for i, a in enumerate(produced)], step_id=step)
+    elif rank.rank == 1:
         rank._offer(name, model, produced, step)
     del produced
     await _barrier_async(rank)  # the tensors are produced; the consumer starts its clock
@@ -440,6 +482,8 @@ async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) ->
         rank.cpu = time.thread_time() - cpu0
     if name in rank.servers:
         rank.servers[name].cleanup(step)  # the producer forgets the step's retry answers
+    elif name == "daemon_many":
+        rank.daemon.server.cleanup(step)
     return took
 
 
