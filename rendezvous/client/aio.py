@@ -39,8 +39,8 @@ from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import (GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, check_items, check_socket, connect_within,
-                   drive_async, one_by_one, one_by_one_failure)
+from .core import (GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, Tally, check_items, check_socket,
+                   connect_within, drive_async, one_by_one, one_by_one_failure)
 from .segments import Segments
 
 __all__ = ["Client"]
@@ -60,6 +60,8 @@ class _AioLink(Router):
         self._ids = itertools.count(1)
         self._error: BaseException | None = None
         self._release_pending = False
+        #: the futures of the batches in flight (call_many), failed if the session breaks
+        self._batches: set[asyncio.Future] = set()
         self.conn = Connection(sock, limit=1 << 62, on_frames=self._frames, on_close=self._closed, fds=True)
 
     def _write(self, data: bytes) -> None:
@@ -70,17 +72,20 @@ class _AioLink(Router):
         for kind, op_id, body in frames:
             entry = self._route(kind, op_id, body)
             if entry is not None:
-                entry.kind, entry.body, entry.done = kind, body, True
-                if not entry.waiter.done():
+                entry.answered(kind, body)
+                if entry.waiter is not None and not entry.waiter.done():
                     entry.waiter.set_result(None)
 
     def _closed(self, error: BaseException | None) -> None:
         self._error = Unavailable(f"the daemon's session socket broke: {error}" if error is not None else
                                   "the daemon closed the session (it stopped or restarted)")
         for entry in self._ops.values():
-            if not entry.waiter.done():
+            if entry.waiter is not None and not entry.waiter.done():
                 entry.waiter.set_exception(self._error)
         self._ops.clear()
+        for batch in self._batches:
+            if not batch.done():
+                batch.set_exception(self._error)
 
     def _release_soon(self) -> None:
         """A received array went (any thread): tell the daemon on the loop."""
@@ -124,21 +129,25 @@ class _AioLink(Router):
         back) or ``guard`` seconds passed."""
         if self._error is not None:
             raise self._error
-        entries = [Pending(op, self.loop.create_future()) for op in ops]
+        settled = self.loop.create_future()
+        tally = Tally(len(ops), lambda: settled.done() or settled.set_result(None))
+        entries = [Pending(op, None, tally) for op in ops]  # one future for the batch, not one per entry
         ids = [next(self._ids) for _ in ops]
         for op_id, entry in zip(ids, entries):
             self._ops[op_id] = entry
         released = self.segments.drain_released()
         self.conn.write(released + b"".join(frame(op.kind, op_id, op.body) for op_id, op in zip(ids, ops)))
-        waiting = {e.waiter for e in entries}
+        if not ops:
+            return entries
+        self._batches.add(settled)
         try:
-            async with asyncio.timeout(guard):
-                while waiting and not any(e.done and e.kind == Kind.ERROR for e in entries):
-                    _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait_for(settled, guard)
         except BaseException:
             self._give_back(ids, entries)
             raise
-        if any(e.done and e.kind == Kind.ERROR for e in entries):
+        finally:
+            self._batches.discard(settled)
+        if tally.failed:
             self._give_back(ids, entries)
         return entries
 

@@ -56,8 +56,8 @@ from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
-from .core import (GRPC_METHODS, ClientCore, Op, Pending, Router, check_items, check_socket, drive, one_by_one,
-                   one_by_one_failure)
+from .core import (GRPC_METHODS, ClientCore, Op, Pending, Router, Tally, check_items, check_socket, drive,
+                   one_by_one, one_by_one_failure)
 from .segments import Segments
 
 __all__ = ["Client", "token_metadata"]
@@ -163,23 +163,20 @@ class _BlockingLink(Router):
         ``deadline`` passes. The answered entries, in order."""
         if self._error is not None:
             raise self._error
-        entries = [Pending(op) for op in ops]
+        tally = Tally(len(ops))
+        entries = [Pending(op, None, tally) for op in ops]
         ids = [next(self._ids) for _ in ops]
         for op_id, entry in zip(ids, entries):
             self._ops[op_id] = entry
-
-        def settled() -> bool:
-            return all(e.done for e in entries) or any(e.done and e.kind == Kind.ERROR for e in entries)
-
         try:
             self._write(b"".join(frame(op.kind, op_id, op.body) for op_id, op in zip(ids, ops)))
-            self._wait_until(settled, deadline)
+            self._wait_until(lambda: tally.settled, deadline)
         except BaseException as exc:
             self._give_back(ids, entries)
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded("the daemon did not answer the batch in time") from None
             raise
-        if any(e.kind == Kind.ERROR for e in entries if e.done):
+        if tally.failed:
             self._give_back(ids, entries)
         return entries
 
@@ -247,7 +244,7 @@ class _BlockingLink(Router):
         with self._cond:  # routed and marked done at once: see _give_up
             entry = self._route(kind, op_id, body)
             if entry is not None:
-                entry.kind, entry.body, entry.done = kind, body, True
+                entry.answered(kind, body)
                 self._cond.notify_all()
 
     def _fail(self, error: RendezvousError) -> None:

@@ -39,7 +39,7 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
 
-__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "drive", "drive_async", "GRPC_METHODS",
+__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "Tally", "drive", "drive_async", "GRPC_METHODS",
            "check_items", "one_by_one", "one_by_one_failure",
            "check_socket", "connect_within"]
 
@@ -216,14 +216,46 @@ class Pending:
     """An operation sent on the session socket and not answered yet: its answer
     (kind and body) once ``done``."""
 
-    __slots__ = ("op", "kind", "body", "done", "waiter")
+    __slots__ = ("op", "kind", "body", "done", "waiter", "tally")
 
-    def __init__(self, op: Op, waiter: Any = None) -> None:
+    def __init__(self, op: Op, waiter: Any = None, tally: "Tally | None" = None) -> None:
         self.op = op
         self.kind = 0
         self.body: Any = b""
         self.done = False
         self.waiter = waiter  # what the caller waits on (a future, for the asyncio client)
+        self.tally = tally  # the batch it belongs to (call_many), told of its answer
+
+    def answered(self, kind: int, body: Any) -> None:
+        """Its answer came (the link's reader calls this)."""
+        self.kind, self.body, self.done = kind, body, True
+        if self.tally is not None:
+            self.tally.answered(kind)
+
+
+class Tally:
+    """How the entries of one batch (``call_many``) stand, counted as their
+    answers come, so that "all answered, or one failed" is asked in O(1)
+    however many there are. ``on_settled`` is called once, when it becomes so."""
+
+    __slots__ = ("left", "failed", "on_settled")
+
+    def __init__(self, n: int, on_settled: Callable[[], None] | None = None) -> None:
+        self.left = n
+        self.failed = False
+        self.on_settled = on_settled
+
+    def answered(self, kind: int) -> None:
+        was = self.settled
+        self.left -= 1
+        if kind == Kind.ERROR:
+            self.failed = True
+        if not was and self.settled and self.on_settled is not None:
+            self.on_settled()
+
+    @property
+    def settled(self) -> bool:
+        return self.left <= 0 or self.failed
 
 
 class Router:
