@@ -457,6 +457,8 @@ class TracedPlanes(Planes):
         self.timeline.served(request, reply.path)
         return reply
 
+    traced = True
+
     def answered(self, placements: list[Any], moving: bool) -> None:
         at = now()
         for placement in placements:

@@ -9,6 +9,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import asyncio  # noqa: E402
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -83,3 +84,22 @@ async def until(predicate, timeout: float = 10.0, what: str = "condition") -> No
         if loop.time() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.001)
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct ports nobody listens on now, chosen by the OS (bound to
+    port 0 together, read, closed): for programs that must be told a port
+    before they start."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    """One port, as :func:`free_ports`."""
+    return free_ports(1)[0]

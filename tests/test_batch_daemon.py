@@ -16,9 +16,9 @@ from rendezvous.client.aio import Client
 from rendezvous.errors import DeadlineExceeded
 
 from conftest import run, until
-from racing import ask_again, paced, race_batches, value
+from racing import paced, race_batches, value
 from test_daemon import daemons, sockdir  # noqa: F401 (a fixture)
-from test_no_loss import daemons_settled, left_anywhere, node_key
+from test_no_loss import asked_again_through, daemons_settled, left_anywhere, node_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,11 +89,7 @@ def test_racing_deadlines_deliver_every_tensor_of_a_batch_through_daemons_exactl
             try:
                 tally = await race_batches(many, n, seed=5)
                 await feeder
-                await until(lambda: daemons_settled(*ds), what="the recvs in flight")
-                await ask_again(one, tally)
-                tally.check()
-                await until(lambda: daemons_settled(*ds), what="the withdrawn recvs")
-                assert not left_anywhere(*(d.server for d in ds))
+                await asked_again_through(ds, one, tally)
             finally:
                 if blocking:
                     consumer.close()

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,16 +25,10 @@ from rendezvous import aio
 from rendezvous.errors import InvalidArgument, Unavailable
 from rendezvous.rank.bootstrap import JOIN_METHOD, Bootstrap, local_host_towards
 
-from conftest import key, run
+from conftest import free_port, key, run
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_env(rank: int, world: int, port: int, addr: str = "127.0.0.1") -> dict[str, str]:

@@ -29,7 +29,7 @@ from rendezvous.rpc.retry import RetryCache
 from rendezvous.table import WaitingTable
 from rendezvous.v1 import rendezvous_pb2 as pb
 
-from conftest import cluster, key, run, until
+from conftest import cluster, free_port, key, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,13 +37,6 @@ UNARY = "/rendezvous.v1.Rendezvous/RecvTensor"
 
 
 # -- helpers ------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    """A port nobody listens on now (bound to port 0, read, closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _unary(target: str):
@@ -150,7 +143,7 @@ def test_a_recv_is_resent_with_its_request_id_when_the_producers_server_restarts
     with PeerClient.recv patched to ignore reconnect_attempts (as if 0) the
     recv fails with PeerUnavailable."""
     async def main():
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         consumer = aio.Server({"worker": ["127.0.0.1:0", address]}, "worker", 0, reconnect_attempts=3)
         await consumer.start()
         spec = {"worker": [consumer.target, address]}
@@ -193,7 +186,7 @@ def test_without_reconnect_attempts_a_broken_stream_fails_the_recv_with_unavaila
     Checked to fail: with PeerClient patched to read reconnect_attempts as 3,
     the recv is re-sent and returns the tensor instead of raising."""
     async def main():
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         consumer = aio.Server({"worker": ["127.0.0.1:0", address]}, "worker", 0, reconnect_attempts=0)
         await consumer.start()
         spec = {"worker": [consumer.target, address]}

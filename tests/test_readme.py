@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import pytest
 
 from rendezvous import make_key
 from rendezvous.client import Client
+
+from conftest import free_ports
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,17 +52,6 @@ def readme_program(first: str) -> str:
         if block.startswith(first):
             return block
     raise AssertionError(f"no README block starts with {first!r}")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def test_readme_local_client_example_runs_as_written():

@@ -238,8 +238,10 @@ class _Rank:
 
     # -- one step ------------------------------------------------------------------
 
-    def _offer(self, name: str, model: str, produced: list[np.ndarray], step: int) -> None:
-        if name in self.servers:
+    async def _offer(self, name: str, model: str, produced: list[np.ndarray], step: int) -> None:
+        if name == "daemon_many":
+            await self.client.send_many([(_key("dmn", model, i), a) for i, a in enumerate(produced)], step_id=step)
+        elif name in self.servers:
             job = self.servers[name].task.job
             for i, arr in enumerate(produced):
                 self.servers[name].send(_key(job, model, i), arr, step_id=step)
@@ -464,10 +466,8 @@ def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, dict[str, li
 
 async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) -> float | None:
     produced = _produce(tensors, step) if rank.rank == 1 else None
-    if rank.rank == 1 and name == "daemon_many":
-        await rank.client.send_many([(_key("dmn", model, i), a) for i, a in enumerate(produced)], step_id=step)
-    elif rank.rank == 1:
-        rank._offer(name, model, produced, step)
+    if rank.rank == 1:
+        await rank._offer(name, model, produced, step)
     del produced
     await _barrier_async(rank)  # the tensors are produced; the consumer starts its clock
     # CPU spent on this step: the consumer's whole process while it receives (its

@@ -151,14 +151,6 @@ class _AioLink(Router):
             self._give_back(ids, entries)
         return entries
 
-    def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
-        for op_id, entry in zip(ids, entries):
-            if not (entry.done and entry.kind == Kind.ERROR):
-                try:
-                    self._give_up(op_id, entry)
-                except RendezvousError:
-                    pass  # the session broke: the daemon takes everything back with it
-
     def close(self) -> None:
         self.conn.close(None)
         self.segments.close()

@@ -181,13 +181,8 @@ class _BlockingLink(Router):
         return entries
 
     def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
-        with self._cond:
-            for op_id, entry in zip(ids, entries):
-                if not (entry.done and entry.kind == Kind.ERROR):
-                    try:
-                        self._give_up(op_id, entry)
-                    except RendezvousError:
-                        pass  # the session broke: the daemon takes everything back with it
+        with self._cond:  # under the lock the reader routes under: see _give_up
+            super()._give_back(ids, entries)
 
     def _wait(self, entry: Pending, deadline: float | None) -> None:
         self._wait_until(lambda: entry.done, deadline)

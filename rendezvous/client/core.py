@@ -284,6 +284,16 @@ class Router:
         elif entry.done and entry.kind == Kind.RECV_REPLY:
             self._write(frame(Kind.RETURN, 0, messages.returned(entry.op.key, entry.op.step_id, entry.body)))
 
+    def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
+        """A batch (``call_many``) gave up: every entry not answered with an
+        error gives up as one recv would (:meth:`_give_up`)."""
+        for op_id, entry in zip(ids, entries):
+            if not (entry.done and entry.kind == Kind.ERROR):
+                try:
+                    self._give_up(op_id, entry)
+                except RendezvousError:
+                    pass  # the session broke: the daemon takes everything back with it
+
     def _route(self, kind: int, op_id: int, body: memoryview) -> Pending | None:
         """The pending entry this frame answers, or None (handled here)."""
         if kind == Kind.SEGMENTS:

@@ -228,14 +228,16 @@ class ConsumerStream:
         if group.payload is not None:
             values = fused.views(group, buf, group.payload[0])
             path = self.inline_path
-            planes.answered([p.placement for _, _, p in calls if p is not None and not p.orphan], False)
+            if planes.traced:
+                planes.answered([p.placement for _, _, p in calls if p is not None and not p.orphan], False)
             for i, call_id, p in calls:
                 if p is not None:
                     self._finish(call_id, p, Fetched(Received(values[i], False), path))
             return
         landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
         moving = [(i, call_id, p) for i, call_id, p in calls if p is not None]
-        planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
+        if planes.traced:
+            planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
         for _, call_id, p in moving:
             del pending[call_id]
             self.moving[call_id] = p

@@ -177,28 +177,7 @@ class ProducerStream:
         kind = msg.WhichOneof("kind")
         call_id = msg.call_id
         if kind == "recv":
-            queued = self.replies.get(call_id)
-            if queued is not None and queued.ack and not queued.started:
-                # the consumer reuses the id of a call it cancelled: it is done with
-                # that call, so the answer to its cancel is moot
-                del self.replies[call_id]
-            if call_id in self.waiting or call_id in self.replies:
-                raise _BadStream(f"call_id {call_id} is already in use on this stream")
-            req = msg.recv
-            try:
-                taken = self.s.take_now(req)
-            except Exception as exc:
-                self._reply_error(call_id, req, exc)
-                return
-            if taken is not None:  # produced already: answer without a task
-                self._reply(call_id, req, *taken)
-                return
-            try:
-                self.s.check_room()
-            except RendezvousError as exc:
-                self._reply_error(call_id, req, exc)
-                return
-            self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
+            self._ask(call_id, msg.recv)
         elif kind == "cancel":
             self._cancel(call_id)
         elif kind == "recv_many":
@@ -218,37 +197,51 @@ class ProducerStream:
             raise _BadStream(f"RecvMany {first} runs past the largest call_id")
         step = many.step_id
         opts = many.transport_options
-        s = self.s
-        threshold = s.fusion_threshold
         group: list[tuple[int, Any, Received, str]] = []
         for i, key in enumerate(keys):
-            call_id = first + i
-            queued = self.replies.get(call_id)
-            if queued is not None and queued.ack and not queued.started:
-                del self.replies[call_id]  # a reused id of a cancelled call (see _handle)
-            if call_id in self.waiting or call_id in self.replies:
-                raise _BadStream(f"call_id {call_id} is already in use on this stream")
-            req = KeyRequest(step, key, rids[i], opts)
-            try:
-                taken = s.take_now(req)
-            except Exception as exc:
-                self._reply_error(call_id, req, exc)  # type: ignore[arg-type]
-                continue
-            if taken is None:
-                try:
-                    s.check_room()
-                except RendezvousError as exc:
-                    self._reply_error(call_id, req, exc)  # type: ignore[arg-type]
-                    continue
-                self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))  # type: ignore[arg-type]
-            elif threshold and not taken.item.is_dead and fused.fusable(taken.item.value, threshold):
-                group.append((call_id, req, taken.item, taken.key))
-                if s.timeline is not None:
-                    s.timeline.served(req, self.inline_path)  # its reply is planned: into the group
-            else:
-                self._reply(call_id, req, taken.item, taken.key)  # type: ignore[arg-type]
+            self._ask(first + i, KeyRequest(step, key, rids[i], opts), group)  # type: ignore[arg-type]
         if group:
             self._reply_groups(group, many)
+
+    def _ask(self, call_id: int, req: pb.RecvTensorRequest,
+             group: list[tuple[int, Any, Received, str]] | None = None) -> None:
+        """One recv: answered now if its tensor is here (into ``group`` when it
+        may travel packed), else by a task that waits for it."""
+        queued = self.replies.get(call_id)
+        if queued is not None and queued.ack and not queued.started:
+            # the consumer reuses the id of a call it cancelled: it is done with
+            # that call, so the answer to its cancel is moot
+            del self.replies[call_id]
+        if call_id in self.waiting or call_id in self.replies:
+            raise _BadStream(f"call_id {call_id} is already in use on this stream")
+        try:
+            taken = self.s.take_now(req)
+        except Exception as exc:
+            self._reply_error(call_id, req, exc)
+            return
+        if taken is None:
+            try:
+                self.s.check_room()
+            except RendezvousError as exc:
+                self._reply_error(call_id, req, exc)
+                return
+            self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
+        elif group is not None and self._packs(req, taken.item):
+            group.append((call_id, req, taken.item, taken.key))
+        else:  # produced already: answered without a task
+            self._reply(call_id, req, *taken)
+
+    def _packs(self, req: Any, item: Received) -> bool:
+        """Whether ``item`` answers ``req`` inside a group reply: a batch's key
+        and a small host tensor. Then its reply is planned (the timeline's
+        serve span ends here)."""
+        s = self.s
+        if type(req) is not KeyRequest or not s.fusion_threshold or item.is_dead \
+                or not fused.fusable(item.value, s.fusion_threshold):
+            return False
+        if s.timeline is not None:
+            s.timeline.served(req, self.inline_path)
+        return True
 
     def _reply_groups(self, members: list[tuple[int, Any, Received, str]], request: Any) -> None:
         """Answer ``members`` (ready together) with group replies of at most
@@ -323,17 +316,13 @@ class ProducerStream:
             return
         finally:
             self._done_waiting(call_id)
-        s = self.s
-        if type(req) is KeyRequest and s.fusion_threshold and not item.is_dead \
-                and fused.fusable(item.value, s.fusion_threshold):
+        if self._packs(req, item):
             # A batch's key produced while it waited: the tensors produced
             # together (a send_many, a step's gradients) answer in one group
             # at the end of this turn of the loop.
             if not self._late:
                 asyncio.get_running_loop().call_soon(self._reply_late)
             self._late.append((call_id, req, item, key))
-            if s.timeline is not None:
-                s.timeline.served(req, self.inline_path)
             return
         self._reply(call_id, req, item, key)
 

@@ -207,6 +207,9 @@ class Planes:
     def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
         return self.for_reply(reply, head).receive(reply, head, placement)
 
+    #: whether :meth:`answered` listens (a timeline records): else callers skip it
+    traced = False
+
     def answered(self, placements: list[Any], moving: bool) -> None:
         """The recvs bound for ``placements`` were answered by one group reply
         (``moving``: their bytes still come another way). Only a timeline listens."""
