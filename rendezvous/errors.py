@@ -191,12 +191,10 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def batch_failure(keys: list[str], step_id: int, failures: dict[int, BaseException],
-                  handed_over: bool = False) -> BaseException:
+def batch_failure(keys: list[str], step_id: int, failures: dict[int, BaseException]) -> BaseException:
     """One error for a recv_many that failed: the status of its first failure
     (by position), a message naming each failed key and why, and
-    ``failures`` (key -> error) for programs. ``handed_over``: what had arrived
-    could not be kept and travels in the error (``received``) instead."""
+    ``failures`` (key -> error) for programs."""
     first = failures[min(failures)]
     if not isinstance(first, RendezvousError):
         return first  # not a transfer's failure (a bug): as it is
@@ -204,9 +202,7 @@ def batch_failure(keys: list[str], step_id: int, failures: dict[int, BaseExcepti
                       for i, e in sorted(failures.items())[:5])
     more = f"; and {len(failures) - 5} more" if len(failures) > 5 else ""
     error = from_status(first.code, f"recv_many of {len(keys)} keys (step {step_id}): {len(failures)} failed "
-                                    f"({shown}{more}); " + (
-                                        "what had arrived is in this error's received" if handed_over else
-                                        "nothing of the batch was taken: what had arrived is kept for the next "
-                                        "recv of its key"))
+                                    f"({shown}{more}); nothing of the batch was taken: what had arrived is kept "
+                                    "for the next recv of its key")
     error.failures = {keys[i]: e for i, e in sorted(failures.items())}  # type: ignore[attr-defined]
     return error

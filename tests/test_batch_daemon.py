@@ -99,7 +99,7 @@ def test_racing_deadlines_deliver_every_tensor_of_a_batch_through_daemons_exactl
     run(main(), 110)
 
 
-def test_over_a_tcp_local_address_a_failed_batch_hands_over_what_arrived(sockdir):  # noqa: F811
+def test_over_a_tcp_local_address_a_batch_is_one_call_and_a_failed_one_takes_nothing(sockdir):  # noqa: F811
     async def main():
         async with daemons(sockdir, n=1, local_address="127.0.0.1:0") as (d,):
             async with Client(d.local_target) as c:
@@ -108,8 +108,13 @@ def test_over_a_tcp_local_address_a_failed_batch_hands_over_what_arrived(sockdir
                 assert [g.tolist() for g in await c.recv_many([node_key(0, 0, "x"), node_key(0, 0, "y")],
                                                               timeout=10)] == [[0, 1, 2], [0, 1, 2, 3]]
                 await c.send(node_key(0, 0, "x"), np.arange(2))
+                await c.send(node_key(0, 0, "x"), np.arange(5))
                 with pytest.raises(DeadlineExceeded) as info:
                     await c.recv_many([node_key(0, 0, "x"), node_key(0, 0, "none")], timeout=0.5)
-                assert list(info.value.received) == [node_key(0, 0, "x")]  # not lost: handed over
-                assert info.value.received[node_key(0, 0, "x")].value.tolist() == [0, 1]
+                assert list(info.value.failures) == [node_key(0, 0, "none")]
+                assert "nothing of the batch was taken" in str(info.value)
+                # the daemon kept what had arrived, in its order
+                assert (await c.recv(node_key(0, 0, "x"), timeout=10)).tolist() == [0, 1]
+                assert (await c.recv(node_key(0, 0, "x"), timeout=10)).tolist() == [0, 1, 2, 3, 4]
+                assert await c.pending() == []
     run(main())

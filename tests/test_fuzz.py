@@ -1226,6 +1226,31 @@ def test_fuzz_daemon_local_service(node):
                 assert d.pool.stats()["held"] == 1
             event(f"Recv/{via}: {hop}")
 
+    def recv_many(data) -> None:
+        via = transport(data)
+        if data.draw(st.integers(0, 4)) == 4:
+            raw = data.draw(st.binary(max_size=80), "raw")
+        else:
+            raw = lpb.LocalRecvManyRequest(
+                step_id=data.draw(_STEPS), rendezvous_keys=data.draw(st.lists(_local_keys, max_size=3)),
+                timeout=data.draw(st.sampled_from([0.05, 1e-9, 0.0, -1.0]))).SerializeToString()
+            if data.draw(st.integers(0, 2), "mutate") == 2:
+                raw = data.draw(_mutated_bytes(raw))
+        # a batch may wait for good (no timeout of its own): the call's deadline ends it
+        out = lt.run(call(via, Kind.RECV_MANY, "RecvMany", raw, LOCAL_WAIT_S))
+        _check_local_outcome(f"RecvMany/{via}", out, may_wait=True)
+        if isinstance(out, bytes):
+            many = lpb.LocalRecvManyResponse.FromString(out)
+            assert not (many.replies and many.failures), many
+            for failure in many.failures:
+                assert from_status(failure.code, "").code in LOCAL_CODES | {Code.DEADLINE_EXCEEDED}, failure
+            for reply in many.replies:  # taken as the client would (a pooled one is released when dropped)
+                item, _, hop = parse_reply(reply.SerializeToString(),
+                                           n.client._link.segments.view if via == "session" else None)
+                assert item.is_dead or isinstance(item.value, np.ndarray)
+                assert hop == "inline" or via == "session"
+            event(f"RecvMany/{via}: {'failed' if many.failures else len(many.replies)}")
+
     def abort(data) -> None:
         via = transport(data)
         if data.draw(st.integers(0, 3)) == 3:
@@ -1242,8 +1267,8 @@ def test_fuzz_daemon_local_service(node):
     @settings(deadline=None, max_examples=150)
     @given(st.data())
     def one(data):
-        op = data.draw(st.sampled_from(["Send", "Send", "Recv", "Recv", "Abort"]))
-        {"Send": send, "Recv": recv, "Abort": abort}[op](data)
+        op = data.draw(st.sampled_from(["Send", "Send", "Recv", "Recv", "RecvMany", "Abort"]))
+        {"Send": send, "Recv": recv, "RecvMany": recv_many, "Abort": abort}[op](data)
         # the sessions live on, and what a session received is released once dropped
         lt.run(_settled(n))
 
@@ -1415,10 +1440,11 @@ def test_fuzz_pooled_sends(node):
 
 # -- 5c. raw bytes on a session socket -------------------------------------------------------
 
-REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.RECV_REPLY, Kind.SEGMENTS, Kind.RETIRE, Kind.WELCOME,
-                         Kind.PENDING_REPLY})
+REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.RECV_REPLY, Kind.RECV_MANY_REPLY, Kind.SEGMENTS, Kind.RETIRE,
+                         Kind.WELCOME, Kind.PENDING_REPLY})
 # frames answered at once, in order (a RECV is answered when its tensor comes; RELEASE and CANCEL never)
-SYNC_KINDS = frozenset(range(256)) - {Kind.RECV, Kind.RELEASE, Kind.CANCEL}
+SYNC_KINDS = frozenset(range(256)) - {Kind.RECV, Kind.RECV_MANY, Kind.RELEASE, Kind.CANCEL}
+CLIENT_KINDS = [k for k in Kind if k < 0x80]
 SENTINEL = 2**64 - 1  # the op id of the PENDING frame that ends an example's stream
 RAW_KEY = _node_key("raw")
 HELLO_FRAME = localwire.frame(Kind.HELLO, 1, lpb.AttachRequest(client_id="0123456789ab", pid=1).SerializeToString())
@@ -1429,7 +1455,7 @@ _raw_keys = st.one_of(st.just(RAW_KEY), st.just(RAW_KEY), _local_keys)
 @st.composite
 def _raw_frames(draw: st.DrawFn) -> bytes:
     """One well-formed frame a client could write (its body valid or not)."""
-    kind = draw(st.one_of(st.sampled_from(list(Kind)[:9]), st.sampled_from(list(Kind)[:9]),
+    kind = draw(st.one_of(st.sampled_from(CLIENT_KINDS), st.sampled_from(CLIENT_KINDS),
                           st.integers(0, 255)), "kind")
     op = draw(st.integers(1, 6), "op")  # few ids: a CANCEL meets its RECV, a RECV meets one in flight
     if kind in (Kind.SEND, Kind.RETURN):
@@ -1446,6 +1472,9 @@ def _raw_frames(draw: st.DrawFn) -> bytes:
     elif kind == Kind.RECV:
         body = lpb.LocalRecvRequest(step_id=draw(_raw_steps), rendezvous_key=draw(_raw_keys),
                                     timeout=draw(st.sampled_from([0.0, 0.0, 0.01, 1e-9, -1.0]))).SerializeToString()
+    elif kind == Kind.RECV_MANY:
+        body = lpb.LocalRecvManyRequest(step_id=draw(_raw_steps), rendezvous_keys=draw(st.lists(_raw_keys, max_size=4)),
+                                        timeout=draw(st.sampled_from([0.0, 0.01, 1e-9, -1.0]))).SerializeToString()
     elif kind == Kind.ABORT:
         body = lpb.AbortRequest(step_id=draw(_ABORT_STEPS), message=draw(st.text(max_size=8))).SerializeToString()
     elif kind == Kind.RELEASE:
@@ -1583,6 +1612,10 @@ def _check_raw_replies(sent: list[tuple[int, int, bytes]], got: list[tuple[int, 
         elif kind == Kind.RECV_REPLY:
             lpb.LocalRecvResponse.FromString(body)
             event("raw: RECV_REPLY")
+        elif kind == Kind.RECV_MANY_REPLY:
+            many = lpb.LocalRecvManyResponse.FromString(body)
+            assert not (many.replies and many.failures)
+            event(f"raw: RECV_MANY_REPLY {'failed' if many.failures else 'answered'}")
         elif kind == Kind.PENDING_REPLY:
             lpb.PendingResponse.FromString(body)
         elif body:  # OK: a segment lent

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
+from rendezvous.client.aio import Client
 from rendezvous.daemon.pool import Pool
 from rendezvous.daemon.sessions import PoolBuffers
 from rendezvous.local import frames as lf
@@ -153,3 +154,159 @@ def test_pool_buffers_put_large_receives_in_the_pool():
         del small, large, held
     finally:
         pool.close()
+
+
+# -- RECV_MANY: a batch as one operation ------------------------------------------------
+
+
+def many(keys: list[str], step_id: int = 1, timeout: float | None = None) -> bytes:
+    return messages.recv_many_request(keys, step_id, timeout)
+
+
+def test_recv_many_answers_every_key_in_order_in_one_frame(sockdir):  # noqa: F811
+    async def main():
+        async with daemons(sockdir) as (d,):
+            sock = await session(d.sessions.path)
+            (s,) = d.sessions.sessions.values()
+            big = np.arange(1 << 16, dtype=np.float64)  # above the pool's threshold: handed over on a segment
+            d.server.send(key(0, 0, "a"), np.arange(3), step_id=1)
+            d.server.send(key(0, 0, "a"), np.arange(4), step_id=1)  # the same key twice: FIFO
+            d.server.send(key(0, 0, "big"), big, step_id=1)
+            d.server.send(key(0, 0, "dead"), None, step_id=1, is_dead=True)
+            keys = [key(0, 0, "a"), key(0, 0, "big"), key(0, 0, "dead"), key(0, 0, "a")]
+            [(kind, op, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 3, many(keys, timeout=5.0)))
+            assert (kind, op) == (Kind.RECV_MANY_REPLY, 3)
+            await until(lambda: s.waiting == 0 and not s.recvs, what="the batch to end")
+            got = messages.parse_many(body, len(keys))
+            assert not got.failures and len(got.replies) == 4
+            items = [messages.reply_fields(body[a:b]) for a, b in got.replies]
+            assert [i.slot is not None for i in items] == [False, True, False, False]
+            assert [i.is_dead for i in items] == [False, False, True, False]
+            first, last = (messages.parse_reply(body[a:b]).item.value.tolist() for a, b in
+                           (got.replies[0], got.replies[3]))
+            assert (first, last) == ([0, 1, 2], [0, 1, 2, 3])
+            assert d.pool.holds(s.id) == 1  # the big one's segment, the client's until it releases it
+            assert not d.server.pending() and s.waiting == 0 and not s.recvs and not d.local.waits
+            sock.close()
+    run(main())
+
+
+def test_a_failed_recv_many_names_its_keys_and_takes_nothing(sockdir):  # noqa: F811
+    async def main():
+        async with daemons(sockdir) as (d,):
+            sock = await session(d.sessions.path)
+            (s,) = d.sessions.sessions.values()
+            d.server.send(key(0, 0, "x"), np.arange(2), step_id=1)
+            d.server.send(key(0, 0, "x"), np.arange(5), step_id=1)
+            d.server.send(key(0, 0, "y"), np.arange(1 << 16, dtype=np.float64), step_id=1)
+            keys = [key(0, 0, "x"), key(0, 0, "none"), key(0, 0, "y"), key(0, 0, "x")]
+            [(kind, op, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 4, many(keys, timeout=0.3)))
+            assert (kind, op) == (Kind.RECV_MANY_REPLY, 4)
+            got = messages.parse_many(body, len(keys))
+            assert list(got.failures) == [1] and got.failures[1].code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: s.waiting == 0, what="the batch to end")
+            # nothing was taken or handed over: both x, in their order, and y are still there
+            assert d.pool.holds(s.id) == 0 and s.waiting == 0 and not d.local.waits
+            again = [key(0, 0, "x"), key(0, 0, "y"), key(0, 0, "x")]
+            [(_, _, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 5, many(again, timeout=5.0)))
+            got = messages.parse_many(body, 3)
+            values = [messages.parse_reply(body[a:b], lambda *a: None).item.value for a, b in got.replies]
+            assert values[0].tolist() == [0, 1] and values[2].tolist() == [0, 1, 2, 3, 4]
+            assert not d.server.pending() and not d.server.kept
+            sock.close()
+    run(main())
+
+
+def test_a_cancelled_or_abandoned_recv_many_keeps_what_arrived(sockdir):  # noqa: F811
+    async def main():
+        async with daemons(sockdir) as (d,):
+            sock = await session(d.sessions.path)
+            (s,) = d.sessions.sessions.values()
+            d.server.send(key(0, 0, "here"), np.arange(3), step_id=1)
+            keys = [key(0, 0, "here"), key(0, 0, "later")]
+            await asyncio.get_running_loop().sock_sendall(sock, lf.frame(Kind.RECV_MANY, 6, many(keys)))
+            await until(lambda: s.waiting == 2 and len(d.local.waits) == 2, what="the batch to wait")
+            [(kind, op, body)] = await ask(sock, lf.frame(Kind.CANCEL, 6))
+            assert (kind, op, code_of(body)) == (Kind.ERROR, 6, grpc.StatusCode.CANCELLED)
+            await until(lambda: s.waiting == 0 and not s.recvs, what="the batch to end")
+            assert not d.local.waits and not d.server.pending() and d.server.kept.count() == 1
+            # the session ends while a batch waits: the same
+            await asyncio.get_running_loop().sock_sendall(sock, lf.frame(Kind.RECV_MANY, 7, many(keys)))
+            await until(lambda: s.waiting == 2, what="the second batch to wait")
+            sock.close()
+            await until(lambda: not d.sessions.sessions, what="the session to end")
+            await until(lambda: not d.local.waits, what="its batch to be cancelled")
+            assert not d.server.pending() and d.server.kept.count() == 1
+            async with Client(d.local_target) as c:  # kept for the next recv
+                assert (await c.recv(key(0, 0, "here"), step_id=1, timeout=5)).tolist() == [0, 1, 2]
+    run(main())
+
+
+def test_recv_many_mistakes_and_its_share_of_waiting_recvs(sockdir):  # noqa: F811
+    async def main():
+        async with daemons(sockdir, max_waiting_calls=512) as (d,):  # a session's share: 64 keys
+            sock = await session(d.sessions.path)
+            (s,) = d.sessions.sessions.values()
+            share = d.sessions.recv_share
+            assert share == 64
+            waits = [lf.frame(Kind.RECV, i, messages.recv_request(key(0, 0, f"w{i}"), 1, None)) for i in range(1, 11)]
+            got = await ask(sock, *waits,
+                            lf.frame(Kind.RECV_MANY, 20, many([key(0, 0, f"k{i}") for i in range(share - 9)])),
+                            lf.frame(Kind.RECV_MANY, 21, b"\xff\xff"),  # not a LocalRecvManyRequest
+                            lf.frame(Kind.RECV_MANY, 22, many(["not a key"])),
+                            lf.frame(Kind.RECV_MANY, 23, many([])),  # nothing asked: answered at once
+                            answers=4)
+            by_op = {op: (kind, code_of(body) if kind == Kind.ERROR else body) for kind, op, body in got}
+            assert by_op == {20: (Kind.ERROR, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                             21: (Kind.ERROR, grpc.StatusCode.INVALID_ARGUMENT),
+                             22: (Kind.ERROR, grpc.StatusCode.INVALID_ARGUMENT),
+                             23: (Kind.RECV_MANY_REPLY, b"")}
+            assert s.waiting == 10
+            # the share left is taken whole by a batch that fits it
+            fits = [key(0, 0, f"k{i}") for i in range(share - 10)]
+            await asyncio.get_running_loop().sock_sendall(sock, lf.frame(Kind.RECV_MANY, 24, many(fits)))
+            await until(lambda: s.waiting == share, what="the batch to wait")
+            d.server.send_many([(k, np.arange(1)) for k in fits], step_id=1)
+            [(kind, op, body)] = await replies(sock, 1)
+            assert (kind, op) == (Kind.RECV_MANY_REPLY, 24) and len(messages.parse_many(body, len(fits)).replies) == 54
+            await until(lambda: s.waiting == 10, what="the batch to end")
+            sock.close()
+    run(main())
+
+
+def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
+    """A client whose batch gave up before its answer came returns every tensor
+    (last first, so the daemon, which keeps each in front, keeps their order)."""
+    from rendezvous.client.core import Op, Router
+
+    class Link(Router):
+        def __init__(self):
+            self.written = []
+            self._ops, self._cancelled = {}, {}
+
+        def _write(self, data):
+            self.written.append(data)
+
+    async def main():
+        async with daemons(sockdir) as (d,):
+            k = key(1, 0, "late")  # another task's key: a recv would ask it
+            reply = messages.many_reply([messages.inline_reply(Received(np.arange(n), False), Path.GRPC)
+                                         for n in (1, 2, 3)])
+            link = Link()
+            link._cancelled[9] = Op(Kind.RECV_MANY, b"", step_id=3, keys=(k, key(0, 0, "other"), k))
+            assert link._route(Kind.RECV_MANY_REPLY, 9, memoryview(reply)) is None
+            [data] = link.written
+            sock = await session(d.sessions.path)
+            got = await ask(sock, data, answers=3)
+            assert [kind for kind, _, _ in got] == [Kind.OK] * 3
+            [(_, _, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 2, many([k, k, key(0, 0, "other")], 3, 5.0)))
+            got = messages.parse_many(body, 3)
+            assert [messages.parse_reply(body[a:b]).item.value.tolist() for a, b in got.replies] == [
+                [0], [0, 1, 2], [0, 1]]
+            # a failed batch's late answer has nothing to give back
+            link.written.clear()
+            link._cancelled[10] = Op(Kind.RECV_MANY, b"", step_id=3, keys=(k,))
+            link._route(Kind.RECV_MANY_REPLY, 10, memoryview(messages.many_failed([(0, 4, "late")])))
+            assert link.written == []
+            sock.close()
+    run(main())

@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from rendezvous.errors import RendezvousError, Unavailable
+from rendezvous.errors import Unavailable
 from rendezvous.keys import Key
 from rendezvous.local import messages
 from rendezvous.local.address import channel_target, default_address, session_socket
@@ -39,8 +39,8 @@ from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import (GRPC_METHODS, ClientCore, Copy, Op, Pending, Router, Tally, check_items, check_socket,
-                   connect_within, drive_async, one_by_one, one_by_one_failure)
+from .core import (GRPC_METHODS, RECVS, ClientCore, Copy, Op, Pending, Router, check_items, check_socket,
+                   connect_within, drive_async)
 from .segments import Segments
 
 __all__ = ["Client"]
@@ -60,8 +60,6 @@ class _AioLink(Router):
         self._ids = itertools.count(1)
         self._error: BaseException | None = None
         self._release_pending = False
-        #: the futures of the batches in flight (call_many), failed if the session breaks
-        self._batches: set[asyncio.Future] = set()
         self.conn = Connection(sock, limit=1 << 62, on_frames=self._frames, on_close=self._closed, fds=True)
 
     def _write(self, data: bytes) -> None:
@@ -83,9 +81,6 @@ class _AioLink(Router):
             if entry.waiter is not None and not entry.waiter.done():
                 entry.waiter.set_exception(self._error)
         self._ops.clear()
-        for batch in self._batches:
-            if not batch.done():
-                batch.set_exception(self._error)
 
     def _release_soon(self) -> None:
         """A received array went (any thread): tell the daemon on the loop."""
@@ -114,42 +109,14 @@ class _AioLink(Router):
         try:
             await asyncio.wait_for(entry.waiter, op.timeout)
         except BaseException:
-            if op.kind == Kind.RECV:
-                self._give_up(op_id, entry)  # the tensor, now or when it comes, is given back
+            if op.kind in RECVS:
+                self._give_up(op_id, entry)  # the tensors, now or when they come, are given back
             else:
                 self._ops.pop(op_id, None)
             raise
         if entry.kind == Kind.ERROR:
             raise messages.frame_error(entry.body)
         return entry.body
-
-    async def call_many(self, ops: list[Op], guard: float | None) -> list[Pending]:
-        """:meth:`rendezvous.client.blocking._BlockingLink.call_many` on the loop:
-        RECV ``ops`` in one write, all answered or one failed (the rest given
-        back) or ``guard`` seconds passed."""
-        if self._error is not None:
-            raise self._error
-        settled = self.loop.create_future()
-        tally = Tally(len(ops), lambda: settled.done() or settled.set_result(None))
-        entries = [Pending(op, None, tally) for op in ops]  # one future for the batch, not one per entry
-        ids = [next(self._ids) for _ in ops]
-        for op_id, entry in zip(ids, entries):
-            self._ops[op_id] = entry
-        released = self.segments.drain_released()
-        self.conn.write(released + b"".join(frame(op.kind, op_id, op.body) for op_id, op in zip(ids, ops)))
-        if not ops:
-            return entries
-        self._batches.add(settled)
-        try:
-            await asyncio.wait_for(settled, guard)
-        except BaseException:
-            self._give_back(ids, entries)
-            raise
-        finally:
-            self._batches.discard(settled)
-        if tally.failed:
-            self._give_back(ids, entries)
-        return entries
 
     def close(self) -> None:
         self.conn.close(None)
@@ -306,20 +273,11 @@ class Client:
     async def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0,
                               timeout: float | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
-        ops = [self._core.recv_op(k, step_id, timeout) for k in keys]
-        if not ops:
+        if not keys:
             return []
+        op = self._core.recv_many_op(keys, step_id, timeout)
         await self.connect(timeout)
-        if self._link is None:
-            got: list[Received] = []
-            for op in one_by_one(ops, step_id, asyncio.get_running_loop().time):
-                try:
-                    got.append(self._core.received(await self._do(op)))
-                except RendezvousError as exc:
-                    raise one_by_one_failure(ops, step_id, got, exc) from None
-            return got
-        entries = await self._link.call_many(ops, None if timeout is None else timeout + 10.0)
-        return self._core.batch_result(entries, step_id)
+        return self._core.received_many(await self._do(op), op)
 
     async def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""

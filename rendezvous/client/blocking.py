@@ -56,8 +56,7 @@ from rendezvous.rpc.options import local_channel_options
 from rendezvous.table import Received
 from rendezvous.v1 import local_pb2 as lpb
 
-from .core import (GRPC_METHODS, ClientCore, Op, Pending, Router, Tally, check_items, check_socket, drive,
-                   one_by_one, one_by_one_failure)
+from .core import GRPC_METHODS, RECVS, ClientCore, Op, Pending, Router, check_items, check_socket, drive
 from .segments import Segments
 
 __all__ = ["Client", "token_metadata"]
@@ -140,7 +139,7 @@ class _BlockingLink(Router):
             self._write(frame(op.kind, op_id, op.body))
             self._wait(entry, None if op.timeout is None else time.monotonic() + op.timeout)
         except BaseException as exc:
-            if op.kind == Kind.RECV:
+            if op.kind in RECVS:
                 # interrupted (Ctrl-C) or out of time: the tensor is given back
                 try:
                     with self._cond:
@@ -155,34 +154,6 @@ class _BlockingLink(Router):
         if entry.kind == Kind.ERROR:
             raise messages.frame_error(entry.body)
         return entry.body
-
-    def call_many(self, ops: list[Op], deadline: float | None) -> list[Pending]:
-        """Send RECV ``ops`` in one write and wait until all are answered, or one
-        failed (then every other one is given back: the arrived tensors go back to
-        the daemon for the next recv of their keys, the waits are cancelled), or
-        ``deadline`` passes. The answered entries, in order."""
-        if self._error is not None:
-            raise self._error
-        tally = Tally(len(ops))
-        entries = [Pending(op, None, tally) for op in ops]
-        ids = [next(self._ids) for _ in ops]
-        for op_id, entry in zip(ids, entries):
-            self._ops[op_id] = entry
-        try:
-            self._write(b"".join(frame(op.kind, op_id, op.body) for op_id, op in zip(ids, ops)))
-            self._wait_until(lambda: tally.settled, deadline)
-        except BaseException as exc:
-            self._give_back(ids, entries)
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded("the daemon did not answer the batch in time") from None
-            raise
-        if tally.failed:
-            self._give_back(ids, entries)
-        return entries
-
-    def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
-        with self._cond:  # under the lock the reader routes under: see _give_up
-            super()._give_back(ids, entries)
 
     def _wait(self, entry: Pending, deadline: float | None) -> None:
         self._wait_until(lambda: entry.done, deadline)
@@ -362,29 +333,20 @@ class Client:
     def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
                   timeout: float | None = None) -> list[np.ndarray | None]:
         """Many tensors, in key order, under one deadline, all or none: if one key
-        fails, the tensors that arrived go back to the daemon for the next recv
-        of their keys, and the error names the keys that failed (see
-        :meth:`rendezvous.aio.Server.recv_many`). On the session socket, in one
-        write; through a TCP local address, the keys one by one."""
+        fails, nothing is taken (the daemon keeps what had arrived for the next
+        recv of its key), and the error names the keys that failed (see
+        :meth:`rendezvous.aio.Server.recv_many`). One operation for the daemon
+        (RECV_MANY on the session socket, the RecvMany call over gRPC), which
+        asks each remote producer once for its keys."""
         return [item.value for item in self.recv_many_items(keys, step_id, timeout)]
 
     def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0,
                         timeout: float | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
-        ops = [self._core.recv_op(k, step_id, timeout) for k in keys]
-        if not ops:
+        if not keys:
             return []
-        if self._link is None:
-            got: list[Received] = []
-            for op in one_by_one(ops, step_id, time.monotonic):
-                try:
-                    got.append(self._core.received(self._do(op)))
-                except RendezvousError as exc:
-                    raise one_by_one_failure(ops, step_id, got, exc) from None
-            return got
-        guard = None if timeout is None else time.monotonic() + timeout + 10.0
-        entries = self._link.call_many(ops, guard)
-        return self._core.batch_result(entries, step_id)
+        op = self._core.recv_many_op(keys, step_id, timeout)
+        return self._core.received_many(self._do(op), op)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""

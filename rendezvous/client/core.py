@@ -21,12 +21,12 @@ import collections
 import os
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from rendezvous.errors import RendezvousError, ResourceExhausted, Unavailable, batch_failure
+from rendezvous.errors import ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
@@ -39,12 +39,14 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
 
-__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "Tally", "drive", "drive_async", "GRPC_METHODS",
-           "check_items", "one_by_one", "one_by_one_failure",
-           "check_socket", "connect_within"]
+__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "RECVS", "drive", "drive_async", "GRPC_METHODS",
+           "check_items", "check_socket", "connect_within"]
 
 #: the gRPC method of each operation, for a client without a session socket
-GRPC_METHODS = {Kind.SEND: "Send", Kind.RECV: "Recv", Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
+GRPC_METHODS = {Kind.SEND: "Send", Kind.RECV: "Recv", Kind.RECV_MANY: "RecvMany", Kind.ABORT: "Abort",
+                Kind.PENDING: "Pending"}
+#: operations whose answer carries tensors: a caller that gives up gives them back
+RECVS = (Kind.RECV, Kind.RECV_MANY)
 
 
 def check_socket(address: str) -> None:
@@ -68,13 +70,15 @@ def connect_within(connect_timeout: float, timeout: float | None) -> float:
 
 class Op(NamedTuple):
     """One operation for the daemon: its kind, body, a deadline for the answer
-    (None: none), and for a RECV the key and step (to give a late reply back)."""
+    (None: none), and for a RECV (RECV_MANY) the key (keys) and step, to give
+    a late reply back."""
 
     kind: Kind
     body: bytes
     timeout: float | None = None
     key: str = ""
     step_id: int = 0
+    keys: tuple[str, ...] = ()
 
 
 class Copy(NamedTuple):
@@ -151,13 +155,22 @@ class ClientCore:
             self._counts[reply.path] += 1
         return reply.item
 
-    def batch_result(self, entries: list["Pending"], step_id: int) -> list[Received]:
-        """The items of a RECV batch answered whole, or its error (the link gave
-        every other tensor back already) naming each key that failed."""
-        failures = {i: messages.frame_error(e.body) for i, e in enumerate(entries) if e.done and e.kind == Kind.ERROR}
-        if failures:
-            raise batch_failure([e.op.key for e in entries], step_id, failures)
-        return [self.received(e.body) for e in entries]
+    @staticmethod
+    def recv_many_op(keys: Sequence[Key | str], step_id: int, timeout: float | None) -> Op:
+        """The RECV_MANY of ``keys``: one operation, one deadline (the daemon's;
+        the client's guard is 10 s later, as for :meth:`recv_op`)."""
+        canonical = tuple(as_key(k).format() for k in keys)  # a malformed key: refused before anything is sent
+        guard = None if timeout is None else timeout + 10.0
+        return Op(Kind.RECV_MANY, messages.recv_many_request(list(canonical), step_id, timeout), guard,
+                  step_id=step_id, keys=canonical)
+
+    def received_many(self, raw: bytes | memoryview, op: Op) -> list[Received]:
+        """A RECV_MANY's answer as the items, in key order, or its error naming each
+        key that failed (nothing of the batch was taken)."""
+        got = messages.parse_many(raw, len(op.keys))
+        if got.failures:
+            raise batch_failure(list(op.keys), op.step_id, got.failures)
+        return [self.received(raw[a:b]) for a, b in got.replies]
 
     @staticmethod
     def abort_op(step_id: int, message: str) -> Op:
@@ -216,46 +229,18 @@ class Pending:
     """An operation sent on the session socket and not answered yet: its answer
     (kind and body) once ``done``."""
 
-    __slots__ = ("op", "kind", "body", "done", "waiter", "tally")
+    __slots__ = ("op", "kind", "body", "done", "waiter")
 
-    def __init__(self, op: Op, waiter: Any = None, tally: "Tally | None" = None) -> None:
+    def __init__(self, op: Op, waiter: Any = None) -> None:
         self.op = op
         self.kind = 0
         self.body: Any = b""
         self.done = False
         self.waiter = waiter  # what the caller waits on (a future, for the asyncio client)
-        self.tally = tally  # the batch it belongs to (call_many), told of its answer
 
     def answered(self, kind: int, body: Any) -> None:
         """Its answer came (the link's reader calls this)."""
         self.kind, self.body, self.done = kind, body, True
-        if self.tally is not None:
-            self.tally.answered(kind)
-
-
-class Tally:
-    """How the entries of one batch (``call_many``) stand, counted as their
-    answers come, so that "all answered, or one failed" is asked in O(1)
-    however many there are. ``on_settled`` is called once, when it becomes so."""
-
-    __slots__ = ("left", "failed", "on_settled")
-
-    def __init__(self, n: int, on_settled: Callable[[], None] | None = None) -> None:
-        self.left = n
-        self.failed = False
-        self.on_settled = on_settled
-
-    def answered(self, kind: int) -> None:
-        was = self.settled
-        self.left -= 1
-        if kind == Kind.ERROR:
-            self.failed = True
-        if not was and self.settled and self.on_settled is not None:
-            self.on_settled()
-
-    @property
-    def settled(self) -> bool:
-        return self.left <= 0 or self.failed
 
 
 class Router:
@@ -273,26 +258,25 @@ class Router:
         raise NotImplementedError
 
     def _give_up(self, op_id: int, entry: Pending) -> None:
-        """The caller of RECV ``op_id`` stopped waiting (a deadline of its own, a
-        cancel, Ctrl-C). Its answer is given back, never dropped: if it already
-        came, the tensor goes back now (RETURN); if not, the daemon's wait is
-        cancelled and a tensor that still comes is given back when it does.
-        (The blocking link calls this under the lock its reader routes under.)"""
+        """The caller of RECV (RECV_MANY) ``op_id`` stopped waiting (a deadline of
+        its own, a cancel, Ctrl-C). Its answer is given back, never dropped: if
+        it already came, the tensors go back now (RETURN); if not, the daemon's
+        wait is cancelled and tensors that still come are given back when they
+        do. (The blocking link calls this under the lock its reader routes under.)"""
         if self._ops.pop(op_id, None) is not None:
             self._cancelled[op_id] = entry.op
             self._write(frame(Kind.CANCEL, op_id))
-        elif entry.done and entry.kind == Kind.RECV_REPLY:
-            self._write(frame(Kind.RETURN, 0, messages.returned(entry.op.key, entry.op.step_id, entry.body)))
+        elif entry.done:
+            self._return(entry.op, entry.kind, entry.body)
 
-    def _give_back(self, ids: list[int], entries: list[Pending]) -> None:
-        """A batch (``call_many``) gave up: every entry not answered with an
-        error gives up as one recv would (:meth:`_give_up`)."""
-        for op_id, entry in zip(ids, entries):
-            if not (entry.done and entry.kind == Kind.ERROR):
-                try:
-                    self._give_up(op_id, entry)
-                except RendezvousError:
-                    pass  # the session broke: the daemon takes everything back with it
+    def _return(self, op: Op, kind: int, body: memoryview) -> None:
+        """Give back the tensors of ``op``'s answer, which nobody takes (RETURN frames)."""
+        if kind == Kind.RECV_REPLY:
+            self._write(frame(Kind.RETURN, 0, messages.returned(op.key, op.step_id, body)))
+        elif kind == Kind.RECV_MANY_REPLY:
+            back = messages.returned_many(op.keys, op.step_id, body)
+            if back:
+                self._write(b"".join(frame(Kind.RETURN, 0, one) for one in back))
 
     def _route(self, kind: int, op_id: int, body: memoryview) -> Pending | None:
         """The pending entry this frame answers, or None (handled here)."""
@@ -305,8 +289,8 @@ class Router:
         entry = self._ops.pop(op_id, None)
         if entry is None:
             late = self._cancelled.pop(op_id, None)
-            if late is not None and kind == Kind.RECV_REPLY:
-                self._write(frame(Kind.RETURN, 0, messages.returned(late.key, late.step_id, body)))
+            if late is not None:
+                self._return(late, kind, body)
             return None
         if kind == Kind.OK:
             self.segments.lent(body)
@@ -322,23 +306,3 @@ def check_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tu
         if not dead and not hasattr(tensor, "__dlpack__"):
             check_sendable(as_array(tensor))
     return out
-
-
-def one_by_one(ops: list[Op], step_id: int, now: Callable[[], float]) -> Generator[Op, None, None]:
-    """A RECV batch without the session socket (a TCP local address): the keys
-    one by one, each op yielded with the batch's deadline as it is left. A
-    driver that fails part-way raises :func:`one_by_one_failure`."""
-    timeout = ops[0].timeout
-    end = None if timeout is None else now() + timeout - 10.0  # recv_op's guard is 10 s later
-    for op in ops:
-        left = None if end is None else max(0.001, end - now())  # 0 would mean no deadline
-        yield op._replace(body=messages.recv_request(op.key, step_id, left),
-                          timeout=None if left is None else left + 10.0)
-
-
-def one_by_one_failure(ops: list[Op], step_id: int, got: list[Received], exc: RendezvousError) -> BaseException:
-    """What arrived before a failure cannot go back to the daemon over gRPC: the
-    error carries it (``error.received``: key -> item), so it is not lost."""
-    error = batch_failure([o.key for o in ops], step_id, {len(got): exc}, handed_over=True)
-    error.received = {o.key: item for o, item in zip(ops, got)}  # type: ignore[attr-defined]
-    return error

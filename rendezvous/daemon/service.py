@@ -113,6 +113,7 @@ class LocalServicer:
         return [grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.unary_unary_rpc_method_handler(self._send),
             "Recv": grpc.unary_unary_rpc_method_handler(self._recv),
+            "RecvMany": grpc.unary_unary_rpc_method_handler(self._recv_many),
             "Abort": grpc.unary_unary_rpc_method_handler(self._abort),
             "Pending": grpc.unary_unary_rpc_method_handler(self._pending),
             "Attach": grpc.unary_stream_rpc_method_handler(self._attach),
@@ -228,6 +229,33 @@ class LocalServicer:
             self.metrics.local_op("recv", Hop.INLINE, payload_nbytes(item.value))
         return reply
 
+    async def _recv_many(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        t0 = time.perf_counter()
+        req = None
+        try:
+            req = messages.parse_recv_many(request)
+            got = await self.fetch_many(req)
+            try:
+                if context.cancelled():
+                    raise Unavailable("the client went away")
+                reply = messages.many_reply([messages.inline_reply(f.item, f.path) for f in got])
+            except BaseException:
+                self.give_back_many(req, [f.item for f in got])
+                raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            failed = self.many_failed(req.rendezvous_keys, exc) if req is not None else None
+            if failed is not None:
+                return failed
+            await context.abort(*self._error(exc))
+        if self.metrics is not None:
+            took = time.perf_counter() - t0
+            for f in got:
+                self.metrics.recv_done(f.path, took)
+                self.metrics.local_op("recv", Hop.INLINE, payload_nbytes(f.item.value))
+        return reply
+
     async def fetch(self, req: lpb.LocalRecvRequest) -> LocalFetched:
         """A local client's recv: the item (a host array) and how the daemon got it.
         Counted in :attr:`waits` (the stall watcher's) while it waits."""
@@ -248,6 +276,47 @@ class LocalServicer:
         finally:
             self.waits.pop(wait_id, None)
         return LocalFetched(fetched.item, fetched.path)
+
+    async def fetch_many(self, req: lpb.LocalRecvManyRequest) -> list[LocalFetched]:
+        """A local client's batch (all or none: see ``Server.recv_many``), each key
+        counted in :attr:`waits` while it waits."""
+        self._refuse_if_draining()
+        keys = [parse_key(k) for k in req.rendezvous_keys]  # a malformed key: nothing is asked
+        if len(self.waits) + len(keys) > self.config.max_waiting_calls:
+            raise ResourceExhausted(f"a batch of {len(keys)} recvs would pass the daemon's max_waiting_calls "
+                                    f"({len(self.waits)} of {self.config.max_waiting_calls} wait now); "
+                                    "try again later")
+        now = time.monotonic()
+        first = self._next_wait + 1
+        for key in keys:
+            self._next_wait += 1
+            self.waits[self._next_wait] = _Wait(key.format(), req.step_id, str(key.src_task or self.server.task), now)
+        try:
+            timeout = req.timeout if req.timeout > 0 else None
+            fetched = await self.server.fetch_many(keys, req.step_id, timeout, device="cpu")
+        finally:
+            for wait_id in range(first, self._next_wait + 1):
+                self.waits.pop(wait_id, None)
+        return [LocalFetched(f.item, f.path) for f in fetched]
+
+    def give_back_many(self, req: lpb.LocalRecvManyRequest, items: list[Received]) -> None:
+        """A batch's items that were not handed to their client: each kept for the
+        next recv of its key, in their order."""
+        self.server.give_back(req.step_id, list(req.rendezvous_keys), items, why="was not handed to its local client")
+
+    def many_failed(self, keys: Any, exc: BaseException) -> bytes | None:
+        """The LocalRecvManyResponse naming each key of a batch that failed, or None
+        if ``exc`` is not a batch's failure (it is answered as an error)."""
+        failures = getattr(exc, "failures", None)
+        if not isinstance(failures, dict):
+            return None
+        out = []
+        for i, key in enumerate(keys):
+            err = failures.get(parse_key(key).format())
+            if err is not None:
+                code, message = self._error(err)
+                out.append((i, code.value[0], message))
+        return messages.many_failed(out) if out else None
 
     def give_back(self, req: lpb.LocalRecvRequest, item: Received) -> None:
         """A fetched item that was not handed to its client (it went, or the reply

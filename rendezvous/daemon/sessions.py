@@ -129,12 +129,14 @@ class Session:
         self.client_id = ""
         self.hello = False
         self.recvs: dict[int, asyncio.Task] = {}
+        self.waiting = 0  # keys those recvs wait for (a RECV_MANY counts each of its keys)
         self.bad = 0
         # A tensor's bytes come only in SEND (inline) and RETURN frames; a few frames
         # are handed over at a time, so a client that reads no replies stops being
         # read within a few of them (see local.connection.Connection).
         self.conn = Connection(sock, limit=SMALL_FRAME, on_frames=self._frames, on_close=self._closed,
-                                         limits={Kind.SEND: server.frame_limit, Kind.RETURN: server.frame_limit},
+                                         limits={Kind.SEND: server.frame_limit, Kind.RETURN: server.frame_limit,
+                                                 Kind.RECV_MANY: server.frame_limit},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
 
@@ -170,13 +172,10 @@ class Session:
             self._send(op, body, keep=kind == Kind.RETURN)
         elif kind == Kind.RECV:
             req = messages.parse_recv(body)
-            if op in self.recvs:
-                raise InvalidArgument(f"operation id {op} is already in flight")
-            if len(self.recvs) >= self.server.recv_share:
-                raise ResourceExhausted(f"this session already has {len(self.recvs)} recvs in flight (at most "
-                                        f"{self.server.recv_share}: 1/{SHARE} of max_waiting_calls)")
-            task = asyncio.get_running_loop().create_task(self._recv(op, req))
-            self.recvs[op] = task
+            self._start(op, 1, self._recv(op, req))
+        elif kind == Kind.RECV_MANY:
+            many = messages.parse_recv_many(body)
+            self._start(op, len(many.rendezvous_keys), self._recv_many(op, many))
         elif kind == Kind.CANCEL:
             task = self.recvs.get(op)
             if task is not None:
@@ -279,6 +278,25 @@ class Session:
 
     # -- recv -------------------------------------------------------------------
 
+    def _start(self, op: int, keys: int, answer: Any) -> None:
+        """Run a RECV's or RECV_MANY's ``answer`` (a coroutine) as operation ``op``,
+        within this session's share of waiting recvs."""
+        if op in self.recvs:
+            answer.close()
+            raise InvalidArgument(f"operation id {op} is already in flight")
+        if self.waiting + keys > self.server.recv_share:
+            answer.close()
+            raise ResourceExhausted(f"this session already waits for {self.waiting} keys and asks {keys} more (at "
+                                    f"most {self.server.recv_share}: 1/{SHARE} of max_waiting_calls)")
+        self.waiting += keys
+        task = asyncio.get_running_loop().create_task(answer)
+        self.recvs[op] = task
+        task.add_done_callback(lambda _: self._ended(op, keys))
+
+    def _ended(self, op: int, keys: int) -> None:
+        self.recvs.pop(op, None)
+        self.waiting -= keys
+
     async def _recv(self, op: int, req: lpb.LocalRecvRequest) -> None:
         """Answer one RECV: exactly one frame for ``op``, RECV_REPLY or ERROR (CANCELLED
         after the client's CANCEL). Fetched and not handed over is kept."""
@@ -305,37 +323,106 @@ class Session:
         except Exception as exc:
             log.error("local recv failed", exc_info=exc)
             self._error(op, exc)
-        finally:
-            self.recvs.pop(op, None)
+
+    async def _recv_many(self, op: int, req: lpb.LocalRecvManyRequest) -> None:
+        """Answer one RECV_MANY: exactly one frame for ``op``, RECV_MANY_REPLY (every
+        tensor in key order, or which keys failed: then nothing was taken) or
+        ERROR. Fetched and not handed over is kept, in order."""
+        t0 = time.perf_counter()
+        metrics = self.servicer.metrics
+        try:
+            try:
+                got = await self.servicer.fetch_many(req)
+            except RendezvousError as exc:
+                failed = self.servicer.many_failed(req.rendezvous_keys, exc)
+                if failed is None:
+                    raise
+                self.conn.write(frame(Kind.RECV_MANY_REPLY, op, failed))
+                return
+            try:
+                await self.conn.room()
+                places = await self._places([f.item for f in got])
+                replies = self._replies(got, places)  # no await until the reply is written
+            except BaseException:
+                self.servicer.give_back_many(req, [f.item for f in got])
+                raise
+            self.conn.write(frame(Kind.RECV_MANY_REPLY, op, messages.many_reply([r.body for r in replies])))
+            if metrics is not None:
+                took = time.perf_counter() - t0
+                for f, r in zip(got, replies):
+                    metrics.recv_done(f.path, took)
+                    metrics.local_op("recv", r.hop, r.nbytes)
+        except asyncio.CancelledError:
+            self._error(op, Cancelled(f"recv_many of {len(req.rendezvous_keys)} keys (step {req.step_id}) "
+                                      "was cancelled"))
+        except RendezvousError as exc:
+            self._error(op, exc)
+        except Exception as exc:
+            log.error("local recv_many failed", exc_info=exc)
+            self._error(op, exc)
 
     async def _reply(self, item: Received, path: Path) -> Reply:
-        """A fetched tensor as its LocalRecvResponse: a pool segment handed over (the
-        one it is on, or one it is copied into), or the bytes in the frame."""
-        value = item.value
+        """A fetched tensor as its LocalRecvResponse (see :meth:`_places`)."""
+        places = await self._places([item])
+        return self._replies([(item, path)], places)[0]
+
+    async def _places(self, items: list[Received]) -> list[tuple[np.ndarray, Segment] | None]:
+        """Where each fetched tensor goes to the client: a pool segment (the one it
+        is on, or one it is copied into) or None (the bytes go in the frame:
+        dead, small, not plain bytes, the pool full, or the session at its share
+        of segments). Nothing is handed over yet."""
+        out: list[tuple[np.ndarray, Segment] | None] = []
         threshold = self.server.threshold
-        if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
-                or value.nbytes == 0 or value.nbytes < threshold
-                # a session at its share of segments: the bytes go in the frame
-                or self.pool.holds(self.id) >= self.server.segment_share):
-            return Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(value))
-        seg = self.pool.segment_of(value)
-        if seg is None or seg.held_by is not None or value.nbytes > seg.size:
-            copy = self.pool.array(value.shape, value.dtype)
-            if copy is None:  # the pool is full: the bytes go in the frame
-                return Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(value))
-            if value.nbytes >= _OFF_LOOP_BYTES:
-                await asyncio.get_running_loop().run_in_executor(None, np.copyto, copy, value)
-            else:
-                np.copyto(copy, value)
-            value = copy
+        room = self.server.segment_share - self.pool.holds(self.id)
+        taken: set[int] = set()  # segments this answer hands over (a tensor sent twice is copied once)
+        for item in items:
+            value = item.value
+            if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
+                    or value.nbytes == 0 or value.nbytes < threshold or len(taken) >= room):
+                out.append(None)
+                continue
             seg = self.pool.segment_of(value)
-            assert seg is not None
-        if self.conn.closed:  # no await from here until the reply is written
+            if seg is None or seg.held_by is not None or seg.id in taken or value.nbytes > seg.size:
+                copy = self.pool.array(value.shape, value.dtype)
+                if copy is None:  # the pool is full: the bytes go in the frame
+                    out.append(None)
+                    continue
+                if value.nbytes >= _OFF_LOOP_BYTES:
+                    await asyncio.get_running_loop().run_in_executor(None, np.copyto, copy, value)
+                else:
+                    np.copyto(copy, value)
+                value = copy
+                seg = self.pool.segment_of(value)
+                assert seg is not None
+            taken.add(seg.id)
+            out.append((value, seg))
+        return out
+
+    def _replies(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]) -> list[Reply]:
+        """The LocalRecvResponse of each (item, path) in ``got``, handing over the
+        segments :meth:`_places` chose. Called with no await before the write."""
+        if self.conn.closed:
             raise Unavailable("the client went away")
-        self.pool.hand_to(seg, self.id)
-        self._introduce(seg)
-        meta = TensorMeta(value.dtype, value.shape)
-        return Reply(messages.pooled_reply(meta, seg.id, value.nbytes, path), Hop.SHM, value.nbytes)
+        replies = []
+        handed: list[Segment] = []
+        try:
+            for (item, path), place in zip(got, places):
+                if place is None or place[1].held_by is not None:  # (another answer took it meanwhile)
+                    replies.append(Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(item.value)))
+                    continue
+                value, seg = place
+                self.pool.hand_to(seg, self.id)
+                handed.append(seg)
+                meta = TensorMeta(value.dtype, value.shape)
+                replies.append(Reply(messages.pooled_reply(meta, seg.id, value.nbytes, path), Hop.SHM,
+                                     value.nbytes))
+        except BaseException:
+            for seg in handed:
+                self.pool.release(seg.id, self.id)
+            raise
+        for seg in handed:
+            self._introduce(seg)
+        return replies
 
     # -- errors and the end -----------------------------------------------------------
 

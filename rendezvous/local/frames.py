@@ -60,6 +60,7 @@ class Kind(enum.IntEnum):
     CANCEL = 7  # the RECV whose id is this frame's id gives up; no answer of its own
     LEND = 8  # packed u64 byte count; answered OK with the segment granted
     RETURN = 9  # SendRequest of a reply the client could not deliver (its recv was cancelled); answered OK
+    RECV_MANY = 10  # LocalRecvManyRequest; answered RECV_MANY_REPLY (CANCEL gives it up as a RECV)
     # daemon -> client
     OK = 0x80
     ERROR = 0x81  # packed status code and message; with operation id 0: the session ends, and why
@@ -68,6 +69,7 @@ class Kind(enum.IntEnum):
     RETIRE = 0x84  # packed segment ids the daemon closed: unmap them
     WELCOME = 0x85  # AttachResponse
     PENDING_REPLY = 0x86  # PendingResponse
+    RECV_MANY_REPLY = 0x87  # LocalRecvManyResponse
 
 
 class FrameError(InvalidArgument):

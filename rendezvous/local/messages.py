@@ -37,7 +37,8 @@ from .frames import unpack_error
 
 __all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "to_pending",
            "send_head", "inline_send", "pooled_send", "returned", "SendFields", "parse_send", "parse_slot",
-           "recv_request", "parse_recv", "inline_reply", "pooled_reply", "ReplyFields", "reply_fields",
+           "recv_request", "parse_recv", "recv_many_request", "parse_recv_many", "many_reply", "many_failed",
+           "ManyReply", "parse_many", "returned_many", "inline_reply", "pooled_reply", "ReplyFields", "reply_fields",
            "LocalReply", "parse_reply", "error_from", "frame_error"]
 
 #: the gRPC service of the local protocol, and its methods' path prefix
@@ -186,6 +187,76 @@ def parse_recv(raw: bytes | memoryview) -> lpb.LocalRecvRequest:
         return lpb.LocalRecvRequest.FromString(bytes(raw))
     except DecodeError as exc:
         raise InvalidArgument(f"malformed LocalRecvRequest: {exc}") from None
+
+
+def recv_many_request(keys: list[str], step_id: int, timeout: float | None) -> bytes:
+    """A RECV_MANY's body: ``keys`` (canonical already) of ``step_id`` under one deadline."""
+    return lpb.LocalRecvManyRequest(step_id=step_id, rendezvous_keys=keys,
+                                    timeout=timeout or 0.0).SerializeToString()
+
+
+def parse_recv_many(raw: bytes | memoryview) -> lpb.LocalRecvManyRequest:
+    try:
+        return lpb.LocalRecvManyRequest.FromString(bytes(raw))
+    except DecodeError as exc:
+        raise InvalidArgument(f"malformed LocalRecvManyRequest: {exc}") from None
+
+
+def many_reply(replies: list[bytes]) -> bytes:
+    """A LocalRecvManyResponse of ``replies`` (LocalRecvResponse bodies, in key order)."""
+    parts = []
+    for body in replies:
+        parts += [wire.len_field_header(F.LOCAL_MANY_REPLIES, len(body)), body]
+    return b"".join(parts)
+
+
+def many_failed(failures: list[tuple[int, int, str]]) -> bytes:
+    """A LocalRecvManyResponse saying which keys (index, status code, message) failed."""
+    return lpb.LocalRecvManyResponse(failures=[lpb.LocalRecvFailure(index=i, code=c, message=m)
+                                               for i, c, m in failures]).SerializeToString()
+
+
+class ManyReply(NamedTuple):
+    """A parsed LocalRecvManyResponse: each reply's byte span, or the failures."""
+
+    replies: list[tuple[int, int]]
+    failures: dict[int, RendezvousError]
+
+
+def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
+    """The replies (spans of ``raw``) or failures of a batch of ``n`` keys; a reply
+    that answers another number of keys, or names a failure outside the batch,
+    is InvalidArgument."""
+    spans: list[tuple[int, int]] = []
+    failures: dict[int, RendezvousError] = {}
+    for num, wt, a, b in wire.iter_fields(raw):
+        if num == F.LOCAL_MANY_REPLIES and wt == wire.LEN:
+            spans.append((a, b))
+        elif num == F.LOCAL_MANY_FAILURES and wt == wire.LEN:
+            try:
+                one = lpb.LocalRecvFailure.FromString(bytes(raw[a:b]))
+            except DecodeError as exc:
+                raise InvalidArgument(f"malformed LocalRecvFailure: {exc}") from None
+            if one.index >= n:
+                raise InvalidArgument(f"a batch of {n} keys failed at key {one.index}")
+            failures[one.index] = from_status(one.code, one.message)
+    if failures:
+        return ManyReply([], failures)
+    if len(spans) != n:
+        raise InvalidArgument(f"the daemon answered {len(spans)} of a batch of {n} keys")
+    return ManyReply(spans, {})
+
+
+def returned_many(keys: tuple[str, ...], step_id: int, reply: bytes | memoryview) -> list[bytes]:
+    """RETURN frames' bodies for a batch's answer that came after its caller gave
+    up, each reply as :func:`returned` makes it; last key first, so that the
+    daemon, which keeps each in front, keeps them in their order (FIFO per
+    key). None if the batch failed (nothing was taken)."""
+    try:
+        got = parse_many(reply, len(keys))
+    except InvalidArgument:
+        return []  # not an answer to this batch: nothing of it can be given back
+    return [returned(key, step_id, reply[a:b]) for key, (a, b) in reversed(list(zip(keys, got.replies)))]
 
 
 def _path_field(path: Path) -> bytes:

@@ -467,6 +467,12 @@ class Server:
         finally:
             warn.cancel()
 
+    async def fetch_many(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
+                         device: str | Placement | None = None) -> list[Fetched]:
+        """:meth:`recv_many_items` with the path each tensor took: what a daemon
+        serves a local client's batch with."""
+        return await self._receiver.fetch_many(keys, step_id, timeout, device)
+
     def _stalled(self, key: Key | str, step_id: int, waited: float, timeout: float | None) -> None:
         k = as_key(key)
         src = k.src_task

@@ -55,6 +55,34 @@ class LocalRecvResponse(_message.Message):
     pooled: PoolSlot
     def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., path: _Optional[str] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ...) -> None: ...
 
+class LocalRecvManyRequest(_message.Message):
+    __slots__ = ("step_id", "rendezvous_keys", "timeout")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rendezvous_keys: _containers.RepeatedScalarFieldContainer[str]
+    timeout: float
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_keys: _Optional[_Iterable[str]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class LocalRecvFailure(_message.Message):
+    __slots__ = ("index", "code", "message")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: int
+    message: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LocalRecvManyResponse(_message.Message):
+    __slots__ = ("replies", "failures")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[LocalRecvResponse]
+    failures: _containers.RepeatedCompositeFieldContainer[LocalRecvFailure]
+    def __init__(self, replies: _Optional[_Iterable[_Union[LocalRecvResponse, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[LocalRecvFailure, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("step_id", "message")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]

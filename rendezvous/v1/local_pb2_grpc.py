@@ -44,6 +44,11 @@ class LocalRendezvousStub:
                 request_serializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvResponse.FromString,
                 _registered_method=True)
+        self.RecvMany = channel.unary_unary(
+                '/rendezvous.v1.LocalRendezvous/RecvMany',
+                request_serializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvManyRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/rendezvous.v1.LocalRendezvous/Abort',
                 request_serializer=rendezvous_dot_v1_dot_local__pb2.AbortRequest.SerializeToString,
@@ -71,6 +76,12 @@ class LocalRendezvousServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Recv(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecvMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +117,11 @@ def add_LocalRendezvousServicer_to_server(servicer, server):
                     servicer.Recv,
                     request_deserializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvResponse.SerializeToString,
+            ),
+            'RecvMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecvMany,
+                    request_deserializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvManyRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -177,6 +193,33 @@ class LocalRendezvous:
             '/rendezvous.v1.LocalRendezvous/Recv',
             rendezvous_dot_v1_dot_local__pb2.LocalRecvRequest.SerializeToString,
             rendezvous_dot_v1_dot_local__pb2.LocalRecvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecvMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.LocalRendezvous/RecvMany',
+            rendezvous_dot_v1_dot_local__pb2.LocalRecvManyRequest.SerializeToString,
+            rendezvous_dot_v1_dot_local__pb2.LocalRecvManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
