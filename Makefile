@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-hosts bench-hosts demo-loopback test test-quick soak protos bench clean
+.PHONY: all venv demo demo-hosts bench-hosts demo-loopback test test-quick soak protos bench gpu-check clean
 
 all: test
 
@@ -53,6 +53,16 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m rendezvous bench-steps $(STEPS_ARGS)
 	$(BIN)/python -m rendezvous bench-daemon $(DAEMON_ARGS)
 	$(BIN)/python -m rendezvous bench-scale $(SCALE_ARGS)
+
+# The checks only a real GPU can make (rendezvous/bench/gpu_check.py): the
+# content checks of tests/test_gpu_cupy.py, then the staged bandwidth against
+# D2H and raw MPI. Where nvidia-smi runs, the gpu extra (cupy) is installed
+# first; without cupy or a CUDA device it says so, skips, and exits 0.
+GPU_CHECK_ARGS ?=
+
+gpu-check: $(BENCH_STAMP)
+	if nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet -e '.[gpu]'; fi
+	$(BIN)/python -m rendezvous.bench.gpu_check $(GPU_CHECK_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

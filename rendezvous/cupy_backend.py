@@ -2,21 +2,62 @@
 
 cupy (the optional extra ``rendezvous[gpu]``) is imported on first use, so
 a server without GPU tensors never loads it. The contract it implements is
-:class:`rendezvous.devices.DeviceBackend`.
+:class:`rendezvous.devices.DeviceBackend`; the ordering decisions (which
+stream waits for which) are :func:`rendezvous.devices.import_device`'s and
+the staging pipelines'. This module only maps the primitives onto cupy:
+
+* two non-blocking copy streams per device, one per direction, so the copy
+  engines of a GPU move both ways at once and a receive never queues behind
+  a send still waiting for its producer;
+* pinned memory allocated with ``cudaHostAlloc`` directly, not through cupy's
+  pinned memory pool (which keeps every freed buffer pinned for the life of
+  the process): :class:`rendezvous.devices.PinnedPool` decides what to keep,
+  and a buffer it drops is unpinned once its last view is gone;
+* imports that do not synchronize on their own (``from_cai`` hides the
+  exporter's stream from ``cupy.asarray``, which would block the host on it):
+  the caller has already ordered the streams, on the GPU.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 import numpy as np
 
-from .devices import KDL_CUDA, KDL_CUDA_MANAGED, DeviceBackend, DeviceTensor
+from .devices import (KDL_CUDA, KDL_GPU_KINDS, STREAM_LEGACY, STREAM_PER_THREAD, DeviceBackend,
+                      DeviceTensor)
 from .errors import FailedPrecondition
 from .tensors import TensorMeta
 
 __all__ = ["CupyBackend"]
+
+
+class _Capsule:
+    """A DLPack capsule already asked for with the consumer's stream, shown to
+    ``cupy.from_dlpack`` as an exporter (which asks again with a stream: the
+    exporter's ordering is already done, so any stream is fine)."""
+
+    def __init__(self, capsule: Any, device: int) -> None:
+        self._capsule = capsule
+        self._device = device
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self._device)
+
+
+class _Interface:
+    """An exporter's CUDA array interface without its ``stream`` entry (cupy
+    would otherwise synchronize the host on it); keeps the exporter alive as
+    long as the array viewing its memory."""
+
+    def __init__(self, owner: Any, cai: dict[str, Any]) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {k: v for k, v in cai.items() if k != "stream"}
 
 
 class CupyBackend(DeviceBackend):
@@ -27,7 +68,8 @@ class CupyBackend(DeviceBackend):
     def __init__(self) -> None:
         self._cp: Any = None
         self._available: bool | None = None
-        self._streams: dict[int, Any] = {}
+        self._count: int | None = None
+        self._streams: dict[tuple[int, str], Any] = {}
         self._lock = threading.Lock()
 
     def _cupy(self) -> Any:
@@ -41,33 +83,40 @@ class CupyBackend(DeviceBackend):
         return self._cp
 
     def recognizes(self, obj: Any) -> bool:
-        if hasattr(obj, "__cuda_array_interface__"):
-            return True
-        dev = getattr(obj, "__dlpack_device__", None)
-        if dev is None:
-            return False
         try:
-            kind = int(dev()[0])
+            if hasattr(obj, "__cuda_array_interface__"):
+                return True
+            dev = getattr(obj, "__dlpack_device__", None)
+            if dev is None:
+                return False
+            return int(dev()[0]) in KDL_GPU_KINDS
         except Exception:
             return False
-        return kind in (KDL_CUDA, KDL_CUDA_MANAGED)
 
     def available(self) -> bool:
         if self._available is None:
-            try:
-                self._available = self._cupy().cuda.runtime.getDeviceCount() > 0
-            except Exception:
-                self._available = False
+            self._available = self.device_count() > 0
         return self._available
 
-    def _stream(self, device: int) -> Any:
+    def device_count(self) -> int:
+        if self._count is None:
+            try:
+                self._count = int(self._cupy().cuda.runtime.getDeviceCount())
+            except Exception:
+                self._count = 0
+        return self._count
+
+    def is_native(self, obj: Any) -> bool:
+        return isinstance(obj, self._cupy().ndarray)
+
+    def _stream(self, device: int, direction: str) -> Any:
         with self._lock:
-            s = self._streams.get(device)
+            s = self._streams.get((device, direction))
             if s is None:
                 cp = self._cupy()
                 with cp.cuda.Device(device):
                     s = cp.cuda.Stream(non_blocking=True)
-                self._streams[device] = s
+                self._streams[(device, direction)] = s
             return s
 
     def wrap(self, obj: Any) -> DeviceTensor:
@@ -75,9 +124,9 @@ class CupyBackend(DeviceBackend):
         if isinstance(obj, cp.ndarray):
             arr = obj
         elif hasattr(obj, "__cuda_array_interface__"):
-            arr = cp.asarray(obj)  # honours the exporter's stream (CAI v3)
+            arr = cp.asarray(obj)  # cupy on its own: honours a version 3 stream only
         else:
-            arr = cp.from_dlpack(obj)  # the exporter syncs to our current stream
+            arr = cp.from_dlpack(obj)  # asks the exporter with cupy's current stream
         with arr.device:
             if not arr.flags.c_contiguous:
                 arr = cp.ascontiguousarray(arr)  # one device copy, on the current stream
@@ -85,14 +134,57 @@ class CupyBackend(DeviceBackend):
             ready.record(cp.cuda.get_current_stream())
         return DeviceTensor(arr, self, arr.device.id, ready)
 
+    def current_stream(self, device: int) -> int:
+        cp = self._cupy()
+        with cp.cuda.Device(device):
+            ptr = int(cp.cuda.get_current_stream().ptr)
+        if ptr:
+            return ptr
+        # cupy's null stream: the legacy default one, or the per-thread one when cupy runs so
+        return STREAM_PER_THREAD if os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM") == "1" else STREAM_LEGACY
+
+    def wait_stream(self, device: int, stream: int) -> None:
+        cp = self._cupy()
+        with cp.cuda.Device(device):
+            current = cp.cuda.get_current_stream()
+            if int(current.ptr) == stream:
+                return  # already in order
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(cp.cuda.ExternalStream(stream, device))
+            current.wait_event(done)
+
+    def synchronize(self, device: int) -> None:
+        cp = self._cupy()
+        with cp.cuda.Device(device):
+            cp.cuda.runtime.deviceSynchronize()
+
+    def from_dlpack(self, capsule: Any, device: int) -> Any:
+        cp = self._cupy()
+        with cp.cuda.Device(device):
+            return cp.from_dlpack(_Capsule(capsule, device))
+
+    def from_cai(self, obj: Any) -> Any:
+        return self._cupy().asarray(_Interface(obj, obj.__cuda_array_interface__))
+
+    def device_of(self, array: Any) -> int:
+        return int(array.device.id)
+
     def empty(self, meta: TensorMeta, device: int) -> Any:
         cp = self._cupy()
         with cp.cuda.Device(device):
             return cp.empty(meta.shape, dtype=meta.dtype)
 
-    def _copy(self, device: int, dst_ptr: int, src_ptr: int, nbytes: int, kind: int, after: Any) -> Any:
+    def record(self, device: int) -> Any:
         cp = self._cupy()
-        stream = self._stream(device)
+        with cp.cuda.Device(device):
+            event = cp.cuda.Event(disable_timing=True)
+            event.record(cp.cuda.get_current_stream())
+        return event
+
+    def _copy(self, device: int, direction: str, dst_ptr: int, src_ptr: int, nbytes: int, kind: int,
+              after: Any) -> Any:
+        cp = self._cupy()
+        stream = self._stream(device, direction)
         with cp.cuda.Device(device):
             if after is not None:
                 stream.wait_event(after)
@@ -104,13 +196,13 @@ class CupyBackend(DeviceBackend):
 
     def d2h_async(self, src: DeviceTensor, start: int, host: np.ndarray) -> Any:
         cp = self._cupy()
-        return self._copy(src.device, host.ctypes.data, src.array.data.ptr + start, host.nbytes,
+        return self._copy(src.device, "d2h", host.ctypes.data, src.array.data.ptr + start, host.nbytes,
                           cp.cuda.runtime.memcpyDeviceToHost, src.ready)
 
-    def h2d_async(self, host: np.ndarray, dst: Any, device: int, start: int) -> Any:
+    def h2d_async(self, host: np.ndarray, dst: Any, device: int, start: int, after: Any = None) -> Any:
         cp = self._cupy()
-        return self._copy(device, dst.data.ptr + start, host.ctypes.data, host.nbytes,
-                          cp.cuda.runtime.memcpyHostToDevice, None)
+        return self._copy(device, "h2d", dst.data.ptr + start, host.ctypes.data, host.nbytes,
+                          cp.cuda.runtime.memcpyHostToDevice, after)
 
     def event_done(self, event: Any) -> bool:
         return bool(event.done)
@@ -120,7 +212,8 @@ class CupyBackend(DeviceBackend):
 
     def pinned(self, nbytes: int) -> np.ndarray:
         cp = self._cupy()
-        mem = cp.cuda.alloc_pinned_memory(nbytes)
+        # cudaHostAlloc, freed (cudaFreeHost) when the last numpy view of it is gone
+        mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(nbytes, 1)), 0)
         return np.frombuffer(mem, dtype=np.uint8, count=nbytes)  # keeps ``mem`` alive
 
     def user_array(self, array: Any) -> Any:

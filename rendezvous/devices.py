@@ -10,11 +10,27 @@ Tensors are typed by protocol, not by library:
   imports cupy only when a GPU tensor is actually involved.
 
 A GPU tensor given to ``send`` becomes a :class:`DeviceTensor`: the device
-array (made contiguous on the producer's stream if it was not) plus an event
-recorded on the producer's current stream at the moment of the send. Nothing
+array (made contiguous on the caller's stream if it was not) plus an event
+recorded on the caller's current stream at the moment of the send. Nothing
 reads the device bytes before that event has completed: the staging copies
 wait for it on the copy stream, and a CUDA-aware MPI send waits for it on the
 host before the buffer is handed to MPI (mpi4py does not synchronize streams).
+
+The producer's stream need not be the caller's: a torch tensor written on a
+side stream, a numba array on another. :func:`import_device` decides, for
+every backend alike, how the caller's stream is ordered after the producer's
+before that event is recorded (DLPack asked with the caller's stream; CUDA
+array interface v3 ``stream`` waited on; v2, which names no stream, a device
+synchronize); backends only supply the primitives.
+
+Ordering on the receiving side: a destination is allocated on the caller's
+current stream, where the device memory pool may hand back a block that work
+queued on that stream still reads. :meth:`DeviceBackend.allocate` records an
+event right after the allocation; host-to-device copies (on the backend's own
+copy stream) wait for it, and MPI writes into device memory only once it is
+done. Copies from and to the device run on two streams per device (one per
+direction), so a receive never queues behind a send that waits for its
+producer.
 
 Where a received tensor goes is a :class:`Placement`: the key's
 ``dst_device`` by default (``GPU:N`` -> the device, anything else -> host),
@@ -25,7 +41,11 @@ error instead.
 
 Host staging uses pinned memory from a :class:`PinnedPool` (reused; pinning
 is slow), in chunks, so copies overlap transfers; see
-:mod:`rendezvous.mpi.staging` for the MPI pipelines.
+:mod:`rendezvous.mpi.staging` for the MPI pipelines. A buffer goes back to the
+pool only once the copy using it has completed (:meth:`PinnedPool.give` with
+``after``), also when a transfer fails or is cancelled, and the pools of one
+:class:`Devices` keep at most ``pinned_keep_bytes`` idle: pinned memory beyond
+that is released.
 """
 
 from __future__ import annotations
@@ -36,7 +56,7 @@ import re
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,8 +71,11 @@ __all__ = [
     "placement_for_device",
     "DeviceTensor",
     "DeviceBackend",
+    "Allocation",
     "PinnedPool",
+    "PinnedBudget",
     "Devices",
+    "import_device",
     "import_host",
     "is_device",
 ]
@@ -64,6 +87,16 @@ KDL_CPU = 1
 KDL_CUDA = 2
 KDL_CUDA_HOST = 3
 KDL_CUDA_MANAGED = 13
+KDL_GPU_KINDS = (KDL_CUDA, KDL_CUDA_MANAGED)
+
+#: CUDA stream handles as the CUDA array interface and DLPack write them:
+#: 1 the legacy default stream, 2 the per-thread default stream, anything else
+#: a ``cudaStream_t``; 0 is ambiguous and disallowed.
+STREAM_LEGACY = 1
+STREAM_PER_THREAD = 2
+
+#: idle pinned memory the pools of one :class:`Devices` keep for reuse, at most
+PINNED_KEEP_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,41 +171,105 @@ def is_device(value: Any) -> bool:
     return isinstance(value, DeviceTensor)
 
 
+class Allocation(NamedTuple):
+    """A new device array and the event after which it may be written from
+    another stream (recorded on the allocating stream right after the allocation)."""
+
+    array: Any
+    ready: Any
+
+
 class DeviceBackend(ABC):
     """How one GPU library's arrays are imported, allocated and copied.
 
-    Copies are asynchronous on a copy stream per device owned by the backend
-    and return an event; :meth:`event_done` polls it, :meth:`event_wait`
-    blocks on it. Events may be polled from any thread.
+    A backend supplies primitives; the decisions about ordering (which stream
+    waits for which, when a buffer may be reused) are made once, for every
+    backend, in this module and in :mod:`rendezvous.mpi.staging`.
+
+    Streams: the *current* stream of a device is the calling thread's (the
+    library's notion: cupy's ``get_current_stream``). Copies are asynchronous
+    on copy streams the backend owns, one per device and direction (device to
+    host, host to device), and return an event; :meth:`event_done` polls it,
+    :meth:`event_wait` blocks on it. Events may be polled from any thread.
+    Stream handles are ints as the CUDA array interface writes them
+    (:data:`STREAM_LEGACY`, :data:`STREAM_PER_THREAD`, or a ``cudaStream_t``).
     """
 
     name = "?"
 
     @abstractmethod
     def recognizes(self, obj: Any) -> bool:
-        """Whether ``obj`` is a device tensor this backend can import."""
+        """Whether ``obj`` is a device tensor this backend can import (its own
+        arrays, or a CUDA array interface / CUDA DLPack exporter)."""
 
     @abstractmethod
     def available(self) -> bool:
         """Whether this process can allocate on a GPU through this backend."""
 
     @abstractmethod
+    def device_count(self) -> int:
+        """How many GPUs this backend can use (0 when none)."""
+
+    @abstractmethod
+    def is_native(self, obj: Any) -> bool:
+        """Whether ``obj`` is this backend's own device array (no import needed)."""
+
+    @abstractmethod
     def wrap(self, obj: Any) -> DeviceTensor:
-        """Import ``obj`` (no copy unless it is not contiguous) and record its ready event
-        on the calling thread's current stream."""
+        """``obj`` as a :class:`DeviceTensor` (made contiguous on the current stream if
+        it is not), its ready event recorded on the device's current stream.
+
+        Given a native array this does no stream ordering at all: that is
+        :func:`import_device`'s job, done before. Given a foreign object it
+        imports it as the library would on its own (cupy: ``asarray`` /
+        ``from_dlpack``)."""
+
+    @abstractmethod
+    def current_stream(self, device: int) -> int:
+        """The handle of the calling thread's current stream on ``device``."""
+
+    @abstractmethod
+    def wait_stream(self, device: int, stream: int) -> None:
+        """Make the current stream of ``device`` wait (on the GPU, the host does not
+        block) for the work queued so far on foreign stream ``stream``."""
+
+    @abstractmethod
+    def synchronize(self, device: int) -> None:
+        """Block the host until all work queued on ``device``, on any stream, is done."""
+
+    @abstractmethod
+    def from_dlpack(self, capsule: Any, device: int) -> Any:
+        """A native array viewing the memory of a DLPack ``capsule`` (from
+        ``__dlpack__``, already asked for with the right stream), on ``device``."""
+
+    @abstractmethod
+    def from_cai(self, obj: Any) -> Any:
+        """A native array viewing the memory ``obj.__cuda_array_interface__`` describes,
+        without any stream synchronization (the caller orders streams)."""
+
+    @abstractmethod
+    def device_of(self, array: Any) -> int:
+        """The device a native array lives on."""
 
     @abstractmethod
     def empty(self, meta: TensorMeta, device: int) -> Any:
-        """A new device array."""
+        """A new device array, allocated on the current stream of ``device``. Use
+        :meth:`allocate` to get it with the event copies into it must wait for."""
+
+    @abstractmethod
+    def record(self, device: int) -> Any:
+        """An event recorded on the current stream of ``device``."""
 
     @abstractmethod
     def d2h_async(self, src: DeviceTensor, start: int, host: np.ndarray) -> Any:
-        """Copy ``len(host)`` bytes of ``src`` from byte ``start`` into pinned ``host``,
-        after ``src.ready``; an event."""
+        """Copy ``len(host)`` bytes of ``src`` from byte ``start`` into pinned ``host``
+        on the device-to-host copy stream, after ``src.ready``; an event."""
 
     @abstractmethod
-    def h2d_async(self, host: np.ndarray, dst: Any, device: int, start: int) -> Any:
-        """Copy pinned ``host`` into device array ``dst`` at byte ``start``; an event."""
+    def h2d_async(self, host: np.ndarray, dst: Any, device: int, start: int, after: Any = None) -> Any:
+        """Copy pinned ``host`` into device array ``dst`` at byte ``start`` on the
+        host-to-device copy stream, after event ``after`` (the allocation's) when given;
+        an event."""
 
     @abstractmethod
     def event_done(self, event: Any) -> bool: ...
@@ -182,7 +279,8 @@ class DeviceBackend(ABC):
 
     @abstractmethod
     def pinned(self, nbytes: int) -> np.ndarray:
-        """A flat uint8 array of ``nbytes`` of page-locked host memory."""
+        """A flat uint8 array of ``nbytes`` of page-locked host memory, released
+        (unpinned) once the last reference to it is dropped."""
 
     @abstractmethod
     def user_array(self, array: Any) -> Any:
@@ -193,54 +291,115 @@ class DeviceBackend(ABC):
         """Bytes ``[start, stop)`` of a contiguous device array as an object MPI can
         take directly (CUDA-aware MPI only)."""
 
+    def allocate(self, meta: TensorMeta, device: int) -> Allocation:
+        """A new device array and the event after which another stream (a copy
+        stream) or MPI may write it.
+
+        The memory pool may hand back a block freed on the current stream that
+        work queued there still reads; a write ordered only by the host would
+        race with that work, so writers wait for this event instead."""
+        array = self.empty(meta, device)
+        return Allocation(array, self.record(device))
+
     # -- whole-tensor copies, built on the chunked ones -------------------------
 
     def to_host(self, src: DeviceTensor, pool: "PinnedPool") -> np.ndarray:
         """The tensor on the host (default path): device -> pinned chunks -> a numpy array.
         Blocking; run it off the event loop. Copies: D2H into pinned memory, then one
-        host copy per chunk into the result (overlapped with the next chunk's D2H)."""
+        host copy per chunk into the result (overlapped with the next chunk's D2H).
+        If anything fails, the chunks in flight go back to the pool once their copies
+        are done (never while the copy engine may still write them)."""
         out = np.empty(src.shape, dtype=src.dtype)
         flat = out.reshape(-1).view(np.uint8)
         n = flat.size
         chunk = pool.chunk_bytes
         inflight: list[tuple[int, np.ndarray, Any]] = []
         start = 0
-        while start < n or inflight:
-            while start < n and len(inflight) < pool.depth:
-                buf = pool.take()
-                size = min(chunk, n - start)
-                inflight.append((start, buf, self.d2h_async(src, start, buf[:size])))
-                start += size
-            off, buf, ev = inflight.pop(0)
-            self.event_wait(ev)
-            size = min(chunk, n - off)
-            flat[off:off + size] = buf[:size]
-            pool.give(buf)
+        try:
+            while start < n or inflight:
+                while start < n and len(inflight) < pool.depth:
+                    buf = pool.take()
+                    size = min(chunk, n - start)
+                    try:
+                        event = self.d2h_async(src, start, buf[:size])
+                    except BaseException:
+                        pool.give(buf)  # no copy was queued
+                        raise
+                    inflight.append((start, buf, event))
+                    start += size
+                off, buf, ev = inflight[0]
+                self.event_wait(ev)
+                inflight.pop(0)
+                size = min(chunk, n - off)
+                flat[off:off + size] = buf[:size]
+                pool.give(buf)
+        except BaseException:
+            for _, buf, ev in inflight:
+                pool.give(buf, after=ev, hold=src)
+            raise
         return out
 
     def from_host(self, host: np.ndarray, device: int, pool: "PinnedPool") -> Any:
         """A device array holding ``host`` (default path, host -> device): each chunk is
-        copied into pinned memory, then to the device, overlapping the next chunk's
-        host copy. Blocking; returns once the bytes are on the device."""
+        copied into pinned memory, then to the device after the allocation's event,
+        overlapping the next chunk's host copy. Blocking; returns once the bytes are
+        on the device. On failure the chunks in flight (and the destination they
+        write) are held until their copies are done."""
         host = np.ascontiguousarray(as_array(host))
-        dst = self.empty(TensorMeta(host.dtype, host.shape), device)
+        dst, allocated = self.allocate(TensorMeta(host.dtype, host.shape), device)
         flat = host.reshape(-1).view(np.uint8)
         n = flat.size
         chunk = pool.chunk_bytes
         inflight: list[tuple[np.ndarray, Any]] = []
-        for start in range(0, n, chunk):
-            if len(inflight) >= pool.depth:
-                buf, ev = inflight.pop(0)
+        try:
+            for start in range(0, n, chunk):
+                if len(inflight) >= pool.depth:
+                    buf, ev = inflight[0]
+                    self.event_wait(ev)
+                    inflight.pop(0)
+                    pool.give(buf)
+                buf = pool.take()
+                size = min(chunk, n - start)
+                try:
+                    buf[:size] = flat[start:start + size]
+                    event = self.h2d_async(buf[:size], dst, device, start, after=allocated)
+                except BaseException:
+                    pool.give(buf)
+                    raise
+                inflight.append((buf, event))
+            while inflight:
+                buf, ev = inflight[0]
                 self.event_wait(ev)
+                inflight.pop(0)
                 pool.give(buf)
-            buf = pool.take()
-            size = min(chunk, n - start)
-            buf[:size] = flat[start:start + size]
-            inflight.append((buf, self.h2d_async(buf[:size], dst, device, start)))
-        for buf, ev in inflight:
-            self.event_wait(ev)
-            pool.give(buf)
+        except BaseException:
+            for buf, ev in inflight:
+                pool.give(buf, after=ev, hold=dst)
+            raise
         return dst
+
+
+class PinnedBudget:
+    """How much idle pinned memory the pools of one :class:`Devices` may keep
+    together; what a pool cannot keep within it is released."""
+
+    def __init__(self, keep_bytes: int = PINNED_KEEP_BYTES) -> None:
+        if keep_bytes < 0:
+            raise InvalidArgument("pinned_keep_bytes must be >= 0")
+        self.keep_bytes = keep_bytes
+        self.idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.idle_bytes + nbytes > self.keep_bytes:
+                return False
+            self.idle_bytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.idle_bytes -= nbytes
 
 
 class PinnedPool:
@@ -248,36 +407,76 @@ class PinnedPool:
 
     :meth:`take` never blocks: it reuses a free buffer or pins a new one, so
     transfers in opposite directions can never wait on each other for
-    buffers. At most ``keep`` free buffers are kept for reuse. ``depth`` is
-    how many chunks one transfer keeps in flight (its pipeline depth).
+    buffers. A buffer given back with ``after`` (a copy event) is held, not
+    reused, until that event is done: a cancelled or failed transfer gives its
+    buffers back while the copy engine may still be writing them. At most
+    ``keep`` free buffers, and no more than the shared ``budget`` allows, are
+    kept for reuse; the rest are dropped, and the backend unpins them.
+    ``depth`` is how many chunks one transfer keeps in flight (its pipeline depth).
     """
 
-    def __init__(self, backend: DeviceBackend, chunk_bytes: int, depth: int = 4, keep: int = 16) -> None:
+    def __init__(self, backend: DeviceBackend, chunk_bytes: int, depth: int = 4, keep: int = 16,
+                 budget: PinnedBudget | None = None) -> None:
         if chunk_bytes < 1 or depth < 1:
             raise InvalidArgument("pinned staging needs chunk_bytes >= 1 and depth >= 1")
         self.backend = backend
         self.chunk_bytes = chunk_bytes
         self.depth = depth
         self.keep = keep
+        self.budget = budget if budget is not None else PinnedBudget()
         self._free: list[np.ndarray] = []
+        # (buffer, event, what the copy uses besides): given back before their copies finished
+        self._pending: list[tuple[np.ndarray, Any, Any]] = []
         self._lock = threading.Lock()
         self.allocated = 0  # buffers pinned so far (reuse keeps this flat)
+        self.released = 0  # buffers dropped beyond keep or the budget
 
     def take(self) -> np.ndarray:
+        self.reap()
         with self._lock:
             if self._free:
+                self.budget.release(self.chunk_bytes)
                 return self._free.pop()
             self.allocated += 1
         return self.backend.pinned(self.chunk_bytes)
 
-    def give(self, buf: np.ndarray) -> None:
+    def give(self, buf: np.ndarray, after: Any = None, hold: Any = None) -> None:
+        """Return ``buf``; with ``after``, only once that event is done (``hold``, the
+        device array the copy reads or writes, is kept alive until then too)."""
+        if after is not None and not self.backend.event_done(after):
+            with self._lock:
+                self._pending.append((buf, after, hold))
+            return
+        self._keep(buf)
+        self.reap()
+
+    def reap(self) -> None:
+        """Return the held buffers whose copies have completed."""
+        if not self._pending:
+            return
         with self._lock:
-            if len(self._free) < self.keep:
+            done, still = [], []
+            for entry in self._pending:
+                (done if self.backend.event_done(entry[1]) else still).append(entry)
+            self._pending = still
+        for buf, _, _ in done:
+            self._keep(buf)
+
+    def _keep(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep and self.budget.reserve(self.chunk_bytes):
                 self._free.append(buf)
+                return
+            self.released += 1  # dropped here: unpinned once the last view goes
 
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def pending(self) -> int:
+        """Buffers given back whose copies have not completed yet."""
+        return len(self._pending)
 
 
 # -- the devices a server can use -----------------------------------------------
@@ -287,14 +486,19 @@ class Devices:
     staging pools. Each server owns one (``rendezvous.Server(devices=...)``);
     by default it holds :class:`CupyBackend`, which imports cupy only when a
     GPU tensor or a GPU placement appears. Tests pass
-    ``Devices([FakeBackend()])``. Used from the loop and from copy threads."""
+    ``Devices([FakeBackend()])``. Used from the loop and from copy threads.
 
-    def __init__(self, backends: list[DeviceBackend] | None = None) -> None:
+    ``pinned_keep_bytes`` bounds the idle pinned memory all its pools keep
+    together for reuse."""
+
+    def __init__(self, backends: list[DeviceBackend] | None = None,
+                 pinned_keep_bytes: int = PINNED_KEEP_BYTES) -> None:
         if backends is None:
             from .cupy_backend import CupyBackend  # cupy itself is imported only when used
 
             backends = [CupyBackend()]
         self.backends: tuple[DeviceBackend, ...] = tuple(backends)
+        self.budget = PinnedBudget(pinned_keep_bytes)
         self._pools: dict[tuple[int, int, int], PinnedPool] = {}
         self._lock = threading.Lock()
         self._warned: set[str] = set()
@@ -321,21 +525,24 @@ class Devices:
         with self._lock:
             p = self._pools.get(key)
             if p is None:
-                p = self._pools[key] = PinnedPool(backend, chunk_bytes, depth)
-            return p
+                p = self._pools[key] = PinnedPool(backend, chunk_bytes, depth, budget=self.budget)
+        p.reap()
+        return p
 
     def import_tensor(self, obj: Any) -> np.ndarray | DeviceTensor:
         """What ``send`` stores: a numpy array for host data, a :class:`DeviceTensor` for
-        GPU data. Typed by protocol: CUDA array interface or DLPack device, then DLPack on
-        the CPU, then anything numpy can view. Call on the producer's thread: the ready
-        event goes on that thread's current stream."""
+        GPU data. Typed by protocol (see :func:`import_device`), then DLPack on the CPU,
+        then anything numpy can view. A tensor that records gradients (torch's
+        ``requires_grad``) is detached first: its bytes are what is sent. Call on the
+        producer's thread: the ready event goes on that thread's current stream."""
         if type(obj) is np.ndarray:
             return as_array(obj)
         if isinstance(obj, DeviceTensor):
             return obj
+        obj = _without_grad(obj)
         backend = self.backend_for(obj)
         if backend is not None:
-            return backend.wrap(obj)
+            return import_device(backend, obj)
         return import_host(obj)
 
     def _warn_once(self, what: str, message: str) -> None:
@@ -348,7 +555,8 @@ class Devices:
 
         A GPU placement without a usable GPU backend falls back to the host (with one
         warning per server) when it came from the key, and fails when it was asked
-        for explicitly."""
+        for explicitly. A GPU that does not exist on this host fails either way
+        (FailedPrecondition naming how many there are), before anything is received."""
         if not placement.is_gpu:
             return CPU, None
         backend = self.gpu_backend()
@@ -358,6 +566,11 @@ class Devices:
             self._warn_once("no-gpu", f"key names {placement} but no GPU backend is usable here; "
                                       "GPU-bound tensors are received as numpy arrays")
             return CPU, None
+        count = backend.device_count()
+        if placement.index >= count:
+            where = "the key's dst_device" if not explicit else "the device asked for"
+            raise FailedPrecondition(f"{where} is {placement}, which does not exist: this host has {count} "
+                                     f"GPU{'s' if count != 1 else ''} ({backend.name}), GPU:0 to GPU:{count - 1}")
         return placement, backend
 
     def place(self, value: Any, placement: Placement, explicit: bool, pool_args: tuple[int, int]) -> Any:
@@ -389,6 +602,77 @@ class Devices:
         if isinstance(value, DeviceTensor):
             return not (target.is_gpu and target.index == value.device and backend is value.backend)
         return target.is_gpu and backend is not None and getattr(value, "dtype", None) != np.dtype(object)
+
+
+def _without_grad(obj: Any) -> Any:
+    """``obj`` detached from autograd if it records gradients (torch refuses to
+    export such a tensor through DLPack, the CUDA array interface or numpy);
+    the detached tensor shares its memory, so nothing is copied."""
+    if getattr(obj, "requires_grad", False) is not True:
+        return obj
+    detach = getattr(obj, "detach", None)
+    if not callable(detach):
+        raise InvalidArgument(f"{type(obj).__name__} requires grad and has no detach(): "
+                              "send tensor.detach() instead")
+    return detach()
+
+
+def _dlpack_device(obj: Any) -> tuple[int, int] | None:
+    """``obj.__dlpack_device__()`` as (device type, id), or None if it has none."""
+    dev = getattr(obj, "__dlpack_device__", None)
+    if not callable(dev) or not callable(getattr(obj, "__dlpack__", None)):
+        return None
+    kind, index = dev()
+    return int(kind), int(index)
+
+
+def import_device(backend: DeviceBackend, obj: Any) -> DeviceTensor:
+    """``obj`` (recognized by ``backend``) as a :class:`DeviceTensor` whose ready event,
+    recorded on the caller's current stream, follows the producer's work.
+
+    The order of protocols, and why:
+
+    1. the backend's own array: produced on the caller's current stream (the
+       library's convention), nothing to order;
+    2. DLPack on a CUDA device, asked with the caller's stream: the exporter
+       makes that stream wait for its own (torch does). DLPack comes before the
+       CUDA array interface because torch exports the interface as version 2,
+       which names no stream;
+    3. CUDA array interface version 3 with ``stream``: the caller's stream
+       waits for that stream on the GPU (None: the exporter says no wait is
+       needed);
+    4. CUDA array interface without a stream (version 2, or 3 without the
+       entry): the producer's stream is unknown, so the device is synchronized
+       before the event is recorded. Correct, and as slow as it sounds.
+
+    An exporter whose ``__dlpack__`` takes no ``stream`` is treated like 4.
+    """
+    if backend.is_native(obj):
+        return backend.wrap(obj)
+    dl = _dlpack_device(obj)
+    if dl is not None and dl[0] in KDL_GPU_KINDS:
+        device = dl[1]
+        try:
+            capsule = obj.__dlpack__(stream=backend.current_stream(device))
+        except TypeError:  # an exporter from before the stream argument: it cannot order our stream
+            capsule = obj.__dlpack__()
+            backend.synchronize(device)
+        return backend.wrap(backend.from_dlpack(capsule, device))
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        array = backend.from_cai(obj)
+        device = backend.device_of(array)
+        if int(cai.get("version", 0)) >= 3 and "stream" in cai:
+            stream = cai["stream"]
+            if stream is not None:
+                if int(stream) == 0:
+                    raise InvalidArgument("__cuda_array_interface__ stream 0 is disallowed (ambiguous): "
+                                          "use 1 for the legacy default stream, 2 for the per-thread one")
+                backend.wait_stream(device, int(stream))
+        else:
+            backend.synchronize(device)
+        return backend.wrap(array)
+    return backend.wrap(obj)
 
 
 def import_host(obj: Any) -> np.ndarray:

@@ -136,6 +136,49 @@ def transfers(backend: str = "fake") -> None:
     result(rank=me, stats=stats, pinned_allocs=fake.pinned_allocs, copies=fake.copies)
 
 
+def late(backend: str = "cupy") -> None:
+    """On a real GPU: tensors whose producer kernel is still running (~200 ms, on a
+    side stream) when they are sent, over staged MPI, with contents checked;
+    cupy, and torch where it imports (its tensors go through DLPack)."""
+    import cupy
+
+    from gpu_kernels import fill_late
+
+    server = start(2, gpu_staging_chunk_bytes=1 << 20, gpu_staging_depth=3)
+    me = server.task.task
+    other = 1 - me
+    n = 16 << 20
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        x = cupy.empty(n, dtype=cupy.uint8)
+        fill_late(x, 50 + me)
+        server.send(gkey(me, other, "late-cupy"), x, step_id=5)
+    names = ["late-cupy"]
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        ts = torch.cuda.Stream()
+        with torch.cuda.stream(ts):
+            t = torch.empty(n, dtype=torch.uint8, device="cuda")
+            fill_late(t, 60 + me, stream=cupy.cuda.ExternalStream(ts.cuda_stream))
+            server.send(gkey(me, other, "late-torch"), t, step_id=5)
+        names.append("late-torch")
+    checked = 0
+    for name in ("late-cupy", "late-torch"):
+        if name not in names:
+            continue
+        got = server.recv(gkey(other, me, name), step_id=5, timeout=120)
+        want = (50 if name == "late-cupy" else 60) + other
+        assert bool((got == want).all()), f"{name}: MPI read the device buffer before its producer finished"
+        checked += 1
+    finish(server)
+    stats = server.stats()
+    server.stop(5)
+    result(rank=me, checked=checked, torch=torch is not None, stats=stats)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     globals()[name](*args)

@@ -14,7 +14,7 @@ import pytest
 
 from rendezvous import devices, errors
 from rendezvous.devices import CPU, DeviceTensor, Placement, PinnedPool, parse_placement
-from rendezvous.fakegpu import FakeBackend, FakeDeviceArray
+from rendezvous.fakegpu import FakeBackend, FakeCudaError, FakeDeviceArray
 from rendezvous.keys import DeviceName
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -224,8 +224,8 @@ def test_device_tensor_describes_itself(fake):
     dt = fake.wrap(fake.array(np.zeros((3, 4), np.float64), device=0))
     assert isinstance(dt, DeviceTensor) and dt.nbytes == 96 and dt.placement == Placement("GPU", 0)
     assert dt.meta.shape == (3, 4) and "fake" in repr(dt)
-    with pytest.raises(errors.FailedPrecondition):
-        fake.empty(dt.meta, 3)  # the fake has one device
+    with pytest.raises(FakeCudaError, match="invalid device ordinal 3"):
+        fake.empty(dt.meta, 3)  # the fake has two devices: CUDA's own error, which Devices.resolve forestalls
 
 
 def test_string_tensors_stay_on_the_host(fake):

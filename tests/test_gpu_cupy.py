@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rendezvous import devices
+from rendezvous.errors import FailedPrecondition
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -71,3 +72,80 @@ def test_cupy_over_mpi_staged():
     for r in results:
         gpu = r["stats"]["gpu"]
         assert gpu["staged_recvs"] + gpu["direct_recvs"] >= 9, gpu
+
+
+# -- the hazards of issue 24 on real hardware (tests/test_gpu_fake_hazards.py has them on the fake) --
+
+from gpu_kernels import copy_late, fill_late  # noqa: E402
+
+N = 16 << 20
+
+
+def test_a_producer_still_writing_on_a_side_stream_is_waited_for_over_grpc_and_locally():
+    async def main():
+        async with cluster(2, gpu_staging_chunk_bytes=1 << 20) as (a, b):
+            side = cupy.cuda.Stream(non_blocking=True)
+            with side:  # the producer's current stream while it writes and sends
+                x = cupy.empty(N, dtype=cupy.uint8)
+                fill_late(x, 77)
+                b.send(gkey(1, 0, "late"), x)
+                y = cupy.empty(N, dtype=cupy.uint8)
+                fill_late(y, 78)
+                a.send(gkey(0, 0, "late-local"), y)
+            got = await a.recv(gkey(1, 0, "late"), timeout=60)
+            assert bool((got == 77).all()), "the bytes were read before the producer's kernel finished"
+            got = await a.recv(gkey(0, 0, "late-local"), timeout=60)
+            assert bool((got == 78).all())
+    run(main())
+
+
+def test_a_torch_tensor_on_a_side_stream_and_one_that_requires_grad():
+    torch = pytest.importorskip("torch")
+
+    async def main():
+        async with cluster(2, gpu_staging_chunk_bytes=1 << 20) as (a, b):
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                t = torch.empty(N, dtype=torch.uint8, device="cuda")
+                fill_late(t, 91, stream=cupy.cuda.ExternalStream(side.cuda_stream))
+                b.send(gkey(1, 0, "torch"), t)  # torch's current stream is the side stream
+            got = await a.recv(gkey(1, 0, "torch"), timeout=60)
+            assert bool((got == 91).all()), "a torch tensor was read before its side stream finished"
+            w = torch.ones(1024, device="cuda", requires_grad=True)
+            b.send(gkey(1, 0, "grad"), w)  # detached, not a RuntimeError
+            got = await a.recv(gkey(1, 0, "grad"), timeout=60)
+            assert bool((got == 1).all())
+    run(main())
+
+
+def test_a_received_tensor_never_lands_in_a_block_a_queued_kernel_still_reads():
+    async def main():
+        async with cluster(2, gpu_staging_chunk_bytes=1 << 20) as (a, b):
+            b.send(gkey(1, 0, "race"), cupy.full(N, 2, dtype=cupy.uint8))
+            victim = cupy.full(N, 1, dtype=cupy.uint8)
+            seen = cupy.zeros(N, dtype=cupy.uint8)
+            cupy.cuda.Device().synchronize()
+            copy_late(victim, seen)  # still reading victim when the receive allocates
+            del victim  # its block is free for the next allocation on this stream
+            got = await a.recv(gkey(1, 0, "race"), timeout=60)
+            cupy.cuda.Device().synchronize()
+            assert bool((seen == 1).all()), "the received bytes overwrote a block a queued kernel still read"
+            assert bool((got == 2).all())
+    run(main())
+
+
+def test_a_gpu_that_does_not_exist_is_named():
+    async def main():
+        async with cluster(2) as (a, b):
+            b.send(gkey(1, 0, "nowhere"), cupy.arange(4))
+            with pytest.raises(FailedPrecondition, match="does not exist"):
+                await a.recv(gkey(1, 0, "nowhere"), timeout=60, device=f"gpu:{_gpus}")
+    run(main())
+
+
+@pytest.mark.timeout(300)
+def test_late_producers_over_staged_mpi():
+    _, results, _ = launch(2, "late", "cupy", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_CUDA_AWARE": "0"},
+                           timeout=280, script=str(HERE / "gpu_scenarios.py"))
+    for r in results:
+        assert r["checked"] == 1 + r["torch"], r  # cupy, and torch where it imports

@@ -259,7 +259,7 @@ class MpiPlane(DataPlane):
             return dest
         device = placement.index  # type: ignore[union-attr]
         try:
-            dst = backend.empty(meta, device)
+            dst, allocated = backend.allocate(meta, device)  # copies and MPI wait for ``allocated``
         except Exception as exc:  # out of device memory, most likely: the bytes still come
             host = np.empty(meta.shape, dtype=meta.dtype)
             await self.engine.irecv(host, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
@@ -267,12 +267,14 @@ class MpiPlane(DataPlane):
                             "the tensor is kept on the host for the next recv of this key", host) from None
         nbytes, src, tag, chunk = meta.nbytes, transfer.source_rank, transfer.tag, transfer.chunk_bytes
         if self.cuda_aware:
-            await self.engine.pipeline(lambda comm, MPI: DirectRecv(comm, MPI, backend, dst, nbytes, src, tag, chunk))
+            await self.engine.pipeline(
+                lambda comm, MPI: DirectRecv(comm, MPI, backend, dst, nbytes, src, tag, chunk, allocated))
             self.stats.gpu("direct_recvs")
         elif chunk <= self.config.gpu_staging_chunk_bytes:
             pool = self.devices.pool(backend, chunk, self.config.gpu_staging_depth)
             await self.engine.pipeline(
-                lambda comm, MPI: StagedRecv(comm, MPI, backend, dst, device, nbytes, src, tag, chunk, pool))
+                lambda comm, MPI: StagedRecv(comm, MPI, backend, dst, device, nbytes, src, tag, chunk, pool,
+                                             allocated))
             self.stats.gpu("staged_recvs")
             self.stats.gpu("staged_bytes", nbytes)
         else:

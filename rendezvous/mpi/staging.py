@@ -13,6 +13,18 @@ With CUDA-aware MPI, :class:`DirectSend` and :class:`DirectRecv` hand device
 memory to MPI directly; the send first waits for the tensor's ready event
 (mpi4py does not synchronize streams).
 
+Ordering on the receiving side: the destination was allocated on the
+consumer's current stream, whose pool may have handed back a block that work
+queued there still reads. Host-to-device copies wait (on the copy stream) for
+the allocation's event, and :class:`DirectRecv` posts its receives only once
+that event is done.
+
+A pinned buffer goes back to its pool only after its copy event completed:
+a failed or cancelled transfer gives its buffers back with that event
+(:meth:`~rendezvous.devices.PinnedPool.give` ``after=``), and the pool holds
+them, and the device array the copy reads or writes, until it is done. The
+MPI thread never blocks on a copy.
+
 The wire contract is the same as for host buffers: ``nbytes`` split into
 messages of ``chunk`` bytes (one empty message for an empty tensor), in
 order, on one tag. Either side may stage or not; they only agree on the
@@ -27,6 +39,8 @@ from __future__ import annotations
 
 import collections
 from typing import Any
+
+import numpy as np
 
 from rendezvous.devices import DeviceBackend, DeviceTensor, PinnedPool
 from rendezvous.errors import Internal, Unavailable
@@ -82,6 +96,15 @@ class Pipeline:
 
     def cancel(self) -> None:
         """Engine stopping: cancel what is posted and finish with UNAVAILABLE."""
+        self._cancel_requests()
+        self._give_back_all()
+        self.error = self.error or Unavailable("MPI engine stopped before the transfer finished")
+        self.done = True
+
+    def _give_back_all(self) -> None:
+        """Cancelled: every buffer back to its pool, after its copy."""
+
+    def _cancel_requests(self) -> None:
         for req in self._reqs:
             try:
                 req.Cancel()
@@ -89,8 +112,6 @@ class Pipeline:
             except self.MPI.Exception:
                 pass
         self._reqs.clear()
-        self.error = self.error or Unavailable("MPI engine stopped before the transfer finished")
-        self.done = True
 
     def _step(self) -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -143,21 +164,29 @@ class StagedSend(Pipeline):
         self.error = error
         self.spans = self.spans[:self._next]  # no new copies; posted sends finish
         for buf, _, event in self._copying:
-            self.backend.event_wait(event)
-            self.pool.give(buf)
+            self.pool.give(buf, after=event, hold=self.src)  # the copy may still be writing it
         self._copying.clear()
+
+    def _give_back_all(self) -> None:
+        for buf, _, event in self._copying:
+            self.pool.give(buf, after=event, hold=self.src)
+        self._copying.clear()
+        for buf, _ in self._sending:
+            self.pool.give(buf)  # its request is cancelled and waited for
+        self._sending.clear()
 
 
 class StagedRecv(Pipeline):
     kind = "staged receive"
 
     def __init__(self, comm: Any, MPI: Any, backend: DeviceBackend, dst: Any, device: int, nbytes: int,
-                 source: int, tag: int, chunk: int, pool: PinnedPool) -> None:
+                 source: int, tag: int, chunk: int, pool: PinnedPool, allocated: Any = None) -> None:
         super().__init__(comm, MPI, source, tag, nbytes, chunk)
         self.backend = backend
         self.dst = dst
         self.device = device
         self.pool = pool
+        self.allocated = allocated  # the destination's allocation event: copies wait for it
         self._next = 0
         self._receiving: list[tuple[int, int, Any, Any]] = []  # (start, size, buf, request)
         self._copying: list[tuple[Any, Any]] = []  # (buf, event)
@@ -174,7 +203,8 @@ class StagedRecv(Pipeline):
             if self._test(req):
                 self._receiving.remove(entry)
                 if self.error is None:
-                    self._copying.append((buf, self.backend.h2d_async(buf[:size], self.dst, self.device, start)))
+                    self._copying.append((buf, self.backend.h2d_async(buf[:size], self.dst, self.device, start,
+                                                                      after=self.allocated)))
                 else:
                     self.pool.give(buf)
                 moved = True
@@ -200,6 +230,14 @@ class StagedRecv(Pipeline):
             self.spans = self.spans[:self._next]
         # else: keep receiving (into pinned buffers, dropped) until the producer's
         # last message, so its sends complete and the tag is free again
+
+    def _give_back_all(self) -> None:
+        for _, _, buf, _ in self._receiving:
+            self.pool.give(buf)  # its request is cancelled and waited for
+        self._receiving.clear()
+        for buf, event in self._copying:
+            self.pool.give(buf, after=event, hold=self.dst)  # the copy may still read it and write dst
+        self._copying.clear()
 
 
 class DirectSend(Pipeline):
@@ -242,13 +280,25 @@ class DirectRecv(Pipeline):
     kind = "device receive"
 
     def __init__(self, comm: Any, MPI: Any, backend: DeviceBackend, dst: Any, nbytes: int, source: int,
-                 tag: int, chunk: int) -> None:
+                 tag: int, chunk: int, allocated: Any = None) -> None:
         super().__init__(comm, MPI, source, tag, nbytes, chunk)
+        self.backend = backend
+        self.dst = dst
+        self.allocated = allocated  # MPI writes the destination only once its allocation event is done
+        self._posted = False
+
+    def _post(self, into_host: bool = False) -> None:
         for start, stop in self.spans:
-            buf = backend.mpi_buffer(dst, start, stop)
-            self._reqs.append(comm.Irecv([buf, MPI.BYTE], source, tag))
+            buf = np.empty(stop - start, np.uint8) if into_host else self.backend.mpi_buffer(self.dst, start, stop)
+            self._reqs.append(self.comm.Irecv([buf, self.MPI.BYTE], self.peer, self.tag))
+        self._posted = True
 
     def _step(self) -> bool:
+        if not self._posted:
+            if self.allocated is not None and not self.backend.event_done(self.allocated):
+                return False
+            self._post()
+            return True
         moved = any([self._test(r) for r in list(self._reqs)])
         if not self._reqs:
             self.done = True
@@ -256,5 +306,8 @@ class DirectRecv(Pipeline):
 
     def _fail(self, error: BaseException, mpi_works: bool = False) -> None:
         self.error = error
+        if not self._posted and mpi_works:
+            self._post(into_host=True)  # take the producer's messages anyway, so its sends complete
+        self._posted = True
         if not self._reqs:
             self.done = True
