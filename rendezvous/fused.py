@@ -28,7 +28,7 @@ from .dtypes import dtype_to_proto, proto_to_dtype
 from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 from .tensors import _MAX_NDIM
 
-__all__ = ["ALIGN", "Layout", "layout", "group_frame", "fill", "Group", "parse_group", "fusable"]
+__all__ = ["ALIGN", "Layout", "layout", "group_frame", "group_parts", "fill", "Group", "parse_group", "fusable"]
 
 #: every tensor's bytes start at a multiple of this within the payload
 ALIGN = 8
@@ -123,6 +123,15 @@ def group_frame(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, la
     """A ``StreamResponse`` whose ``group`` answers ``call_ids``: with the arrays'
     bytes inside (``arrays`` given) or announced by ``transport_options`` (the
     payload travels another way)."""
+    return b"".join(group_parts(call_ids, arrays, lay, send_start_micros, transport_options))
+
+
+def group_parts(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, lay: Layout,
+                send_start_micros: int = 0, transport_options: bytes | None = None,
+                field: int = F.STREAM_RESPONSE_GROUP) -> list:
+    """:func:`group_frame`'s bytes as pieces (the arrays' own memory among them,
+    not copied), for a writer that gathers them; ``field``: the group's field
+    number in the message it is part of (a daemon's ``LocalRecvManyResponse.group``)."""
     ids = np.array(call_ids, _U64).tobytes()
     offsets = np.array(lay.offsets, _U64).tobytes()
     head = [
@@ -139,7 +148,7 @@ def group_frame(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, la
     if arrays is not None:
         body = [wire.len_field_header(F.GROUP_PAYLOAD, lay.nbytes), *_parts(arrays, lay)]
     size = sum(len(p) for p in head) + sum(len(p) for p in body)
-    return b"".join([wire.len_field_header(F.STREAM_RESPONSE_GROUP, size), *head, *body])
+    return [wire.len_field_header(field, size), *head, *body]
 
 
 # --- consumer side -----------------------------------------------------------

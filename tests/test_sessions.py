@@ -163,6 +163,23 @@ def many(keys: list[str], step_id: int = 1, timeout: float | None = None) -> byt
     return messages.recv_many_request(keys, step_id, timeout)
 
 
+def answered(body: bytes, n: int) -> list[tuple[str, object]]:
+    """A RECV_MANY_REPLY's answers: ("packed", array), ("pooled", (segment, nbytes))
+    or ("reply", item), in key order."""
+    out = []
+    for answer in messages.parse_many(body, n).answers:
+        if len(answer) == 4:
+            out.append(("packed", messages.packed_view(body, answer)))
+            continue
+        raw = body[answer[0]:answer[1]]
+        fields = messages.reply_fields(raw)
+        if fields.slot is not None:
+            out.append(("pooled", lpb.PoolSlot.FromString(raw[fields.slot[0]:fields.slot[1]])))
+        else:
+            out.append(("reply", messages.parse_reply(raw).item))
+    return out
+
+
 def test_recv_many_answers_every_key_in_order_in_one_frame(sockdir):  # noqa: F811
     async def main():
         async with daemons(sockdir) as (d,):
@@ -177,14 +194,11 @@ def test_recv_many_answers_every_key_in_order_in_one_frame(sockdir):  # noqa: F8
             [(kind, op, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 3, many(keys, timeout=5.0)))
             assert (kind, op) == (Kind.RECV_MANY_REPLY, 3)
             await until(lambda: s.waiting == 0 and not s.recvs, what="the batch to end")
-            got = messages.parse_many(body, len(keys))
-            assert not got.failures and len(got.replies) == 4
-            items = [messages.reply_fields(body[a:b]) for a, b in got.replies]
-            assert [i.slot is not None for i in items] == [False, True, False, False]
-            assert [i.is_dead for i in items] == [False, False, True, False]
-            first, last = (messages.parse_reply(body[a:b]).item.value.tolist() for a, b in
-                           (got.replies[0], got.replies[3]))
-            assert (first, last) == ([0, 1, 2], [0, 1, 2, 3])
+            got = answered(body, len(keys))
+            # the small ones packed in one group, the big one on a segment, the dead one a reply
+            assert [how for how, _ in got] == ["packed", "pooled", "reply", "packed"]
+            assert got[0][1].tolist() == [0, 1, 2] and got[3][1].tolist() == [0, 1, 2, 3]
+            assert got[1][1].nbytes == big.nbytes and got[2][1].is_dead
             assert d.pool.holds(s.id) == 1  # the big one's segment, the client's until it releases it
             assert not d.server.pending() and s.waiting == 0 and not s.recvs and not d.local.waits
             sock.close()
@@ -209,9 +223,9 @@ def test_a_failed_recv_many_names_its_keys_and_takes_nothing(sockdir):  # noqa: 
             assert d.pool.holds(s.id) == 0 and s.waiting == 0 and not d.local.waits
             again = [key(0, 0, "x"), key(0, 0, "y"), key(0, 0, "x")]
             [(_, _, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 5, many(again, timeout=5.0)))
-            got = messages.parse_many(body, 3)
-            values = [messages.parse_reply(body[a:b], lambda *a: None).item.value for a, b in got.replies]
-            assert values[0].tolist() == [0, 1] and values[2].tolist() == [0, 1, 2, 3, 4]
+            got = answered(body, 3)
+            assert [how for how, _ in got] == ["packed", "pooled", "packed"]
+            assert got[0][1].tolist() == [0, 1] and got[2][1].tolist() == [0, 1, 2, 3, 4]
             assert not d.server.pending() and not d.server.kept
             sock.close()
     run(main())
@@ -268,7 +282,7 @@ def test_recv_many_mistakes_and_its_share_of_waiting_recvs(sockdir):  # noqa: F8
             await until(lambda: s.waiting == share, what="the batch to wait")
             d.server.send_many([(k, np.arange(1)) for k in fits], step_id=1)
             [(kind, op, body)] = await replies(sock, 1)
-            assert (kind, op) == (Kind.RECV_MANY_REPLY, 24) and len(messages.parse_many(body, len(fits)).replies) == 54
+            assert (kind, op) == (Kind.RECV_MANY_REPLY, 24) and len(answered(body, len(fits))) == 54
             await until(lambda: s.waiting == 10, what="the batch to end")
             sock.close()
     run(main())
@@ -290,8 +304,10 @@ def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
     async def main():
         async with daemons(sockdir) as (d,):
             k = key(1, 0, "late")  # another task's key: a recv would ask it
-            reply = messages.many_reply([messages.inline_reply(Received(np.arange(n), False), Path.GRPC)
-                                         for n in (1, 2, 3)])
+            # the first and last packed, the middle one a reply of its own
+            reply = b"".join(messages.many_answer([(Received(np.arange(n), False), Path.GRPC) for n in (1, 2, 3)], 1 << 20,
+                                         {1: messages.inline_reply(Received(np.arange(2), False), Path.GRPC)}))
+            assert [len(a) for a in messages.parse_many(reply, 3).answers] == [4, 2, 4]
             link = Link()
             link._cancelled[9] = Op(Kind.RECV_MANY, b"", step_id=3, keys=(k, key(0, 0, "other"), k))
             assert link._route(Kind.RECV_MANY_REPLY, 9, memoryview(reply)) is None
@@ -300,9 +316,7 @@ def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
             got = await ask(sock, data, answers=3)
             assert [kind for kind, _, _ in got] == [Kind.OK] * 3
             [(_, _, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 2, many([k, k, key(0, 0, "other")], 3, 5.0)))
-            got = messages.parse_many(body, 3)
-            assert [messages.parse_reply(body[a:b]).item.value.tolist() for a, b in got.replies] == [
-                [0], [0, 1, 2], [0, 1]]
+            assert [v.tolist() for _, v in answered(body, 3)] == [[0], [0, 1, 2], [0, 1]]
             # a failed batch's late answer has nothing to give back
             link.written.clear()
             link._cancelled[10] = Op(Kind.RECV_MANY, b"", step_id=3, keys=(k,))
@@ -310,3 +324,27 @@ def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
             assert link.written == []
             sock.close()
     run(main())
+
+
+def test_a_batch_answer_that_lies_is_invalid_argument():
+    from rendezvous import fused
+    from rendezvous.errors import InvalidArgument
+
+    arrays = [np.arange(3), np.ones(2, np.float32)]
+    group = b"".join(fused.group_parts([0, 1], arrays, fused.layout(arrays), field=3))
+    paths = bytes([1, 2])
+    ok = group + b"\x22" + bytes([len(paths)]) + paths  # field 4, LEN
+    assert [messages.packed_view(ok, a).tolist() for a in messages.parse_many(ok, 2).answers] == [[0, 1, 2], [1, 1]]
+    reply = messages.inline_reply(Received(np.arange(1), False), Path.LOCAL)
+    lies = [
+        (ok, 3),  # answers 2 of 3
+        (ok, 1),  # names key 1 of a batch of 1
+        (group, 2),  # no paths
+        (group + b"\x22\x01\x01", 2),  # one path for two tensors
+        (group + b"\x22\x02\x01\x09", 2),  # a path that does not exist
+        (b"".join(messages.many_reply([reply, reply])) + ok, 2),  # a key answered twice
+        (messages.many_failed([(5, 4, "x")]), 2),  # a failure outside the batch
+    ]
+    for raw, n in lies:
+        with pytest.raises(InvalidArgument):
+            messages.parse_many(raw, n)

@@ -170,7 +170,19 @@ class ClientCore:
         got = messages.parse_many(raw, len(op.keys))
         if got.failures:
             raise batch_failure(list(op.keys), op.step_id, got.failures)
-        return [self.received(raw[a:b]) for a, b in got.replies]
+        items: list[Received] = []
+        packed: collections.Counter[str] = collections.Counter()
+        for answer in got.answers:
+            if len(answer) == 2:
+                items.append(self.received(raw[answer[0]:answer[1]]))
+            else:  # a view on the answer's bytes, as an inline reply's tensor is
+                items.append(Received(messages.packed_view(raw, answer), False))
+                packed[answer[3]] += 1
+        if packed:
+            with self._lock:
+                self._counts[f"recv_{Hop.INLINE}"] += sum(packed.values())
+                self._counts.update(packed)
+        return items
 
     @staticmethod
     def abort_op(step_id: int, message: str) -> Op:

@@ -44,19 +44,30 @@ class DaemonMetrics:
                                       ["path"], buckets=LATENCY_BUCKETS, registry=r)
         self.errors = Counter("rendezvous_errors", "Failed calls of local clients and refused calls, "
                               "by gRPC status code", ["code"], registry=r)
+        self._children: dict[tuple[str, Hop], tuple[Any, Any]] = {}  # labelled once, not per tensor
+        self._latency: dict[Path, Any] = {}
         self._httpd: Any = None
         self._thread: Any = None
 
     # -- updates (loop thread) --------------------------------------------------
 
-    def local_op(self, op: str, hop: Hop, nbytes: int) -> None:
-        """A local client's send or recv that crossed the local hop by ``hop``."""
-        self.local_ops.labels(op, str(hop)).inc()
-        self.local_bytes.labels(op, str(hop)).inc(nbytes)
+    def local_op(self, op: str, hop: Hop, nbytes: int, count: int = 1) -> None:
+        """``count`` tensors of a local client's send or recv (``nbytes`` in all)
+        that crossed the local hop by ``hop``."""
+        children = self._children.get((op, hop))
+        if children is None:
+            children = self._children[(op, hop)] = (self.local_ops.labels(op, str(hop)),
+                                                     self.local_bytes.labels(op, str(hop)))
+        children[0].inc(count)
+        children[1].inc(nbytes)
 
     def recv_done(self, path: Path, seconds: float) -> None:
-        """A local client's recv answered, its tensor brought by ``path``."""
-        self.recv_seconds.labels(str(path)).observe(seconds)
+        """A local client's recv answered, its tensor brought by ``path`` (a batch:
+        once for each path that brought some of its tensors)."""
+        child = self._latency.get(path)
+        if child is None:
+            child = self._latency[path] = self.recv_seconds.labels(str(path))
+        child.observe(seconds)
 
     def error(self, code: grpc.StatusCode | str) -> None:
         self.errors.labels(code if isinstance(code, str) else code.name).inc()

@@ -238,7 +238,7 @@ class LocalServicer:
             try:
                 if context.cancelled():
                     raise Unavailable("the client went away")
-                reply = messages.many_reply([messages.inline_reply(f.item, f.path) for f in got])
+                reply = b"".join(messages.many_answer(got, self.config.max_tensor_bytes))
             except BaseException:
                 self.give_back_many(req, [f.item for f in got])
                 raise

@@ -50,7 +50,7 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted, Unavailable
 from rendezvous.local import messages
 from rendezvous.local.connection import Connection
-from rendezvous.local.frames import FrameError, FrameTooLarge, Kind, frame, pack_error, pack_grants, unpack_ids
+from rendezvous.local.frames import HEADER, FrameError, FrameTooLarge, Kind, frame, pack_error, pack_grants, unpack_ids
 from rendezvous.paths import Hop, Path
 from rendezvous.rpc.admin import PENDING_BYTES
 from rendezvous.stats import payload_nbytes
@@ -82,6 +82,9 @@ _OFF_LOOP_BYTES = 4 << 20
 SESSION_HIGH_WATER = 8 << 20
 #: descriptors a session may leave unread (segments introduced to it) likewise
 SESSION_FDS = 32
+#: the most tensor bytes a RECV_MANY's answer carries in its frame (a frame's
+#: length is a u32; keys and field headers take the rest)
+_MANY_INLINE_BYTES = (1 << 32) - (64 << 20)
 #: the share of the pool's segments, and of max_waiting_calls, one session may hold:
 #: what one client takes, the others still have
 SHARE = 8
@@ -342,16 +345,25 @@ class Session:
             try:
                 await self.conn.room()
                 places = await self._places([f.item for f in got])
-                replies = self._replies(got, places)  # no await until the reply is written
+                inline = sum(payload_nbytes(f.item.value) for f, place in zip(got, places) if place is None)
+                if inline > _MANY_INLINE_BYTES:
+                    raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline} bytes "
+                                            f"in its frame (the shared-memory pool has no room for them); at most "
+                                            f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
+                parts, hops = self._many_body(got, places)  # no await until the reply is written
             except BaseException:
                 self.servicer.give_back_many(req, [f.item for f in got])
                 raise
-            self.conn.write(frame(Kind.RECV_MANY_REPLY, op, messages.many_reply([r.body for r in replies])))
+            # gathered by the socket's write: the packed tensors' bytes are not copied here
+            self.conn.write(HEADER.pack(sum(len(p) for p in parts), Kind.RECV_MANY_REPLY, op))
+            for part in parts:
+                self.conn.write(part)
             if metrics is not None:
                 took = time.perf_counter() - t0
-                for f, r in zip(got, replies):
-                    metrics.recv_done(f.path, took)
-                    metrics.local_op("recv", r.hop, r.nbytes)
+                for path in {f.path for f in got}:
+                    metrics.recv_done(path, took)
+                for hop, (count, nbytes) in hops.items():
+                    metrics.local_op("recv", hop, nbytes, count)
         except asyncio.CancelledError:
             self._error(op, Cancelled(f"recv_many of {len(req.rendezvous_keys)} keys (step {req.step_id}) "
                                       "was cancelled"))
@@ -397,6 +409,21 @@ class Session:
             taken.add(seg.id)
             out.append((value, seg))
         return out
+
+    def _many_body(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]
+                   ) -> tuple[list, dict[Hop, list[int]]]:
+        """A RECV_MANY's LocalRecvManyResponse (:func:`messages.many_answer`: the
+        tensors on segments as replies naming them, the host arrays that go
+        inline packed in one group), and per hop the tensors and bytes that
+        crossed it. Called with no await before the write."""
+        pooled = [i for i, place in enumerate(places) if place is not None]
+        replies = self._replies([got[i] for i in pooled], [places[i] for i in pooled])
+        prepared = {i: r.body for i, r in zip(pooled, replies) if r.hop is Hop.SHM}
+        hops: dict[Hop, list[int]] = {Hop.SHM: [len(prepared), sum(r.nbytes for r in replies if r.hop is Hop.SHM)]}
+        inline = [f.item for i, f in enumerate(got) if i not in prepared]
+        hops[Hop.INLINE] = [len(inline), sum(payload_nbytes(item.value) for item in inline)]
+        body = messages.many_answer(got, self.servicer.config.max_tensor_bytes, prepared)
+        return body, {hop: t for hop, t in hops.items() if t[0]}
 
     def _replies(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]) -> list[Reply]:
         """The LocalRecvResponse of each (item, path) in ``got``, handing over the

@@ -25,6 +25,8 @@ __all__ = ["Connection"]
 
 #: frames handed to the owner in one loop turn, at most; the rest wait for the next
 _TURN_FRAMES = 256
+#: bytes gathered into one write at most (a Unix socket takes a few hundred KiB at once)
+_GATHER_BYTES = 512 << 10
 
 
 def _ignore(*_: Any) -> None:
@@ -206,13 +208,17 @@ class Connection:
             while self._out:
                 bufs: list[Any] = []
                 fds: tuple[int, ...] = ()
+                gathered = 0
                 for data, attached in self._out:
                     if attached:
                         if bufs:
                             break  # descriptors start a write of their own
                         fds = attached
                     bufs.append(data)
-                    if len(bufs) >= 512:
+                    gathered += len(data)
+                    # about what the socket takes at once: a reply of many small pieces
+                    # is not walked again whole for each partial write
+                    if len(bufs) >= 512 or gathered >= _GATHER_BYTES:
                         break
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
                 sent = self.sock.sendmsg(bufs, anc)

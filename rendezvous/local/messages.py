@@ -16,6 +16,7 @@ parses sends and recvs and builds replies. Both use this one module.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from rendezvous import fields as F
-from rendezvous import frames, wire
+from rendezvous import frames, fused, wire
 from rendezvous.errors import InvalidArgument, RendezvousError, from_status
 from rendezvous.keys import Key, as_key
 from rendezvous.paths import Hop, Path
@@ -37,9 +38,10 @@ from .frames import unpack_error
 
 __all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "to_pending",
            "send_head", "inline_send", "pooled_send", "returned", "SendFields", "parse_send", "parse_slot",
-           "recv_request", "parse_recv", "recv_many_request", "parse_recv_many", "many_reply", "many_failed",
-           "ManyReply", "parse_many", "returned_many", "inline_reply", "pooled_reply", "ReplyFields", "reply_fields",
-           "LocalReply", "parse_reply", "error_from", "frame_error"]
+           "recv_request", "parse_recv", "recv_many_request", "parse_recv_many", "many_reply", "many_answer",
+           "many_failed",
+           "ManyReply", "parse_many", "returned_many", "packed_view", "PATHS", "inline_reply", "pooled_reply",
+           "ReplyFields", "reply_fields", "LocalReply", "parse_reply", "error_from", "frame_error"]
 
 #: the gRPC service of the local protocol, and its methods' path prefix
 SERVICE = "rendezvous.v1.LocalRendezvous"
@@ -202,12 +204,47 @@ def parse_recv_many(raw: bytes | memoryview) -> lpb.LocalRecvManyRequest:
         raise InvalidArgument(f"malformed LocalRecvManyRequest: {exc}") from None
 
 
-def many_reply(replies: list[bytes]) -> bytes:
-    """A LocalRecvManyResponse of ``replies`` (LocalRecvResponse bodies, in key order)."""
-    parts = []
+#: a path's code in ``LocalRecvManyResponse.group_paths``
+PATHS = tuple(Path)
+_PATH_CODE = {p: i for i, p in enumerate(PATHS)}
+
+
+def many_reply(replies: list[bytes], packed: list[int] | None = None, arrays: list[np.ndarray] | None = None,
+               paths: list[Path] | None = None) -> list:
+    """A LocalRecvManyResponse, as pieces to gather (the packed arrays' memory
+    among them): ``replies`` (LocalRecvResponse bodies) answer the keys not
+    ``packed``, in key order; the host ``arrays`` brought by ``paths`` answer
+    the keys at positions ``packed``, in one group."""
+    parts: list = []
     for body in replies:
         parts += [wire.len_field_header(F.LOCAL_MANY_REPLIES, len(body)), body]
-    return b"".join(parts)
+    if packed:
+        assert arrays is not None and paths is not None
+        parts += fused.group_parts(packed, arrays, fused.layout(arrays), field=F.LOCAL_MANY_GROUP)
+        codes = bytes(_PATH_CODE[p] for p in paths)
+        parts += [wire.len_field_header(F.LOCAL_MANY_GROUP_PATHS, len(codes)), codes]
+    return parts
+
+
+def many_answer(got: list[tuple[Received, Path]], limit: int, prepared: dict[int, bytes] | None = None) -> list:
+    """A batch's LocalRecvManyResponse (as :func:`many_reply`'s pieces):
+    ``prepared`` replies (by position) as they are; every other host array of
+    a fixed-size dtype (at most ``limit`` bytes) packed in the group; the rest
+    (dead, strings) as inline replies."""
+    prepared = prepared or {}
+    replies: list[bytes] = []
+    packed: list[int] = []
+    arrays: list[np.ndarray] = []
+    paths: list[Path] = []
+    for i, (item, path) in enumerate(got):
+        body = prepared.get(i)
+        if body is None and not item.is_dead and fused.fusable(item.value, limit):
+            packed.append(i)
+            arrays.append(item.value)
+            paths.append(path)
+        else:
+            replies.append(body if body is not None else inline_reply(item, path))
+    return many_reply(replies, packed, arrays, paths)
 
 
 def many_failed(failures: list[tuple[int, int, str]]) -> bytes:
@@ -217,21 +254,29 @@ def many_failed(failures: list[tuple[int, int, str]]) -> bytes:
 
 
 class ManyReply(NamedTuple):
-    """A parsed LocalRecvManyResponse: each reply's byte span, or the failures."""
+    """A parsed LocalRecvManyResponse: per key, the byte span of its reply or,
+    for a packed one, its (dtype, shape, offset) in the group's payload and
+    its path; or the failures."""
 
-    replies: list[tuple[int, int]]
+    answers: list[tuple[int, int] | tuple[np.dtype, tuple[int, ...], int, Path]]
     failures: dict[int, RendezvousError]
 
 
 def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
-    """The replies (spans of ``raw``) or failures of a batch of ``n`` keys; a reply
-    that answers another number of keys, or names a failure outside the batch,
-    is InvalidArgument."""
+    """The answers (spans and packed tensors of ``raw``) or failures of a batch
+    of ``n`` keys. A reply that answers another number of keys, a key twice,
+    or names a failure outside the batch is InvalidArgument (a group that
+    lies, as :func:`rendezvous.fused.parse_group` says)."""
     spans: list[tuple[int, int]] = []
     failures: dict[int, RendezvousError] = {}
+    group = codes = None
     for num, wt, a, b in wire.iter_fields(raw):
         if num == F.LOCAL_MANY_REPLIES and wt == wire.LEN:
             spans.append((a, b))
+        elif num == F.LOCAL_MANY_GROUP and wt == wire.LEN:
+            group = fused.parse_group(raw, a, b)
+        elif num == F.LOCAL_MANY_GROUP_PATHS and wt == wire.LEN:
+            codes = bytes(raw[a:b])
         elif num == F.LOCAL_MANY_FAILURES and wt == wire.LEN:
             try:
                 one = lpb.LocalRecvFailure.FromString(bytes(raw[a:b]))
@@ -242,21 +287,47 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
             failures[one.index] = from_status(one.code, one.message)
     if failures:
         return ManyReply([], failures)
-    if len(spans) != n:
+    answers: list = [None] * n
+    if group is not None:
+        if group.payload is None or codes is None or len(codes) != len(group.call_ids):
+            raise InvalidArgument("the daemon's packed answers come without their payload or paths")
+        if max(group.call_ids) >= n or max(codes) >= len(PATHS):
+            raise InvalidArgument(f"the daemon's packed answers name a key or path outside a batch of {n}")
+        base = group.payload[0]
+        for i, dt, shape, off, code in zip(group.call_ids, group.dtypes, group.shapes, group.offsets, codes):
+            answers[i] = (dt, shape, base + off, PATHS[code])
+    if len(spans) + (len(group.call_ids) if group is not None else 0) != n:
         raise InvalidArgument(f"the daemon answered {len(spans)} of a batch of {n} keys")
-    return ManyReply(spans, {})
+    it = iter(spans)
+    for i in range(n):
+        if answers[i] is None:
+            answers[i] = next(it)
+    return ManyReply(answers, {})
 
 
 def returned_many(keys: tuple[str, ...], step_id: int, reply: bytes | memoryview) -> list[bytes]:
     """RETURN frames' bodies for a batch's answer that came after its caller gave
-    up, each reply as :func:`returned` makes it; last key first, so that the
-    daemon, which keeps each in front, keeps them in their order (FIFO per
+    up, each key's tensor as :func:`returned` makes it; last key first, so that
+    the daemon, which keeps each in front, keeps them in their order (FIFO per
     key). None if the batch failed (nothing was taken)."""
     try:
         got = parse_many(reply, len(keys))
     except InvalidArgument:
         return []  # not an answer to this batch: nothing of it can be given back
-    return [returned(key, step_id, reply[a:b]) for key, (a, b) in reversed(list(zip(keys, got.replies)))]
+    out = []
+    for key, answer in reversed(list(zip(keys, got.answers))):
+        if len(answer) == 2:
+            out.append(returned(key, step_id, reply[answer[0]:answer[1]]))
+        else:
+            value = packed_view(reply, answer)
+            out.append(returned(key, step_id, inline_reply(Received(value, False), answer[3])))
+    return out
+
+
+def packed_view(raw: bytes | memoryview, answer: tuple) -> np.ndarray:
+    """A packed answer's tensor: a view on ``raw``."""
+    dt, shape, offset, _ = answer
+    return np.frombuffer(raw, dt, math.prod(shape), offset).reshape(shape)
 
 
 def _path_field(path: Path) -> bytes:

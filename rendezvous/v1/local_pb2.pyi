@@ -1,3 +1,4 @@
+from rendezvous.v1 import rendezvous_pb2 as _rendezvous_pb2
 from rendezvous.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -76,12 +77,16 @@ class LocalRecvFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class LocalRecvManyResponse(_message.Message):
-    __slots__ = ("replies", "failures")
+    __slots__ = ("replies", "failures", "group", "group_paths")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PATHS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[LocalRecvResponse]
     failures: _containers.RepeatedCompositeFieldContainer[LocalRecvFailure]
-    def __init__(self, replies: _Optional[_Iterable[_Union[LocalRecvResponse, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[LocalRecvFailure, _Mapping]]] = ...) -> None: ...
+    group: _rendezvous_pb2.ReplyGroup
+    group_paths: bytes
+    def __init__(self, replies: _Optional[_Iterable[_Union[LocalRecvResponse, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[LocalRecvFailure, _Mapping]]] = ..., group: _Optional[_Union[_rendezvous_pb2.ReplyGroup, _Mapping]] = ..., group_paths: _Optional[bytes] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("step_id", "message")
