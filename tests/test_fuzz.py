@@ -47,6 +47,7 @@ from rendezvous import fields as F
 from rendezvous import dtypes, frames, fused, keys, tensors, wire
 from rendezvous.local import frames as localwire
 from rendezvous.local import segments as shm
+from rendezvous.local import messages as local_messages
 from rendezvous.buffers import RecvBuffers
 from rendezvous.client.aio import Client
 from rendezvous.local.messages import parse_reply
@@ -1472,6 +1473,10 @@ def _raw_frames(draw: st.DrawFn) -> bytes:
     elif kind == Kind.RECV:
         body = lpb.LocalRecvRequest(step_id=draw(_raw_steps), rendezvous_key=draw(_raw_keys),
                                     timeout=draw(st.sampled_from([0.0, 0.0, 0.01, 1e-9, -1.0]))).SerializeToString()
+    elif kind == Kind.SEND_MANY:
+        keys_ = draw(st.lists(_raw_keys, max_size=3))
+        body = local_messages.send_many_request(keys_, [np.arange(draw(st.integers(1, 50))) for _ in keys_],
+                                                draw(_raw_steps))
     elif kind == Kind.RECV_MANY:
         body = lpb.LocalRecvManyRequest(step_id=draw(_raw_steps), rendezvous_keys=draw(st.lists(_raw_keys, max_size=4)),
                                         timeout=draw(st.sampled_from([0.0, 0.01, 1e-9, -1.0]))).SerializeToString()

@@ -16,6 +16,7 @@ from rendezvous.client.aio import Client
 from rendezvous.daemon.pool import Pool
 from rendezvous.daemon.sessions import PoolBuffers
 from rendezvous.local import frames as lf
+from rendezvous import wire
 from rendezvous.local import messages
 from rendezvous.local.frames import Kind
 from rendezvous.paths import Path
@@ -348,3 +349,71 @@ def test_a_batch_answer_that_lies_is_invalid_argument():
     for raw, n in lies:
         with pytest.raises(InvalidArgument):
             messages.parse_many(raw, n)
+
+
+# -- SEND_MANY: small tensors packed in one operation ------------------------------------
+
+
+def test_send_many_produces_every_tensor_in_order_or_none(sockdir):  # noqa: F811
+    async def main():
+        async with daemons(sockdir) as (d,):
+            sock = await session(d.sessions.path)
+            k = key(0, 0, "k")
+            values = [np.arange(3), np.ones((2, 2), np.float32), np.arange(5, dtype=np.int8)]
+            body = messages.send_many_request([k, key(0, 0, "other"), k], values, 4)
+            [(kind, op, _)] = await ask(sock, lf.frame(Kind.SEND_MANY, 3, body))
+            assert (kind, op) == (Kind.OK, 3)
+            assert {(e.key, e.count) for e in d.server.pending()} == {(k, 2), (key(0, 0, "other"), 1)}
+            got = await d.server.recv_many([k, key(0, 0, "other"), k], step_id=4, timeout=5)
+            assert [g.tolist() for g in got] == [v.tolist() for v in values]  # FIFO for k
+            # refused whole: a key another task produces, a malformed body, a group that does not
+            # answer its keys in order, an aborted step
+            arrays = [np.arange(2), np.arange(3)]
+            from rendezvous import fused
+            shuffled = b"".join([wire.varint_field(1, 4), *(wire.len_field_header(2, len(x)) + x.encode()
+                                                            for x in (k, k)),
+                                 *fused.group_parts([1, 0], arrays, fused.layout(arrays), field=3)])
+            d.server.abort(9, "gone")
+            got = await ask(sock,
+                            lf.frame(Kind.SEND_MANY, 4, messages.send_many_request([k, key(1, 0, "theirs")], arrays, 4)),
+                            lf.frame(Kind.SEND_MANY, 5, b"\x1a\x05junk!"),
+                            lf.frame(Kind.SEND_MANY, 6, shuffled),
+                            lf.frame(Kind.SEND_MANY, 7, messages.send_many_request([k, k], arrays, 9)),
+                            lf.frame(Kind.SEND_MANY, 8, messages.send_many_request([k], arrays, 4)),  # 2 for 1 key
+                            answers=5)
+            assert [(op, code_of(body)) for _, op, body in got] == [
+                (4, grpc.StatusCode.FAILED_PRECONDITION), (5, grpc.StatusCode.INVALID_ARGUMENT),
+                (6, grpc.StatusCode.INVALID_ARGUMENT), (7, grpc.StatusCode.ABORTED),
+                (8, grpc.StatusCode.INVALID_ARGUMENT)]
+            assert not d.server.pending()  # none of them produced anything
+            sock.close()
+    run(main())
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_a_clients_send_many_packs_small_tensors_and_keeps_the_order(sockdir, blocking):  # noqa: F811
+    from rendezvous.client import Client as BlockingClient
+
+    k = key(0, 0, "k")
+    big = np.arange(1 << 15, dtype=np.float64)  # above the threshold: through a segment
+    items = [(k, np.arange(3)), (k, big), (k, np.arange(4)), (key(0, 0, "dead"), None, True),
+             (k, np.array([b"a", b"bc"])), (k, np.arange(5))]
+
+    async def main():
+        async with daemons(sockdir) as (d,):
+            if blocking:
+                def go():
+                    with BlockingClient(d.local_target) as c:
+                        c.send_many(items, step_id=2)
+                        return c.stats()
+                stats = await asyncio.get_running_loop().run_in_executor(None, go)
+            else:
+                async with Client(d.local_target) as c:
+                    await c.send_many(items, step_id=2)
+                    stats = c.stats()
+            assert stats == {"send_inline": 5, "send_shm": 1}
+            got = await d.server.recv_many([k] * 5 + [key(0, 0, "dead")], step_id=2, timeout=5)
+            assert [g.tolist() for g in got[:5]] == [[0, 1, 2], big.tolist(), [0, 1, 2, 3], [b"a", b"bc"],
+                                                     [0, 1, 2, 3, 4]]
+            assert got[5] is None and not d.server.pending()
+    run(main())

@@ -262,8 +262,22 @@ class Client:
 
     async def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """See :meth:`rendezvous.client.Client.send_many`."""
-        for key, tensor, dead in check_items(items):
-            await self.send(key, tensor, step_id, dead)
+        checked = check_items(items)
+        await self.connect()
+        batch: list[Op] = []  # SEND_MANY ops written together (in order), answered together
+        for step in self._core.send_many_plan(checked, step_id):
+            if isinstance(step, Op):
+                if self._link is None:  # gRPC calls may overtake each other: one at a time
+                    await self._do(step)
+                else:
+                    batch.append(step)
+                continue
+            if batch:
+                await asyncio.gather(*(self._do(op) for op in batch))
+                batch = []
+            await self.send(step[0], step[1], step_id, step[2])
+        if batch:
+            await asyncio.gather(*(self._do(op) for op in batch))
 
     async def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
                         timeout: float | None = None) -> list[np.ndarray | None]:

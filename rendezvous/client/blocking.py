@@ -326,9 +326,15 @@ class Client:
 
     def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """Send many tensors (``(key, tensor)`` or ``(key, tensor, is_dead)``
-        items, or a mapping): every one checked first, then each sent in turn."""
-        for key, tensor, dead in check_items(items):
-            self.send(key, tensor, step_id, dead)
+        items, or a mapping): every one checked first, then sent in their order:
+        each run of small host arrays (under the shared-memory threshold) packed
+        in one operation of up to 4 MiB, the others (large, dead, strings) one
+        by one. Returns once the daemon holds them all."""
+        for step in self._core.send_many_plan(check_items(items), step_id):
+            if isinstance(step, Op):
+                self._do(step)  # a run of small tensors, packed in one operation
+            else:
+                self.send(step[0], step[1], step_id, step[2])
 
     def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
                   timeout: float | None = None) -> list[np.ndarray | None]:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from rendezvous import fused
 from rendezvous.errors import ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key
 from rendezvous.local import messages
@@ -43,10 +44,12 @@ __all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "RECVS", "drive", "d
            "check_items", "check_socket", "connect_within"]
 
 #: the gRPC method of each operation, for a client without a session socket
-GRPC_METHODS = {Kind.SEND: "Send", Kind.RECV: "Recv", Kind.RECV_MANY: "RecvMany", Kind.ABORT: "Abort",
-                Kind.PENDING: "Pending"}
+GRPC_METHODS = {Kind.SEND: "Send", Kind.SEND_MANY: "SendMany", Kind.RECV: "Recv", Kind.RECV_MANY: "RecvMany",
+                Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
 #: operations whose answer carries tensors: a caller that gives up gives them back
 RECVS = (Kind.RECV, Kind.RECV_MANY)
+#: the most tensor bytes one SEND_MANY carries (send_many sends more as several)
+SEND_MANY_BYTES = 4 << 20
 
 
 def check_socket(address: str) -> None:
@@ -138,6 +141,43 @@ class ClientCore:
         self._count(f"send_{Hop.INLINE}")
         return Hop.INLINE
 
+    def send_many_plan(self, items: list[tuple[Any, Any, bool]], step_id: int) -> list[Op | tuple[Any, Any, bool]]:
+        """send_many's checked ``items`` as what to do, in their order (so FIFO per
+        key holds): a SEND_MANY op for each run of host arrays that travel
+        inside frames (a fixed-size dtype, under the shared-memory threshold),
+        packed in one group, up to :data:`SEND_MANY_BYTES` each; the others
+        (dead, strings, large: through a segment) as items for :meth:`send_plan`."""
+        plan: list[Op | tuple[Any, Any, bool]] = []
+        keys: list[str] = []
+        arrays: list[np.ndarray] = []
+        size = 0
+        threshold = self.shm_threshold if self.segments is not None else -1
+
+        def flush() -> None:
+            nonlocal size
+            if arrays:
+                plan.append(Op(Kind.SEND_MANY, messages.send_many_request(keys, arrays, step_id)))
+                keys.clear()
+                arrays.clear()
+                size = 0
+
+        for key, tensor, dead in items:
+            arr = None if dead else as_array(tensor)
+            if arr is None or not fused.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes:
+                flush()
+                plan.append((key, tensor, dead))
+                continue
+            if size + arr.nbytes > SEND_MANY_BYTES:
+                flush()
+            keys.append(as_key(key).format())
+            arrays.append(arr)
+            size += arr.nbytes
+        flush()
+        packed = len(items) - sum(1 for p in plan if not isinstance(p, Op))
+        if packed:
+            self._count(f"send_{Hop.INLINE}", packed)
+        return plan
+
     @staticmethod
     def recv_op(key: Key | str, step_id: int, timeout: float | None) -> Op:
         """The RECV of ``key``. The daemon enforces ``timeout`` (DEADLINE_EXCEEDED
@@ -192,9 +232,9 @@ class ClientCore:
     def pending_op() -> Op:
         return Op(Kind.PENDING, b"")
 
-    def _count(self, what: str) -> None:
+    def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[what] += 1
+            self._counts[what] += n
 
     def stats(self) -> dict[str, int]:
         """Counts: send_/recv_ inline|shm (the local hop), and local|grpc|mpi (how

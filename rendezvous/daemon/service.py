@@ -112,6 +112,7 @@ class LocalServicer:
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         return [grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.unary_unary_rpc_method_handler(self._send),
+            "SendMany": grpc.unary_unary_rpc_method_handler(self._send_many),
             "Recv": grpc.unary_unary_rpc_method_handler(self._recv),
             "RecvMany": grpc.unary_unary_rpc_method_handler(self._recv_many),
             "Abort": grpc.unary_unary_rpc_method_handler(self._abort),
@@ -205,6 +206,29 @@ class LocalServicer:
         else:
             table.send(step_id, canonical, value, is_dead)  # an aborted step drops (and frees) it
         return Sent(hop, nbytes)
+
+    async def _send_many(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            count, nbytes = self.send_many(request)
+        except Exception as exc:
+            await context.abort(*self._error(exc))
+        if self.metrics is not None:
+            self.metrics.local_op("send", Hop.INLINE, nbytes, count)
+        return b""
+
+    def send_many(self, raw: bytes | memoryview) -> tuple[int, int]:
+        """Put a LocalSendManyRequest's tensors into the table (views on its bytes):
+        every key checked first, none produced if one is refused. (count, bytes)."""
+        step_id, keys, values = messages.parse_send_many(raw)
+        self._refuse_if_draining()
+        canonical = [self.server.prepare_send(key, None, True)[0] for key in keys]  # this daemon's own keys
+        table = self.server.table
+        ended = table.aborted(step_id)
+        if ended is not None:
+            raise copy.copy(ended)  # (a copy: see send)
+        for key, value in zip(canonical, values):
+            table.send(step_id, key, value, False)
+        return len(values), sum(v.nbytes for v in values)
 
     # -- Recv -----------------------------------------------------------------
 

@@ -139,7 +139,8 @@ class Session:
         # read within a few of them (see local.connection.Connection).
         self.conn = Connection(sock, limit=SMALL_FRAME, on_frames=self._frames, on_close=self._closed,
                                          limits={Kind.SEND: server.frame_limit, Kind.RETURN: server.frame_limit,
-                                                 Kind.RECV_MANY: server.frame_limit},
+                                                 Kind.RECV_MANY: server.frame_limit,
+                                                 Kind.SEND_MANY: server.frame_limit},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
 
@@ -173,6 +174,11 @@ class Session:
             self._hello(op, body)
         elif kind == Kind.SEND or kind == Kind.RETURN:
             self._send(op, body, keep=kind == Kind.RETURN)
+        elif kind == Kind.SEND_MANY:
+            count, nbytes = self.servicer.send_many(body)
+            if self.servicer.metrics is not None:
+                self.servicer.metrics.local_op("send", Hop.INLINE, nbytes, count)
+            self.conn.write(frame(Kind.OK, op))
         elif kind == Kind.RECV:
             req = messages.parse_recv(body)
             self._start(op, 1, self._recv(op, req))

@@ -61,6 +61,7 @@ class Kind(enum.IntEnum):
     LEND = 8  # packed u64 byte count; answered OK with the segment granted
     RETURN = 9  # SendRequest of a reply the client could not deliver (its recv was cancelled); answered OK
     RECV_MANY = 10  # LocalRecvManyRequest; answered RECV_MANY_REPLY (CANCEL gives it up as a RECV)
+    SEND_MANY = 11  # LocalSendManyRequest; answered OK
     # daemon -> client
     OK = 0x80
     ERROR = 0x81  # packed status code and message; with operation id 0: the session ends, and why

@@ -37,7 +37,7 @@ from rendezvous.v1 import local_pb2 as lpb
 from .frames import unpack_error
 
 __all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "to_pending",
-           "send_head", "inline_send", "pooled_send", "returned", "SendFields", "parse_send", "parse_slot",
+           "send_head", "inline_send", "pooled_send", "returned", "send_many_request", "parse_send_many", "SendFields", "parse_send", "parse_slot",
            "recv_request", "parse_recv", "recv_many_request", "parse_recv_many", "many_reply", "many_answer",
            "many_failed",
            "ManyReply", "parse_many", "returned_many", "packed_view", "PATHS", "inline_reply", "pooled_reply",
@@ -122,6 +122,40 @@ def returned(key: str, step_id: int, reply: bytes | memoryview) -> bytes:
         a, b = got.slot
         parts += [wire.len_field_header(F.SEND_POOLED, b - a), bytes(reply[a:b])]
     return b"".join(parts)
+
+
+def send_many_request(keys: list[str], arrays: list[np.ndarray], step_id: int) -> bytes:
+    """A SEND_MANY's body: ``arrays`` (host arrays of fixed-size dtypes, little-
+    endian) under ``keys`` (canonical), packed in one group."""
+    head = [wire.varint_field(F.SEND_MANY_STEP_ID, step_id)]
+    for key in keys:
+        k = key.encode()
+        head += [wire.len_field_header(F.SEND_MANY_KEYS, len(k)), k]
+    return b"".join([*head, *fused.group_parts(range(len(arrays)), arrays, fused.layout(arrays),
+                                               field=F.SEND_MANY_GROUP)])
+
+
+def parse_send_many(raw: bytes | memoryview) -> tuple[int, list[str], list[np.ndarray]]:
+    """A SEND_MANY's step, keys and tensors (views on ``raw``); InvalidArgument if
+    it cannot be walked, a key is not UTF-8, or its group lies or does not
+    answer its keys in order."""
+    step_id, keys, span = 0, [], None
+    for num, wt, a, b in wire.iter_fields(raw):
+        if num == F.SEND_MANY_STEP_ID and wt == wire.VARINT:
+            step_id = wire.to_signed64(a)
+        elif num == F.SEND_MANY_KEYS and wt == wire.LEN:
+            keys.append(_text(raw, a, b, "rendezvous_key"))
+        elif num == F.SEND_MANY_GROUP and wt == wire.LEN:
+            span = (a, b)
+    if span is None:
+        if keys:
+            raise InvalidArgument(f"a SEND_MANY names {len(keys)} keys and carries no tensors")
+        return step_id, keys, []
+    group = fused.parse_group(raw, *span)
+    if group.call_ids != list(range(len(keys))) or group.payload is None:
+        raise InvalidArgument(f"a SEND_MANY of {len(keys)} keys carries {len(group.call_ids)} tensors "
+                              "(they must be its keys', in order, inside it)")
+    return step_id, keys, fused.views(group, raw, group.payload[0])
 
 
 class SendFields(NamedTuple):

@@ -37,10 +37,12 @@ from .peers import Peers
 __all__ = ["Receiver"]
 
 
-def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int) -> list[Fetched]:
+def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int, ready: dict[int, Fetched]) -> list[Fetched]:
     """The results of ``units`` (key positions, and a task returning their
-    tensors in that order) in key order."""
+    tensors in that order) and the ``ready`` ones, in key order."""
     out: list[Any] = [None] * n
+    for i, fetched in ready.items():
+        out[i] = fetched
     for idx, task in units:
         for i, fetched in zip(idx, task.result()):
             out[i] = fetched
@@ -183,14 +185,22 @@ class Receiver:
         # a traced recv is a span of its own); the rest, a task per key.
         groups: dict[TaskName, list[int]] = {}
         singles: list[int] = []
+        #: this rank's own tensors that were there and need no placing: taken now, with no task
+        ready: dict[int, Fetched] = {}
+        targets: dict[str, Placement] = {}
         explicit = parse_placement(device)
         kept = self.kept
+        untraced = self.timeline is None
         for i, k in enumerate(canonical):
             src = parse_key(k).src_task
-            if self.timeline is None and src is not None and src != self.task and not kept.has(step_id, k):
-                groups.setdefault(src, []).append(i)
-            else:
+            if untraced and kept.has(step_id, k):
                 singles.append(i)
+            elif src is not None and src != self.task:
+                (groups.setdefault(src, []) if untraced else singles).append(i)
+            elif not untraced or not self._take_ready(k, step_id, explicit, i, ready, targets):
+                singles.append(i)
+        if not singles and not groups:
+            return [ready[i] for i in range(len(canonical))]
         units: list[tuple[list[int], asyncio.Task]] = [
             ([i], loop.create_task(self._fetch_one(canonical[i], step_id, device))) for i in singles]
         #: per group task, the positions (in the group) whose tensors had arrived when it gave up
@@ -213,13 +223,13 @@ class Receiver:
         except BaseException as exc:  # the caller cancelled (or the loop is going)
             interrupted = exc
         if interrupted is None and not timed_out and all(t.done() and t.exception() is None for t in tasks):
-            return _in_order(units, len(canonical))
+            return _in_order(units, len(canonical), ready)
         pending = [t for t in tasks if not t.done()]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)  # a cancelled recv settles what it was sent
         failures: dict[int, BaseException] = {}
-        arrived: list[tuple[int, Fetched]] = []
+        arrived: list[tuple[int, Fetched]] = list(ready.items())
         for idx, t in units:
             if t.cancelled():
                 if timed_out:  # a group kept what had arrived itself
@@ -252,6 +262,32 @@ class Receiver:
         if interrupted is not None:
             raise interrupted
         raise batch_failure(canonical, step_id, failures)
+
+    def _take_ready(self, key: str, step_id: int, explicit: Placement | None, i: int,
+                    ready: dict[int, Fetched], targets: dict[str, Placement]) -> bool:
+        """Take this rank's own tensor of ``key`` now if it is in the table and
+        needs no placing (into ``ready[i]``); False if the key is left for a
+        recv of its own (nothing there yet, it must move device, the step ended).
+        ``targets``: the placements resolved so far in this batch, by device."""
+        try:
+            item = self.table.try_take(step_id, key)
+        except RendezvousError:
+            return False  # the step's error: its recv raises it
+        if item is None:
+            return False
+        value = item.value
+        if value is not None:
+            dst = parse_key(key).dst
+            target = targets.get(dst)
+            if target is None:
+                target = targets[dst] = self.devices.resolve(explicit or placement_for_device(dst),
+                                                             explicit is not None)[0]
+            if isinstance(value, DeviceTensor) or self.devices.needs_copy(value, target, True):
+                self._requeue(step_id, key, item)  # first again, as it was: its own recv places it
+                return False
+        self._stats.received(Path.LOCAL, payload_nbytes(value))
+        ready[i] = Fetched(item, Path.LOCAL, True)
+        return True
 
     async def _fetch_one(self, key: str, step_id: int, device: str | Placement | None) -> list[Fetched]:
         return [await self.fetch(key, step_id, None, device)]

@@ -34,6 +34,16 @@ class SendResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LocalSendManyRequest(_message.Message):
+    __slots__ = ("step_id", "rendezvous_keys", "group")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEYS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rendezvous_keys: _containers.RepeatedScalarFieldContainer[str]
+    group: _rendezvous_pb2.ReplyGroup
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_keys: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[_rendezvous_pb2.ReplyGroup, _Mapping]] = ...) -> None: ...
+
 class LocalRecvRequest(_message.Message):
     __slots__ = ("step_id", "rendezvous_key", "timeout")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class LocalRendezvousStub:
                 request_serializer=rendezvous_dot_v1_dot_local__pb2.SendRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
                 _registered_method=True)
+        self.SendMany = channel.unary_unary(
+                '/rendezvous.v1.LocalRendezvous/SendMany',
+                request_serializer=rendezvous_dot_v1_dot_local__pb2.LocalSendManyRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
+                _registered_method=True)
         self.Recv = channel.unary_unary(
                 '/rendezvous.v1.LocalRendezvous/Recv',
                 request_serializer=rendezvous_dot_v1_dot_local__pb2.LocalRecvRequest.SerializeToString,
@@ -70,6 +75,12 @@ class LocalRendezvousServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Send(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +122,11 @@ def add_LocalRendezvousServicer_to_server(servicer, server):
             'Send': grpc.unary_unary_rpc_method_handler(
                     servicer.Send,
                     request_deserializer=rendezvous_dot_v1_dot_local__pb2.SendRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.SerializeToString,
+            ),
+            'SendMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendMany,
+                    request_deserializer=rendezvous_dot_v1_dot_local__pb2.LocalSendManyRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.SerializeToString,
             ),
             'Recv': grpc.unary_unary_rpc_method_handler(
@@ -165,6 +181,33 @@ class LocalRendezvous:
             target,
             '/rendezvous.v1.LocalRendezvous/Send',
             rendezvous_dot_v1_dot_local__pb2.SendRequest.SerializeToString,
+            rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.LocalRendezvous/SendMany',
+            rendezvous_dot_v1_dot_local__pb2.LocalSendManyRequest.SerializeToString,
             rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
             options,
             channel_credentials,
