@@ -8,7 +8,13 @@ the staging pipelines'. This module only maps the primitives onto cupy:
 
 * two non-blocking copy streams per device, one per direction, so the copy
   engines of a GPU move both ways at once and a receive never queues behind
-  a send still waiting for its producer;
+  a send still waiting for its producer; a third, "peer", on the destination
+  device for copies from another GPU (``cudaMemcpyPeerAsync``);
+* peer access asked for (``cudaDeviceCanAccessPeer``) and enabled
+  (``cudaDeviceEnablePeerAccess``, "already enabled" tolerated) once per pair
+  of devices, by the destination for the source's memory; a pair without it,
+  or whose enabling fails, is answered False, and placement bounces through
+  pinned host memory;
 * pinned memory allocated with ``cudaHostAlloc`` directly, not through cupy's
   pinned memory pool (which keeps every freed buffer pinned for the life of
   the process): :class:`rendezvous.devices.PinnedPool` decides what to keep,
@@ -20,6 +26,7 @@ the staging pipelines'. This module only maps the primitives onto cupy:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -32,6 +39,11 @@ from .errors import FailedPrecondition
 from .tensors import TensorMeta
 
 __all__ = ["CupyBackend"]
+
+log = logging.getLogger("rendezvous.cupy")
+
+#: cudaErrorPeerAccessAlreadyEnabled (driver_types.h), for cupy builds that do not name it
+_PEER_ACCESS_ALREADY_ENABLED = 704
 
 
 class _Capsule:
@@ -70,6 +82,7 @@ class CupyBackend(DeviceBackend):
         self._available: bool | None = None
         self._count: int | None = None
         self._streams: dict[tuple[int, str], Any] = {}
+        self._peers: dict[tuple[int, int], bool] = {}  # (src, dst) -> direct copies possible and enabled
         self._lock = threading.Lock()
 
     def _cupy(self) -> Any:
@@ -203,6 +216,58 @@ class CupyBackend(DeviceBackend):
         cp = self._cupy()
         return self._copy(device, "h2d", dst.data.ptr + start, host.ctypes.data, host.nbytes,
                           cp.cuda.runtime.memcpyHostToDevice, after)
+
+    def can_access_peer(self, src: int, dst: int) -> bool:
+        if src == dst:
+            return False
+        with self._lock:
+            known = self._peers.get((src, dst))
+        if known is None:
+            known = self._enable_peer(src, dst)
+            with self._lock:
+                self._peers[(src, dst)] = known
+        return known
+
+    def _enable_peer(self, src: int, dst: int) -> bool:
+        """Let ``dst`` read ``src``'s memory: whether it could be done. Two threads
+        may race here; the second sees "already enabled", which is success."""
+        rt = self._cupy().cuda.runtime
+        try:
+            if not rt.deviceCanAccessPeer(dst, src):
+                return False
+            with self._cupy().cuda.Device(dst):
+                ensure = getattr(rt, "_deviceEnsurePeerAccess", None)
+                if ensure is not None:
+                    ensure(src)  # newer cupy: tolerates "already enabled" and clears CUDA's last error
+                else:
+                    try:
+                        rt.deviceEnablePeerAccess(src)
+                    except rt.CUDARuntimeError as exc:
+                        # enabled before (by cupy, torch or another thread): what we wanted
+                        if exc.status != getattr(rt, "errorPeerAccessAlreadyEnabled", _PEER_ACCESS_ALREADY_ENABLED):
+                            raise
+        except Exception as exc:  # e.g. cudaErrorTooManyPeers: copies still work through the host
+            log.warning("peer access GPU:%d -> GPU:%d could not be enabled (%s: %s); tensors between "
+                        "them go through pinned host memory", src, dst, type(exc).__name__, exc)
+            return False
+        return True
+
+    def peer_async(self, src: DeviceTensor, dst: Any, device: int, after: Any = None) -> Any:
+        cp = self._cupy()
+        nbytes = src.nbytes
+        if int(dst.nbytes) != nbytes:
+            raise ValueError(f"peer copy of {nbytes} bytes into a destination of {int(dst.nbytes)}")
+        stream = self._stream(device, "peer")
+        with cp.cuda.Device(device):
+            stream.wait_event(src.ready)  # an event of the source device: streams may wait across devices
+            if after is not None:
+                stream.wait_event(after)
+            if nbytes:
+                cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, device, src.array.data.ptr, src.device, nbytes,
+                                                stream.ptr)
+            event = cp.cuda.Event(disable_timing=True)
+            event.record(stream)
+        return event
 
     def event_done(self, event: Any) -> bool:
         return bool(event.done)

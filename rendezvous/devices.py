@@ -30,7 +30,15 @@ event right after the allocation; host-to-device copies (on the backend's own
 copy stream) wait for it, and MPI writes into device memory only once it is
 done. Copies from and to the device run on two streams per device (one per
 direction), so a receive never queues behind a send that waits for its
-producer.
+producer; copies from another GPU of the process run on a third.
+
+A GPU tensor placed onto another GPU of the same process (a local recv whose
+key names another device, a received tensor that must move) is copied device
+to device when the backend says the pair has peer access
+(:meth:`DeviceBackend.can_access_peer`): one copy, on the destination's peer
+copy stream, after the source's ready event and the destination's allocation
+event (:meth:`DeviceBackend.to_peer`). Without peer access it goes through
+pinned host memory, as a tensor from another process does.
 
 Where a received tensor goes is a :class:`Placement`: the key's
 ``dst_device`` by default (``GPU:N`` -> the device, anything else -> host),
@@ -189,10 +197,11 @@ class DeviceBackend(ABC):
     Streams: the *current* stream of a device is the calling thread's (the
     library's notion: cupy's ``get_current_stream``). Copies are asynchronous
     on copy streams the backend owns, one per device and direction (device to
-    host, host to device), and return an event; :meth:`event_done` polls it,
-    :meth:`event_wait` blocks on it. Events may be polled from any thread.
-    Stream handles are ints as the CUDA array interface writes them
-    (:data:`STREAM_LEGACY`, :data:`STREAM_PER_THREAD`, or a ``cudaStream_t``).
+    host, host to device, and peer: from another GPU into the device), and
+    return an event; :meth:`event_done` polls it, :meth:`event_wait` blocks on
+    it. Events may be polled from any thread. Stream handles are ints as the
+    CUDA array interface writes them (:data:`STREAM_LEGACY`,
+    :data:`STREAM_PER_THREAD`, or a ``cudaStream_t``).
     """
 
     name = "?"
@@ -272,6 +281,22 @@ class DeviceBackend(ABC):
         an event."""
 
     @abstractmethod
+    def can_access_peer(self, src: int, dst: int) -> bool:
+        """Whether device ``dst`` can copy directly from device ``src``'s memory (peer
+        access over NVLink or PCIe), ready for :meth:`peer_async`: a backend enables
+        the access here, once per pair. False for ``src == dst`` and where the
+        devices cannot, or the access could not be enabled: placement then goes
+        through pinned host memory. Cheap after the first call for a pair."""
+
+    @abstractmethod
+    def peer_async(self, src: DeviceTensor, dst: Any, device: int, after: Any = None) -> Any:
+        """Copy all of ``src`` into device array ``dst`` (same size) on ``device`` on
+        ``device``'s peer copy stream, after ``src.ready`` and after event ``after``
+        (the allocation's) when given; an event. Only for a pair
+        :meth:`can_access_peer` allowed. Raises if the copy cannot be queued, in
+        which case nothing was."""
+
+    @abstractmethod
     def event_done(self, event: Any) -> bool: ...
 
     @abstractmethod
@@ -302,6 +327,16 @@ class DeviceBackend(ABC):
         return Allocation(array, self.record(device))
 
     # -- whole-tensor copies, built on the chunked ones -------------------------
+
+    def to_peer(self, src: DeviceTensor, device: int) -> DeviceTensor:
+        """``src`` on GPU ``device`` without a host bounce (the pair must have peer
+        access): the destination is allocated on ``device``'s current stream and one
+        device-to-device copy (copy count: 1, no host memory) runs on ``device``'s
+        peer copy stream once ``src.ready`` and the allocation's event are done.
+        Does not block: the result's ready event is the copy's, and ``src`` must
+        stay alive until it is done (:meth:`Devices.place` sees to that)."""
+        dst, allocated = self.allocate(src.meta, device)
+        return DeviceTensor(dst, self, device, self.peer_async(src, dst, device, after=allocated))
 
     def to_host(self, src: DeviceTensor, pool: "PinnedPool") -> np.ndarray:
         """The tensor on the host (default path): device -> pinned chunks -> a numpy array.
@@ -500,6 +535,8 @@ class Devices:
         self.backends: tuple[DeviceBackend, ...] = tuple(backends)
         self.budget = PinnedBudget(pinned_keep_bytes)
         self._pools: dict[tuple[int, int, int], PinnedPool] = {}
+        # (backend, event, what its copy reads and writes): peer copies whose wait failed
+        self._held: list[tuple[DeviceBackend, Any, tuple[Any, ...]]] = []
         self._lock = threading.Lock()
         self._warned: set[str] = set()
 
@@ -576,14 +613,22 @@ class Devices:
     def place(self, value: Any, placement: Placement, explicit: bool, pool_args: tuple[int, int]) -> Any:
         """``value`` (numpy array or DeviceTensor, as a table or a reply gave it) where
         ``placement`` says. Blocking copies; run off the loop for large tensors.
-        ``pool_args`` is (staging chunk bytes, depth)."""
+        ``pool_args`` is (staging chunk bytes, depth).
+
+        A DeviceTensor goes to another GPU of its backend directly when the pair has
+        peer access (:meth:`DeviceBackend.to_peer`), else through pinned host memory;
+        to the host through pinned memory; on its own GPU it is handed over as it is."""
+        self.reap()
         if value is None:
             return None
         target, backend = self.resolve(placement, explicit)
         if isinstance(value, DeviceTensor):
-            if target.is_gpu and target.index == value.device and backend is value.backend:
-                value.backend.event_wait(value.ready)
-                return value.backend.user_array(value.array)
+            if target.is_gpu and backend is value.backend:
+                if target.index == value.device:
+                    value.backend.event_wait(value.ready)
+                    return value.backend.user_array(value.array)
+                if backend.can_access_peer(value.device, target.index):
+                    return backend.user_array(self._to_peer(value, target.index))
             host = value.backend.to_host(value, self.pool(value.backend, *pool_args))
             if not target.is_gpu:
                 return host
@@ -594,6 +639,41 @@ class Devices:
             return value  # strings have no device form: they stay on the host
         return backend.user_array(backend.from_host(value, target.index, self.pool(backend, *pool_args)))
 
+    def _to_peer(self, src: DeviceTensor, device: int) -> Any:
+        """``src`` copied onto GPU ``device`` by its backend's peer copy; blocks until the
+        bytes are there. If the copy fails, or the wait does while the copy may still
+        run, the error says which copy it was, and ``src`` and the destination are
+        held until the copy's event is done (never freed under a pending copy)."""
+        backend = src.backend
+        moved: DeviceTensor | None = None
+        try:
+            moved = backend.to_peer(src, device)
+            backend.event_wait(moved.ready)
+        except BaseException as exc:
+            if moved is not None and not _finished(backend, moved.ready):
+                with self._lock:
+                    self._held.append((backend, moved.ready, (src, moved)))
+            exc.add_note(f"while copying {src.nbytes} bytes GPU:{src.device} -> GPU:{device} "
+                         f"directly (peer access, {backend.name})")
+            raise
+        return moved.array
+
+    def reap(self) -> None:
+        """Let go of the tensors held for peer copies that have since finished."""
+        if not self._held:
+            return
+        with self._lock:
+            held, self._held = self._held, []
+        still = [entry for entry in held if not _finished(entry[0], entry[1])]
+        if still:
+            with self._lock:
+                self._held.extend(still)
+
+    @property
+    def held(self) -> int:
+        """Peer copies whose tensors are held because their wait failed (not done yet)."""
+        return len(self._held)
+
     def needs_copy(self, value: Any, placement: Placement, explicit: bool) -> bool:
         """Whether :meth:`place` would move bytes (so the caller runs it off the loop)."""
         if value is None:
@@ -602,6 +682,15 @@ class Devices:
         if isinstance(value, DeviceTensor):
             return not (target.is_gpu and target.index == value.device and backend is value.backend)
         return target.is_gpu and backend is not None and getattr(value, "dtype", None) != np.dtype(object)
+
+
+def _finished(backend: DeviceBackend, event: Any) -> bool:
+    """Whether ``event`` is done; an event whose query fails (a broken context,
+    where nothing will run any more) counts as done."""
+    try:
+        return backend.event_done(event)
+    except Exception:
+        return True
 
 
 def _without_grad(obj: Any) -> Any:

@@ -27,7 +27,16 @@ every time rather than now and then:
   array interface (version 2 without a stream, or 3 with one) and DLPack
   with a stream argument, and refuse both while they require grad;
 * there are two devices by default, each with a default stream, side streams
-  (:meth:`FakeBackend.new_stream`) and one copy stream per direction.
+  (:meth:`FakeBackend.new_stream`) and one copy stream per direction (device
+  to host, host to device, and "peer": from another device into this one);
+* which pairs of devices have peer access is configurable (``peer``: every
+  pair by default); a peer copy between devices without it raises and records
+  a violation, so a placement that takes the wrong path fails;
+  :attr:`FakeBackend.peer_copies` and :attr:`FakeBackend.host_bounces` say
+  which path a GPU-to-GPU placement took;
+* a copy can fail on its stream (:attr:`FakeBackend.peer_faults`): its event
+  is done, and waiting for it raises the error, as ``cudaEventSynchronize``
+  reports an asynchronous error.
 
 :meth:`FakeBackend.settle` waits, without sleeping, until every stream is
 idle or blocked (at a gate, or on an event not yet done): after it, whatever
@@ -60,6 +69,7 @@ from .devices import (
     STREAM_PER_THREAD,
     DeviceBackend,
     DeviceTensor,
+    PinnedPool,
 )
 from .tensors import TensorMeta
 
@@ -80,11 +90,12 @@ class FakeCudaError(RuntimeError):
 class FakeEvent:
     """A CUDA event: done once the work queued before it on its stream has run."""
 
-    __slots__ = ("_fake", "_flag")
+    __slots__ = ("_fake", "_flag", "error")
 
     def __init__(self, fake: FakeBackend) -> None:
         self._flag = threading.Event()
         self._fake = fake
+        self.error: BaseException | None = None  # what the work before it raised on its stream
 
     def set(self) -> None:
         self._flag.set()
@@ -124,23 +135,27 @@ class FakeStream:
                 what.wait()
                 with self.fake._cond:
                     self.blocked_on = None
-            if kind == "work":
-                what()
-            elif kind == "gated":
-                gate, fn = what
-                if not gate.is_set():
-                    with self.fake._cond:
-                        self.blocked_on = gate
-                        self.fake._cond.notify_all()
-                    gate.wait()
-                    with self.fake._cond:
-                        self.blocked_on = None
-                fn()
+            try:
+                if kind == "work":
+                    what()
+                elif kind == "gated":
+                    gate, fn = what
+                    if not gate.is_set():
+                        with self.fake._cond:
+                            self.blocked_on = gate
+                            self.fake._cond.notify_all()
+                        gate.wait()
+                        with self.fake._cond:
+                            self.blocked_on = None
+                    fn()
+            except Exception as exc:  # a failed copy or kernel: reported by waiting for its event
+                done.error = exc
             if after is not None:
                 after()
             with self.fake._cond:
                 self.pending -= 1
             done.set()  # notifies
+            del what, done, after  # hold nothing of a finished item (a waiting thread is not a CUDA stream)
 
     def _put(self, kind: str, what: Any, after: Callable[[], None] | None = None) -> FakeEvent:
         done = FakeEvent(self.fake)
@@ -349,13 +364,18 @@ class FakeBackend(DeviceBackend):
     :meth:`using`), side streams from :meth:`new_stream`, and one copy stream
     per direction; all run their work in order on a thread of their own, so
     copies are really asynchronous and an event is only done once its work
-    has run. ``pinned_allocs``, ``copies`` and ``violations`` say what happened.
+    has run. ``pinned_allocs``, ``copies``, ``peer_copies``, ``host_bounces`` and
+    ``violations`` say what happened.
+
+    ``peer``: the (source, destination) pairs of devices with peer access;
+    None (the default) for every pair of distinct devices.
     """
 
     name = "fake"
 
-    def __init__(self, devices: int = 2) -> None:
+    def __init__(self, devices: int = 2, peer: set[tuple[int, int]] | None = None) -> None:
         self.devices = devices
+        self.peer = None if peer is None else {(int(a), int(b)) for a, b in peer}
         self._cond = threading.Condition()
         self._lock = threading.RLock()
         self._handles = itertools.count(16)
@@ -370,7 +390,12 @@ class FakeBackend(DeviceBackend):
         self._pinned_free: dict[int, list[_PinnedBlock]] = {}
         self.pinned_allocs = 0
         self.pinned_live_bytes = 0
-        self.copies = {"d2h": 0, "h2d": 0}
+        self.copies = {"d2h": 0, "h2d": 0}  # chunks copied through pinned memory
+        self.peer_copies = 0  # tensors copied device to device (peer_async, run)
+        self.host_bounces = 0  # device tensors copied to the host, then onto a device
+        #: errors the next peer copies raise on their stream, in order (a copy that fails)
+        self.peer_faults: list[BaseException] = []
+        self._to_host_results: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
         self.synchronizes = 0
         self.host_waiting = 0  # host threads blocked in event_wait / synchronize
         self.violations: list[str] = []
@@ -405,7 +430,7 @@ class FakeBackend(DeviceBackend):
             return self._new(device, "side")
 
     def copy_stream(self, device: int, direction: str) -> FakeStream:
-        """The copy stream for ``direction`` ("d2h" or "h2d") of ``device``."""
+        """The copy stream for ``direction`` ("d2h", "h2d" or "peer") of ``device``."""
         with self._lock:
             s = self._copy.get((device, direction))
             if s is None:
@@ -507,6 +532,11 @@ class FakeBackend(DeviceBackend):
             block.freed = True
             self._live.pop(block.address, None)
             self._free.setdefault((block.device, block.stream.handle, block.nbytes), []).append(block)
+
+    def device_bytes(self, device: int) -> int:
+        """Bytes of device memory allocated on ``device`` and not freed."""
+        with self._lock:
+            return sum(b.nbytes for b in self._live.values() if b.device == device)
 
     def array(self, data: Any, device: int = 0) -> FakeDeviceArray:
         """A device array holding ``data``, written on the current stream (waited for)."""
@@ -650,20 +680,61 @@ class FakeBackend(DeviceBackend):
         return self._copy_on(stream, "h2d", dst._block, dst._block.storage[base:base + host.nbytes], pblock,
                              raw_host)
 
+    def can_access_peer(self, src: int, dst: int) -> bool:
+        self._check_device(src)
+        self._check_device(dst)
+        return src != dst and (self.peer is None or (src, dst) in self.peer)
+
+    def peer_async(self, src: DeviceTensor, dst: Any, device: int, after: Any = None) -> Any:
+        if not self.can_access_peer(src.device, device):
+            self.violations.append(f"a peer copy GPU:{src.device} -> GPU:{device} was asked for "
+                                   "without peer access between them")
+            raise FakeCudaError(f"cudaErrorPeerAccessNotEnabled: no peer access GPU:{src.device} -> GPU:{device}")
+        if dst.device != device or dst.nbytes != src.nbytes:
+            raise FakeCudaError("cudaErrorInvalidValue: the peer copy's destination is not "
+                                f"{src.nbytes} bytes on GPU:{device}")
+        stream = self.copy_stream(device, "peer")
+        stream.wait_event(src.ready)
+        if after is not None:
+            stream.wait_event(after)
+        fault = self.peer_faults.pop(0) if self.peer_faults else None
+        s_block, d_block = src.array._block, dst._block
+        s_raw = s_block.storage[src.array._offset:src.array._offset + src.nbytes]
+        d_raw = d_block.storage[dst._offset:dst._offset + src.nbytes]
+
+        def copy() -> None:
+            if fault is not None:
+                raise fault
+            d_raw[:] = s_raw
+            with self._lock:
+                self.peer_copies += 1
+        return self._launch(stream, copy, [s_block, d_block])
+
+    def to_host(self, src: DeviceTensor, pool: PinnedPool) -> np.ndarray:
+        out = super().to_host(src, pool)
+        self._to_host_results[id(out)] = out  # a from_host of this very array is a host bounce
+        return out
+
+    def from_host(self, host: np.ndarray, device: int, pool: PinnedPool) -> Any:
+        if self._to_host_results.get(id(host)) is host:
+            self.host_bounces += 1
+        return super().from_host(host, device, pool)
+
     def event_done(self, event: Any) -> bool:
         return event.is_set()
 
     def event_wait(self, event: Any) -> None:
-        if event.is_set():
-            return
-        with self._cond:
-            self.host_waiting += 1
-            self._cond.notify_all()
-        try:
-            event.wait()
-        finally:
+        if not event.is_set():
             with self._cond:
-                self.host_waiting -= 1
+                self.host_waiting += 1
+                self._cond.notify_all()
+            try:
+                event.wait()
+            finally:
+                with self._cond:
+                    self.host_waiting -= 1
+        if event.error is not None:
+            raise event.error
 
     def pinned(self, nbytes: int) -> np.ndarray:
         with self._lock:

@@ -74,7 +74,7 @@ def test_cupy_over_mpi_staged():
         assert gpu["staged_recvs"] + gpu["direct_recvs"] >= 9, gpu
 
 
-# -- the hazards of issue 24 on real hardware (tests/test_gpu_fake_hazards.py has them on the fake) --
+# -- the ordering hazards on real hardware (tests/test_gpu_fake_hazards.py has them on the fake) --
 
 from gpu_kernels import copy_late, fill_late  # noqa: E402
 
@@ -149,3 +149,43 @@ def test_late_producers_over_staged_mpi():
                            timeout=280, script=str(HERE / "gpu_scenarios.py"))
     for r in results:
         assert r["checked"] == 1 + r["torch"], r  # cupy, and torch where it imports
+
+
+# -- GPU-to-GPU placement: directly with peer access, through the host without ----------------
+
+two_gpus = pytest.mark.skipif(_gpus < 2, reason="needs 2 CUDA devices")
+
+
+@two_gpus
+def test_a_tensor_moves_from_gpu0_to_gpu1_after_its_producer():
+    gpus = devices.Devices()
+    backend = gpus.gpu_backend()
+    with cupy.cuda.Device(0):
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:  # the producer's current stream: still writing when the tensor is placed
+            x = cupy.empty(N, dtype=cupy.uint8)
+            fill_late(x, 55)
+            dt = gpus.import_tensor(x)
+    got = gpus.place(dt, devices.Placement("GPU", 1), True, (1 << 20, 4))
+    peer = backend.can_access_peer(0, 1)
+    assert isinstance(got, cupy.ndarray) and got.device.id == 1
+    assert bool((got.get() == 55).all()), f"GPU:0 -> GPU:1 ({'peer' if peer else 'host bounce'}) read early"
+    back = gpus.place(backend.wrap(got), devices.Placement("GPU", 0), True, (1 << 20, 4))
+    assert back.device.id == 0 and bool((back.get() == 55).all())
+
+
+@two_gpus
+def test_a_local_recv_onto_the_other_gpu():
+    key = ("/job:worker/replica:0/task:0/device:GPU:0;0000000000001234;"
+           "/job:worker/replica:0/task:0/device:GPU:1;moved;0:0")
+
+    async def main():
+        async with cluster(2) as (a, _):
+            with cupy.cuda.Device(0):
+                value = cupy.arange(1 << 20, dtype=cupy.float32)
+                a.send(key, value)
+                expected = value.get()
+            got = await a.recv(key, timeout=60)
+            assert isinstance(got, cupy.ndarray) and got.device.id == 1
+            assert np.array_equal(got.get(), expected)
+    run(main())

@@ -1,8 +1,9 @@
-"""The GPU hazards of issue 24, each set up on the fake GPU so that the wrong
-ordering gives wrong data (or a recorded violation) every time, not now and
-then: a producer kernel held at a gate, a freed block the pool hands back at
-once, copies that run later on stream threads, pinned buffers freed and
-handed out again.
+"""The ordering hazards of GPU tensors (a producer still writing, a block the
+allocator hands back, a copy still running), each set up on the fake GPU so
+that a wrong ordering gives wrong data (or a recorded violation) every time,
+not now and then: a producer kernel held at a gate, a freed block the pool
+hands back at once, copies that run later on stream threads, pinned buffers
+freed and handed out again.
 
 Nothing here sleeps: a test waits for a state of the fake (``settle``: every
 stream idle or blocked; ``wait_until``: a condition woken by every change).
