@@ -937,3 +937,41 @@ def test_a_cancel_never_overtakes_the_request_it_cancels():
             assert (first.WhichOneof("kind"), second.WhichOneof("kind")) == ("recv", "cancel")
             assert first.call_id == second.call_id == 1000 and first.recv.request_id == 77
     run(main(), 20)
+
+
+def test_a_batch_waits_on_one_future_resolved_by_its_calls():
+    """recv_batch's calls settle slots, not futures: the batch's one future
+    resolves when all are answered, at the first failure, or (a stream broke
+    under some) once every call has settled."""
+    from rendezvous.errors import NotFound, PeerUnavailable
+    from rendezvous.rpc.consumer_stream import Broken
+    from rendezvous.rpc.peer import _Batch, _Slot
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batch = _Batch(loop, 3)
+        a, b, c = (_Slot(batch) for _ in range(3))
+        a.set_result(1)
+        b.set_result(2)
+        assert not batch.waiter.done() and (a.result(), b.done(), c.done()) == (1, True, False)
+        c.set_result(3)
+        assert batch.waiter.done()
+        with pytest.raises(asyncio.InvalidStateError):
+            c.set_result(4)  # answered once
+        batch = _Batch(loop, 3)
+        a, b, c = (_Slot(batch) for _ in range(3))
+        b.set_exception(NotFound("no"))
+        assert batch.waiter.done() and isinstance(b.exception(), NotFound)
+        with pytest.raises(NotFound):
+            b.result()
+        assert c.cancel() and c.cancelled() and not c.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            c.exception()
+        batch = _Batch(loop, 3)
+        a, b, c = (_Slot(batch) for _ in range(3))
+        a.set_exception(Broken(PeerUnavailable("gone")))
+        b.set_exception(NotFound("no"))
+        assert not batch.waiter.done()  # a broken stream: every call settles first
+        c.set_exception(Broken(PeerUnavailable("gone")))
+        assert batch.waiter.done()
+    run(main())

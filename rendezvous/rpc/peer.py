@@ -73,6 +73,85 @@ class BatchFailed(Exception):
         self.arrived = arrived
 
 
+class _Batch:
+    """What :meth:`PeerClient.recv_batch` waits on: one future for the whole
+    batch, resolved when every call is answered or one failed (a call whose
+    stream broke waits for the others: they may all be asked again)."""
+
+    __slots__ = ("left", "failed", "broken", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
+        self.left = n
+        self.failed = False
+        self.broken = False
+        self.waiter = loop.create_future()
+
+    def settled(self, exc: BaseException | None) -> None:
+        self.left -= 1
+        if exc is not None:
+            if isinstance(exc, Broken):
+                self.broken = True
+            else:
+                self.failed = True
+        if not self.waiter.done() and (self.left <= 0 or (self.failed and not self.broken)):
+            self.waiter.set_result(None)
+
+
+_PENDING, _DONE, _CANCELLED = 0, 1, 2
+
+
+class _Slot:
+    """One call's outcome in a batch, with the part of ``asyncio.Future``'s
+    interface the stream and the batch use (no callbacks, no loop round trip):
+    a batch of thousands of keys resolves thousands of these and one future."""
+
+    __slots__ = ("_state", "_result", "_exc", "_batch")
+
+    def __init__(self, batch: _Batch) -> None:
+        self._state = _PENDING
+        self._result: Any = None
+        self._exc: BaseException | None = None
+        self._batch = batch
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def set_result(self, result: Any) -> None:
+        if self._state != _PENDING:
+            raise asyncio.InvalidStateError("the call is already answered")
+        self._state, self._result = _DONE, result
+        self._batch.settled(None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self._state != _PENDING:
+            raise asyncio.InvalidStateError("the call is already answered")
+        self._state, self._exc = _DONE, exc
+        self._batch.settled(exc)
+
+    def cancel(self) -> bool:
+        if self._state != _PENDING:
+            return False
+        self._state = _CANCELLED
+        self._batch.settled(None)
+        return True
+
+    def exception(self) -> BaseException | None:
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        if self._state == _PENDING:
+            raise asyncio.InvalidStateError("the call is not answered yet")
+        return self._exc
+
+    def result(self) -> Any:
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+        return self._result
+
+
 def _failure(exc: BaseException | None) -> BaseException | None:
     """What a batch's call failed with, or None if it may be asked again: a
     stream that broke under it because the peer went away (a stream ended by a
@@ -210,7 +289,8 @@ class PeerClient:
     async def recv_batch(self, keys: list[str], step_id: int, placement: Any = None,
                          arrived: set[int] | None = None) -> list[Fetched]:
         """Fetch ``keys`` of ``step_id`` from the peer, all asked at once on one
-        stream: a future per key, and no task or deadline of its own (the caller's
+        stream: one future for the batch (each call's outcome is a
+        :class:`_Slot`), and no task or deadline of its own (the caller's
         cancel is the deadline). All or none: on the first error (raised as
         :class:`BatchFailed`) or a cancel, every other call gives up by
         :meth:`recv`'s rules (an answer already in is kept by the server, one on
@@ -219,6 +299,8 @@ class PeerClient:
         one by one with :meth:`recv`. ``arrived`` collects the positions whose
         tensors had arrived when the batch gave up (kept by the server)."""
         arrived = set() if arrived is None else arrived
+        if not keys:
+            return []
         loop = asyncio.get_running_loop()
         options = self.planes.offer(placement)
         stream = await self._get_stream(None)
@@ -230,9 +312,10 @@ class PeerClient:
         start = 0
         size = 0
         encoded = [key.encode() for key in keys]
+        batch = _Batch(loop, len(keys))
         for i, key in enumerate(keys):
             request_id = (unsettled.pop((step_id, key), None) if unsettled else None) or next(self._request_ids)
-            calls.append((first + i, Pending(loop.create_future(), key, step_id, placement, request_id)))
+            calls.append((first + i, Pending(_Slot(batch), key, step_id, placement, request_id)))  # type: ignore[arg-type]
             size += len(encoded[i]) + 12
             if size >= MANY_REQUEST_BYTES or i == len(keys) - 1:
                 part = calls[start:i + 1]
@@ -241,9 +324,9 @@ class PeerClient:
                 start, size = i + 1, 0
         futures = [p.future for _, p in calls]
         try:
-            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-            if any(f.done() and not f.cancelled() and isinstance(f.exception(), Broken) for f in futures):
-                await asyncio.wait(futures)  # a broken stream fails its other calls too: let them settle
+            # one future for the batch: all answered, or one failed (a stream that
+            # broke fails its other calls too: then they all settle first)
+            await batch.waiter
         except BaseException:
             self._give_up_batch(stream, calls, (), arrived)
             raise
