@@ -37,6 +37,10 @@ from .peers import Peers
 __all__ = ["Receiver"]
 
 
+def _never(*_: Any) -> bool:
+    return False
+
+
 def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int, ready: dict[int, Fetched]) -> list[Fetched]:
     """The results of ``units`` (key positions, and a task returning their
     tensors in that order) and the ``ready`` ones, in key order."""
@@ -311,7 +315,8 @@ class Receiver:
             raise
         out = []
         received = self._stats.received
-        needs_copy = self.devices.needs_copy
+        # a host array received for the host stays as it is: nothing to ask per key
+        needs_copy = self.devices.needs_copy if target.is_gpu else _never
         for j, fetched in enumerate(got):
             item = fetched.item
             value = item.value

@@ -23,6 +23,30 @@ from rendezvous.table import Received
 __all__ = ["RetryCache"]
 
 
+class _Ready:
+    """An answer recorded as it was taken: an entry's task that is done already."""
+
+    __slots__ = ("_item",)
+
+    def __init__(self, item: Received) -> None:
+        self._item = item
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> Received:
+        return self._item
+
+
 class _Entry:
     __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn")
 
@@ -76,7 +100,8 @@ class RetryCache:
                 f"request_id {request_id} was first used for key {entry.key!r}, now for {key!r}")
         entry.waiters += 1
         try:
-            answer = await asyncio.shield(entry.task)
+            task = entry.task
+            answer = task.result() if type(task) is _Ready else await asyncio.shield(task)
             entry.handed += 1
             return answer
         except asyncio.CancelledError:
@@ -102,12 +127,12 @@ class RetryCache:
         return request_id in self._entries or request_id in self._answered
 
     def record(self, step_id: int, request_id: int, item: Received, key: str = "") -> None:
-        """Note an answer taken without waiting (the tensor was already there)."""
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(item)
-        entry = self._entries[request_id] = _Entry(step_id, key, future)  # type: ignore[arg-type]
+        """Note an answer taken without waiting (the tensor was already there): no
+        future, no callback (a batch records thousands)."""
+        ready = _Ready(item)
+        entry = self._entries[request_id] = _Entry(step_id, key, ready)  # type: ignore[arg-type]
         entry.handed = 1
-        self._completed(request_id, future)  # type: ignore[arg-type]
+        self._completed(request_id, ready)  # type: ignore[arg-type]
 
     def unclaimed(self, request_id: int) -> Received | None:
         """An answer that was taken for ``request_id`` but that no caller waits for
