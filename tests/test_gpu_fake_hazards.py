@@ -246,6 +246,15 @@ def test_a_cancelled_staged_send_holds_its_pinned_buffers_until_the_copies_end(f
     pipe.cancel()
     assert pipe.done and isinstance(pipe.error, errors.Unavailable)
     del pipe
+    assert_reused_buffers_untouched(fake, pool, gate, "a cancelled copy wrote into a buffer handed out again")
+    pool.reap()
+    assert pool.pending == 0
+
+
+def assert_reused_buffers_untouched(fake, pool, gate, why: str) -> None:
+    """Take every pinned buffer that could be handed out again (freed ones and
+    the pool's), fill them, let the held-back copies run, and check none of
+    them wrote into one."""
     gc.collect()
     others = reuse_freed_pinned(fake, 1024, 3) + [pool.take() for _ in range(3)]
     for b in others:
@@ -253,9 +262,7 @@ def test_a_cancelled_staged_send_holds_its_pinned_buffers_until_the_copies_end(f
     gate.set()
     fake.settle()
     assert not fake.violations, fake.violations
-    assert all((b == 0xAB).all() for b in others), "a cancelled copy wrote into a buffer handed out again"
-    pool.reap()
-    assert pool.pending == 0
+    assert all((b == 0xAB).all() for b in others), why
 
 
 def test_a_failed_copy_to_the_host_holds_the_chunks_in_flight(fake, monkeypatch):
@@ -268,14 +275,7 @@ def test_a_failed_copy_to_the_host_holds_the_chunks_in_flight(fake, monkeypatch)
     with pytest.raises(FakeCudaError):
         fake.to_host(src, pool)
     monkeypatch.undo()
-    gc.collect()
-    others = reuse_freed_pinned(fake, 1024, 3) + [pool.take() for _ in range(3)]
-    for b in others:
-        b[:] = 0xAB
-    gate.set()
-    fake.settle()
-    assert not fake.violations, fake.violations
-    assert all((b == 0xAB).all() for b in others), "a failed transfer's copy wrote into a reused buffer"
+    assert_reused_buffers_untouched(fake, pool, gate, "a failed transfer's copy wrote into a reused buffer")
 
 
 def test_a_cancelled_staged_receive_keeps_its_destination_until_the_copies_end(fake):

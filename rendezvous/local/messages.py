@@ -218,11 +218,16 @@ def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
                                 timeout=timeout or 0.0).SerializeToString()
 
 
-def parse_recv(raw: bytes | memoryview) -> lpb.LocalRecvRequest:
+def _parse(message: Any, raw: bytes | memoryview) -> Any:
+    """``raw`` as the protobuf ``message`` type, or InvalidArgument naming it."""
     try:
-        return lpb.LocalRecvRequest.FromString(bytes(raw))
+        return message.FromString(bytes(raw))
     except DecodeError as exc:
-        raise InvalidArgument(f"malformed LocalRecvRequest: {exc}") from None
+        raise InvalidArgument(f"malformed {message.__name__}: {exc}") from None
+
+
+def parse_recv(raw: bytes | memoryview) -> lpb.LocalRecvRequest:
+    return _parse(lpb.LocalRecvRequest, raw)
 
 
 def recv_many_request(keys: list[str], step_id: int, timeout: float | None) -> bytes:
@@ -232,10 +237,7 @@ def recv_many_request(keys: list[str], step_id: int, timeout: float | None) -> b
 
 
 def parse_recv_many(raw: bytes | memoryview) -> lpb.LocalRecvManyRequest:
-    try:
-        return lpb.LocalRecvManyRequest.FromString(bytes(raw))
-    except DecodeError as exc:
-        raise InvalidArgument(f"malformed LocalRecvManyRequest: {exc}") from None
+    return _parse(lpb.LocalRecvManyRequest, raw)
 
 
 #: a path's code in ``LocalRecvManyResponse.group_paths``
@@ -312,10 +314,7 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
         elif num == F.LOCAL_MANY_GROUP_PATHS and wt == wire.LEN:
             codes = bytes(raw[a:b])
         elif num == F.LOCAL_MANY_FAILURES and wt == wire.LEN:
-            try:
-                one = lpb.LocalRecvFailure.FromString(bytes(raw[a:b]))
-            except DecodeError as exc:
-                raise InvalidArgument(f"malformed LocalRecvFailure: {exc}") from None
+            one = _parse(lpb.LocalRecvFailure, raw[a:b])
             if one.index >= n:
                 raise InvalidArgument(f"a batch of {n} keys failed at key {one.index}")
             failures[one.index] = from_status(one.code, one.message)
