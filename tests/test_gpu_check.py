@@ -1,0 +1,45 @@
+"""make gpu-check (rendezvous/bench/gpu_check.py): what it says where there is
+no GPU, and how it reads the bench's GPU targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from rendezvous.bench import gpu_check
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
+def test_without_cupy_it_says_so_and_skips(capsys):
+    assert gpu_check.main(["--no-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-check: no GPU / cupy not importable" in out and "skipped" in out
+
+
+def _results(tmp_path, ok):
+    doc = {"targets": [
+        {"id": "latency_1k_default", "what": "not a GPU target", "measured": 9.0, "op": "<=", "limit": 1.0,
+         "ok": False, "note": ""},
+        {"id": "gpu_staged_16m", "what": "staged GPU->GPU vs min(D2H, raw MPI), 16 MiB", "measured": 0.91,
+         "op": ">=", "limit": 0.8, "ok": True, "note": ""},
+        {"id": "gpu_staged_64m", "what": "staged GPU->GPU vs min(D2H, raw MPI), 64 MiB",
+         "measured": 0.85 if ok else 0.5, "op": ">=", "limit": 0.8, "ok": ok, "note": ""}],
+        "transfers": [{"contender": "gpu_staged", "size": 16 << 20, "gbps": 11.5},
+                      {"contender": "gpu_staged", "size": 1 << 20, "gbps": 3.0},  # below 16 MiB: left out
+                      {"contender": "grpc", "size": 16 << 20, "gbps": 1.0}]}  # not a GPU contender
+    (tmp_path / "bench.json").write_text(json.dumps(doc))
+    return gpu_check._bandwidth(tmp_path)
+
+
+def test_the_report_reads_only_the_staged_gpu_targets(tmp_path):
+    ok, lines = _results(tmp_path, ok=True)
+    assert ok
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "staged GPU->GPU vs min(D2H, raw MPI), 16 MiB", "staged GPU->GPU vs min(D2H, raw MPI), 64 MiB",
+        "gpu_staged    16 MiB"]
+    ok, lines = _results(tmp_path, ok=False)
+    assert not ok and "MISSED" in lines[1]
