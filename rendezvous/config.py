@@ -91,7 +91,7 @@ class Config:
         "Bytes of answered tensors kept for retries; the oldest are released first beyond this.")
     recv_cache_bytes: int = _knob(
         1 << 30, "RENDEZVOUS_RECV_CACHE_BYTES",
-        "Bytes of large receive buffers (32 MiB and up) a process keeps to reuse once the arrays received "
+        "Bytes of receive buffers (256 KiB and up) a process keeps to reuse once the arrays received "
         "into them are dropped (a fresh one is page-faulted and zeroed at every recv); 0: never reuse.")
     max_request_bytes: int = _knob(
         256 << 10, "RENDEZVOUS_MAX_REQUEST_BYTES",

@@ -94,3 +94,22 @@ def test_each_server_owns_a_cache_that_follows_its_config():
     assert off.buffers.limit == 0 and small.buffers.limit == 5 * MiB
     assert off.buffers is not small.buffers  # no process-wide cache: the last server built does not win
     assert off.buffers.limit == 0
+
+
+def test_sizes_that_differ_a_little_share_buffers():
+    cache = RecvBuffers(limit=64 * MiB, min_bytes=256 << 10)
+    a = cache.empty((MiB + 100,), np.uint8)
+    assert a.nbytes == MiB + 100 and a.flags.c_contiguous and a.flags.writeable
+    where = _addr(a)
+    del a
+    b = cache.empty((MiB + 4000) // 4, np.float32)  # another size of the same class
+    assert _addr(b) == where and cache.reused == 1 and b.shape == ((MiB + 4000) // 4,)
+    assert cache.stats()["tracked_bytes"] == buffers.size_class(MiB + 100)
+
+
+def test_size_classes_waste_at_most_an_eighth():
+    for n in [1, 7, 255, 256 << 10, (256 << 10) + 1, MiB - 1, MiB, 3 * MiB + 5, (1 << 30) + 1]:
+        c = buffers.size_class(n)
+        assert n <= c <= n + max(n // 8, 1), n
+        assert buffers.size_class(c) == c  # a class is its own class
+    assert buffers.size_class(MiB) == MiB
