@@ -890,3 +890,117 @@ def test_a_batchs_keys_produced_together_while_they_waited_answer_in_one_group()
             assert s.groups == [[1, 2, 3, 4]]  # the big one on its own
             assert len(h.table) == 0
     run(main(), 20)
+
+
+def _stream_harness(table: WaitingTable):
+    """A servicer on ``table`` serving one stream whose requests a test puts in a
+    queue and whose writes it records (each with the tensors then in the table)."""
+    stats = Stats()
+    inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                         staging=(4096, 2), stats=stats)
+    servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
+                                  retry=RetryCache(30, 1 << 30), fusion=(4096, 1 << 20))
+    incoming: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def requests():
+        while True:
+            yield await incoming.get()
+    return servicer, incoming, requests
+
+
+def test_a_batchs_large_replies_are_written_while_the_rest_is_taken():
+    """The writer gets a turn within a long batch: the first large tensors' replies
+    leave (their consumer can post its receives) before the last keys are taken."""
+    async def main():
+        table = WaitingTable()
+        servicer, incoming, requests = _stream_harness(table)
+        written: list[tuple[bytes, int]] = []
+
+        class Recording:
+            async def write(self, message: bytes) -> None:
+                written.append((message, len(table)))
+
+            async def abort(self, code, details):
+                raise AssertionError(f"aborted: {code} {details}")
+
+        keys = [K(f"big{i}") for i in range(16)] + [K(f"s{i}") for i in range(8)]
+        for k in keys:
+            table.send(1, k, np.ones(2048 if "big" in k else 4, np.float32))  # 8 KiB: above the fusion threshold
+        serving_ = asyncio.ensure_future(servicer.serve_stream(requests(), Recording()))
+        incoming.put_nowait(recv_many(1, keys))
+        await until(lambda: len(table) == 0 and written and written[-1][1] == 0, what="the batch to be answered")
+        assert written[0][1] > 0, "every key was taken before the first reply was written"
+        serving_.cancel()
+        await asyncio.gather(serving_, return_exceptions=True)
+    run(main(), 20)
+
+
+def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch):
+    """The stream ends while the reader lets the writer run in the middle of a
+    batch: the small tensors already taken (their group not made yet) go back
+    to the table, in their order; the replies handed to the stream are kept
+    for their request_ids (asked again, they are answered the same)."""
+    from rendezvous.rpc import producer_stream
+
+    async def main():
+        table = WaitingTable()
+        servicer, incoming, requests = _stream_harness(table)
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def gated_turn() -> None:
+            held.set()
+            await release.wait()
+        monkeypatch.setattr(producer_stream, "_writer_turn", gated_turn)
+
+        class Stuck:
+            async def write(self, message: bytes) -> None:
+                await asyncio.Event().wait()  # the consumer reads nothing
+
+            async def abort(self, code, details):
+                raise AssertionError(f"aborted: {code} {details}")
+
+        keys = [K("s"), K("s")] + [K(f"big{i}") for i in range(6)] + [K("later")]
+        table.send(1, K("s"), np.array([1.0], np.float32))
+        table.send(1, K("s"), np.array([2.0], np.float32))
+        for i in range(6):
+            table.send(1, K(f"big{i}"), np.ones(2048, np.float32))
+        table.send(1, K("later"), np.array([3.0], np.float32))
+        serving_ = asyncio.ensure_future(servicer.serve_stream(requests(), Stuck()))
+        incoming.put_nowait(recv_many(1, keys, request_ids=list(range(10, 19))))
+        await held.wait()  # eight keys taken: two small ones in the group, six replies queued
+        assert _tensors(table) == {K("later"): 1}
+        serving_.cancel()
+        await asyncio.gather(serving_, return_exceptions=True)
+        assert _tensors(table) == {K("s"): 2, K("later"): 1}
+        release.set()
+        written: list[bytes] = []
+
+        class Recording:
+            async def write(self, message: bytes) -> None:
+                written.append(message)
+
+            async def abort(self, code, details):
+                raise AssertionError(f"aborted: {code} {details}")
+
+        again: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def requests_again():
+            while True:
+                yield await again.get()
+        serving_ = asyncio.ensure_future(servicer.serve_stream(requests_again(), Recording()))
+        # the consumer asks again with the same request_ids: the same answers, nothing taken twice
+        again.put_nowait(recv_many(1, keys, request_ids=list(range(10, 19))))
+        await until(lambda: len(table) == 0 and written, what="the batch asked again to be answered")
+        values: dict[int, object] = {}
+        for m in written:
+            for f in frames.iter_stream_frames(m):
+                if f.group is not None:
+                    g = fused.parse_group(m, *f.group)
+                    values.update(zip(g.call_ids, (v.tolist() for v in fused.views(g, m, g.payload[0]))))
+                elif f.head is not None:
+                    values[f.call_id] = "large"
+        # the small ones in their order, "later", and the six large ones: each answered once
+        assert values == {1: [1.0], 2: [2.0], 9: [3.0], **{c: "large" for c in range(3, 9)}}
+        serving_.cancel()
+        await asyncio.gather(serving_, return_exceptions=True)
+    run(main(), 20)

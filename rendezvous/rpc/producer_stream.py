@@ -95,6 +95,15 @@ _SMALL_FRAME = 64 << 10
 _BATCH_BYTES = 1 << 20
 
 
+#: keys of a batch taken between two turns of the writer (when replies wait to be written)
+_YIELD_EVERY = 8
+
+
+async def _writer_turn() -> None:
+    """Let the writer (and the rest of the loop) run once."""
+    await asyncio.sleep(0)
+
+
 class ProducerStream:
     """One RecvTensorStream: a reader of requests, a task per waiting call, one writer.
 
@@ -161,11 +170,11 @@ class ProducerStream:
                     raise _BadStream(f"malformed StreamRequest: {exc}") from None
                 if msg.batch:
                     if msg.WhichOneof("kind") is not None:
-                        self._handle(msg)
+                        await self._handle(msg)
                     for one in msg.batch:
-                        self._handle(one)
+                        await self._handle(one)
                 else:
-                    self._handle(msg)
+                    await self._handle(msg)
         except _BadStream:
             self.failed = True  # the writer stops at once: the stream ends with the error
             raise
@@ -173,7 +182,7 @@ class ProducerStream:
             self.reader_done = True
             self.wakeup.set()
 
-    def _handle(self, msg: pb.StreamRequest) -> None:
+    async def _handle(self, msg: pb.StreamRequest) -> None:
         kind = msg.WhichOneof("kind")
         call_id = msg.call_id
         if kind == "recv":
@@ -181,14 +190,21 @@ class ProducerStream:
         elif kind == "cancel":
             self._cancel(call_id)
         elif kind == "recv_many":
-            self._handle_many(call_id, msg.recv_many)
+            await self._handle_many(call_id, msg.recv_many)
         else:
             raise _BadStream(f"StreamRequest {call_id} has neither recv, recv_many nor cancel")
 
-    def _handle_many(self, first: int, many: pb.RecvMany) -> None:
+    async def _handle_many(self, first: int, many: pb.RecvMany) -> None:
         """A batched request: each key is the call ``first + i`` with a single
         recv's rules; the small tensors found ready go back together in group
-        replies, anything else on its own (or when it is produced)."""
+        replies, anything else on its own (or when it is produced).
+
+        Every few keys, when replies are ready to write, the writer gets a turn
+        (the reader reads nothing meanwhile, so requests keep their order): a
+        large tensor's descriptor leaves while the rest of the batch is taken,
+        and its consumer posts the receive sooner (MPI moves a large message
+        only once its receive is posted). The small tensors taken but not yet
+        packed go back if the stream ends meanwhile."""
         keys = many.rendezvous_keys
         rids = many.request_ids
         if len(rids) != len(keys):
@@ -198,8 +214,15 @@ class ProducerStream:
         step = many.step_id
         opts = many.transport_options
         group: list[tuple[int, Any, Received, str]] = []
-        for i, key in enumerate(keys):
-            self._ask(first + i, KeyRequest(step, key, rids[i], opts), group)  # type: ignore[arg-type]
+        try:
+            for i, key in enumerate(keys):
+                self._ask(first + i, KeyRequest(step, key, rids[i], opts), group)  # type: ignore[arg-type]
+                if i % _YIELD_EVERY == _YIELD_EVERY - 1 and self.ready:
+                    await _writer_turn()
+        except BaseException:
+            for _, req, item, key in reversed(group):  # taken, their group not made: back, in order
+                self.s.put_back(req, key, item)
+            raise
         if group:
             self._reply_groups(group, many)
 
