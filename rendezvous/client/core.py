@@ -150,7 +150,7 @@ class ClientCore:
         plan: list[Op | tuple[Any, Any, bool]] = []
         keys: list[str] = []
         arrays: list[np.ndarray] = []
-        size = 0
+        size = packed = 0
         threshold = self.shm_threshold if self.segments is not None else -1
 
         def flush() -> None:
@@ -172,8 +172,8 @@ class ClientCore:
             keys.append(as_key(key).format())
             arrays.append(arr)
             size += arr.nbytes
+            packed += 1
         flush()
-        packed = len(items) - sum(1 for p in plan if not isinstance(p, Op))
         if packed:
             self._count(f"send_{Hop.INLINE}", packed)
         return plan

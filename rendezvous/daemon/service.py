@@ -209,16 +209,14 @@ class LocalServicer:
 
     async def _send_many(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            count, nbytes = self.send_many(request)
+            self.send_many(request)
         except Exception as exc:
             await context.abort(*self._error(exc))
-        if self.metrics is not None:
-            self.metrics.local_op("send", Hop.INLINE, nbytes, count)
         return b""
 
-    def send_many(self, raw: bytes | memoryview) -> tuple[int, int]:
+    def send_many(self, raw: bytes | memoryview) -> None:
         """Put a LocalSendManyRequest's tensors into the table (views on its bytes):
-        every key checked first, none produced if one is refused. (count, bytes)."""
+        every key checked first, none produced if one is refused; counted in the metrics."""
         step_id, keys, values = messages.parse_send_many(raw)
         self._refuse_if_draining()
         canonical = [self.server.prepare_send(key, None, True)[0] for key in keys]  # this daemon's own keys
@@ -228,7 +226,8 @@ class LocalServicer:
             raise copy.copy(ended)  # (a copy: see send)
         for key, value in zip(canonical, values):
             table.send(step_id, key, value, False)
-        return len(values), sum(v.nbytes for v in values)
+        if self.metrics is not None:
+            self.metrics.local_op("send", Hop.INLINE, sum(v.nbytes for v in values), len(values))
 
     # -- Recv -----------------------------------------------------------------
 
@@ -273,12 +272,20 @@ class LocalServicer:
             if failed is not None:
                 return failed
             await context.abort(*self._error(exc))
-        if self.metrics is not None:
-            took = time.perf_counter() - t0
-            for f in got:
-                self.metrics.recv_done(f.path, took)
-                self.metrics.local_op("recv", Hop.INLINE, payload_nbytes(f.item.value))
+        self.batch_done(got, time.perf_counter() - t0,
+                        {Hop.INLINE: [len(got), sum(payload_nbytes(f.item.value) for f in got)]})
         return reply
+
+    def batch_done(self, got: list[LocalFetched], took: float, hops: dict[Hop, list[int]]) -> None:
+        """A local client's batch answered after ``took`` seconds: its latency once
+        for each path that brought some of its tensors, and per hop the tensors
+        and bytes that crossed it (``[count, nbytes]``)."""
+        if self.metrics is None:
+            return
+        for path in {f.path for f in got}:
+            self.metrics.recv_done(path, took)
+        for hop, (count, nbytes) in hops.items():
+            self.metrics.local_op("recv", hop, nbytes, count)
 
     async def fetch(self, req: lpb.LocalRecvRequest) -> LocalFetched:
         """A local client's recv: the item (a host array) and how the daemon got it.

@@ -175,9 +175,7 @@ class Session:
         elif kind == Kind.SEND or kind == Kind.RETURN:
             self._send(op, body, keep=kind == Kind.RETURN)
         elif kind == Kind.SEND_MANY:
-            count, nbytes = self.servicer.send_many(body)
-            if self.servicer.metrics is not None:
-                self.servicer.metrics.local_op("send", Hop.INLINE, nbytes, count)
+            self.servicer.send_many(body)
             self.conn.write(frame(Kind.OK, op))
         elif kind == Kind.RECV:
             req = messages.parse_recv(body)
@@ -338,7 +336,6 @@ class Session:
         tensor in key order, or which keys failed: then nothing was taken) or
         ERROR. Fetched and not handed over is kept, in order."""
         t0 = time.perf_counter()
-        metrics = self.servicer.metrics
         try:
             try:
                 got = await self.servicer.fetch_many(req)
@@ -351,11 +348,6 @@ class Session:
             try:
                 await self.conn.room()
                 places = await self._places([f.item for f in got])
-                inline = sum(payload_nbytes(f.item.value) for f, place in zip(got, places) if place is None)
-                if inline > _MANY_INLINE_BYTES:
-                    raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline} bytes "
-                                            f"in its frame (the shared-memory pool has no room for them); at most "
-                                            f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
                 parts, hops = self._many_body(got, places)  # no await until the reply is written
             except BaseException:
                 self.servicer.give_back_many(req, [f.item for f in got])
@@ -364,12 +356,7 @@ class Session:
             self.conn.write(HEADER.pack(sum(len(p) for p in parts), Kind.RECV_MANY_REPLY, op))
             for part in parts:
                 self.conn.write(part)
-            if metrics is not None:
-                took = time.perf_counter() - t0
-                for path in {f.path for f in got}:
-                    metrics.recv_done(path, took)
-                for hop, (count, nbytes) in hops.items():
-                    metrics.local_op("recv", hop, nbytes, count)
+            self.servicer.batch_done(got, time.perf_counter() - t0, hops)
         except asyncio.CancelledError:
             self._error(op, Cancelled(f"recv_many of {len(req.rendezvous_keys)} keys (step {req.step_id}) "
                                       "was cancelled"))
@@ -421,7 +408,13 @@ class Session:
         """A RECV_MANY's LocalRecvManyResponse (:func:`messages.many_answer`: the
         tensors on segments as replies naming them, the host arrays that go
         inline packed in one group), and per hop the tensors and bytes that
-        crossed it. Called with no await before the write."""
+        crossed it. Called with no await before the write; an answer too large for
+        one frame is refused before any segment is handed over."""
+        inline = sum(payload_nbytes(f.item.value) for f, place in zip(got, places) if place is None)
+        if inline > _MANY_INLINE_BYTES:
+            raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline} bytes in its "
+                                    f"frame (the shared-memory pool has no room for them); at most "
+                                    f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
         pooled = [i for i, place in enumerate(places) if place is not None]
         replies = self._replies([got[i] for i in pooled], [places[i] for i in pooled])
         prepared = {i: r.body for i, r in zip(pooled, replies) if r.hop is Hop.SHM}
