@@ -98,24 +98,36 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
     return Layout(bytes(codes), np.array(ranks, _U32).tobytes(), np.array(dims, _U64).tobytes(), offsets)
 
 
+def _raw(a: np.ndarray) -> memoryview:
+    """The bytes of ``a`` (a copy only if it is not contiguous)."""
+    try:
+        return memoryview(a).cast("B")
+    except (TypeError, ValueError):  # not C-contiguous, or a dtype buffers cannot carry
+        return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
 def _parts(arrays: Sequence[np.ndarray], lay: Layout) -> list:
     """The payload's pieces: each array's bytes, and the padding before the next."""
     parts: list = []
     offsets = lay.offsets
-    for i, a in enumerate(arrays):
-        if i and offsets[i] > offsets[i - 1] + arrays[i - 1].nbytes:
-            parts.append(bytes(offsets[i] - offsets[i - 1] - arrays[i - 1].nbytes))
-        if a.nbytes:
-            parts.append(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+    end = 0
+    for a, start in zip(arrays, offsets):
+        if start > end:
+            parts.append(bytes(start - end))
+        n = a.nbytes
+        if n:
+            parts.append(_raw(a))
+        end = start + n
     return parts
 
 
 def fill(buffer: np.ndarray, arrays: Sequence[np.ndarray], lay: Layout) -> None:
     """Copy ``arrays`` into ``buffer`` (uint8, ``lay.nbytes`` long) at their offsets."""
+    target = memoryview(buffer).cast("B")
     for a, pos in zip(arrays, lay.offsets):
         n = a.nbytes
         if n:
-            buffer[pos:pos + n] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            target[pos:pos + n] = _raw(a)
 
 
 def group_frame(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, lay: Layout,
@@ -165,6 +177,8 @@ class Group:
     payload: tuple[int, int] | None = None  # span of the bytes inside the frame
     transport_options: tuple[int, int] | None = None  # span of the Any announcing them
     send_start_micros: int = 0
+    #: elements per tensor (the product of its shape)
+    counts: list[int] | None = None
 
 
 def _array(buf, span: tuple[int, int] | None, dtype: np.dtype, what: str) -> np.ndarray:
@@ -196,8 +210,6 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
     offsets = _array(buf, spans.get(F.GROUP_OFFSETS), _U64, "offsets")
     if n == 0:
         raise InvalidArgument("group answers no call")
-    if len(np.unique(call_ids)) != n:
-        raise InvalidArgument("group answers a call twice")
     if len(codes) != n or len(ranks) != n or len(offsets) != n + 1:
         raise InvalidArgument(f"group of {n} calls has {len(codes)} dtypes, {len(ranks)} ranks and "
                               f"{len(offsets)} offsets (needs {n}, {n} and {n + 1})")
@@ -215,29 +227,33 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
         raise InvalidArgument(f"group's payload has {payload[1] - payload[0]} bytes; its offsets say {total}")
     if payload is None and max_bytes is not None and total > max_bytes:
         raise ResourceExhausted(f"group announces {total} bytes; the limit is {max_bytes} (max_tensor_bytes)")
+    ids = call_ids.tolist()
+    if len(set(ids)) != n:
+        raise InvalidArgument("group answers a call twice")
     dts = [_dtype(c) for c in codes.tolist()]
     dim_list = dims.tolist()
     shapes: list[tuple[int, ...]] = []
+    counts: list[int] = []
     pos = 0
     prev = 0
     for i, r in enumerate(ranks.tolist()):
         shape = tuple(dim_list[pos:pos + r])
         pos += r
-        nbytes = math.prod(shape) * dts[i].itemsize
+        count = math.prod(shape)
+        nbytes = count * dts[i].itemsize
         o = offs[i]
         if o < prev or o % ALIGN or o + nbytes > offs[i + 1]:
             raise InvalidArgument(f"group's tensor {i} ({nbytes} bytes at offset {o}) does not fit its payload")
         prev = o + nbytes
         shapes.append(shape)
-    return Group(call_ids.tolist(), dts, shapes, offs, total, payload, options, send_start)
+        counts.append(count)
+    return Group(ids, dts, shapes, offs, total, payload, options, send_start, counts)
 
 
 def views(group: Group, base, start: int = 0) -> list[np.ndarray]:
     """Each tensor of ``group`` as a view on ``base`` (the frame's bytes, with
     the payload at ``start``; or the fusion buffer, at 0)."""
-    out = []
-    offs = group.offsets
-    for i, (dt, shape) in enumerate(zip(group.dtypes, group.shapes)):
-        count = math.prod(shape)
-        out.append(np.frombuffer(base, dt, count, start + offs[i]).reshape(shape))
-    return out
+    counts = group.counts if group.counts is not None else [math.prod(shape) for shape in group.shapes]
+    frombuffer = np.frombuffer
+    return [frombuffer(base, dt, count, start + offset).reshape(shape)
+            for dt, count, offset, shape in zip(group.dtypes, counts, group.offsets, group.shapes)]

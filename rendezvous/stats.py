@@ -29,9 +29,9 @@ class Stats:
         self._paths: dict[Path, dict[str, int]] = {p: dict.fromkeys(COUNTERS, 0) for p in PATHS}
         self._gpu: dict[str, int] = dict.fromkeys(GPU_COUNTERS, 0)
 
-    def received(self, path: Path, nbytes: int) -> None:
+    def received(self, path: Path, nbytes: int, count: int = 1) -> None:
         c = self._paths[path]
-        c["transfers"] += 1
+        c["transfers"] += count
         c["bytes"] += nbytes
 
     def served(self, path: Path, nbytes: int, count: int = 1, fused: bool = False) -> None:

@@ -16,6 +16,7 @@ bytes were all here, and the copy to its device, if any.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +40,33 @@ __all__ = ["Receiver"]
 
 def _never(*_: Any) -> bool:
     return False
+
+
+#: key lists whose routing is remembered (a training step asks the same list every step)
+_PLANS = 32
+
+
+class _Plan:
+    """What a batch of keys needs that no step changes: the canonical keys, and
+    which are this rank's own and which each producer is asked for, with the
+    destination device of each producer's first key."""
+
+    __slots__ = ("canonical", "srcs", "local", "groups")
+
+    def __init__(self, keys: Sequence[Key | str], task: TaskName) -> None:
+        self.canonical = [canonical_key(k) for k in keys]  # malformed keys: refused before anything is asked
+        self.srcs = [parse_key(k).src_task for k in self.canonical]
+        self.local: list[int] = []
+        by_src: dict[TaskName, list[int]] = {}
+        for i, src in enumerate(self.srcs):
+            if src is not None and src != task:
+                by_src.setdefault(src, []).append(i)
+            else:
+                self.local.append(i)
+        canonical = self.canonical
+        #: per producer: its task, the key positions, the keys, the first key's dst device
+        self.groups = [(src, idx, [canonical[i] for i in idx], parse_key(canonical[idx[0]]).dst)
+                       for src, idx in by_src.items()]
 
 
 def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int, ready: dict[int, Fetched]) -> list[Fetched]:
@@ -68,6 +96,8 @@ class Receiver:
         self._stats = stats
         self._staging = staging
         self._state = state
+        #: the routing of key lists asked recently (see _Plan), newest last
+        self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
         #: the server's timeline, or None (off)
         self.timeline = timeline
         if timeline is not None:
@@ -181,39 +211,49 @@ class Receiver:
         deadline), the others are cancelled, whatever had arrived is kept for the
         next recv of its key (in order, in front), and the error (the first
         failure's class) names every key that failed and why."""
-        canonical = [canonical_key(k) for k in keys]  # malformed keys: refused before anything is asked
+        plan = self._plan(keys)
+        canonical = plan.canonical
         if not canonical:
             return []
         loop = asyncio.get_running_loop()
         # One task per producer for the keys it is asked for at once (no timeline:
         # a traced recv is a span of its own); the rest, a task per key.
-        groups: dict[TaskName, list[int]] = {}
+        groups: list[tuple[TaskName, list[int], list[str], Any]] = []
         singles: list[int] = []
         #: this rank's own tensors that were there and need no placing: taken now, with no task
         ready: dict[int, Fetched] = {}
         targets: dict[str, Placement] = {}
         explicit = parse_placement(device)
         kept = self.kept
-        untraced = self.timeline is None
-        for i, k in enumerate(canonical):
-            src = parse_key(k).src_task
-            if untraced and kept.has(step_id, k):
-                singles.append(i)
-            elif src is not None and src != self.task:
-                (groups.setdefault(src, []) if untraced else singles).append(i)
-            elif not untraced or not self._take_ready(k, step_id, explicit, i, ready, targets):
-                singles.append(i)
+        if self.timeline is None and not kept:  # the usual step: routed as last time
+            groups = plan.groups
+            for i in plan.local:
+                if not self._take_ready(canonical[i], step_id, explicit, i, ready, targets):
+                    singles.append(i)
+        elif self.timeline is None:  # some tensor is kept: its key is a recv of its own
+            by_src: dict[TaskName, list[int]] = {}
+            for i, k in enumerate(canonical):
+                src = plan.srcs[i]
+                if kept.has(step_id, k):
+                    singles.append(i)
+                elif src is not None and src != self.task:
+                    by_src.setdefault(src, []).append(i)
+                elif not self._take_ready(k, step_id, explicit, i, ready, targets):
+                    singles.append(i)
+            groups = [(src, idx, [canonical[i] for i in idx], parse_key(canonical[idx[0]]).dst)
+                      for src, idx in by_src.items()]
+        else:
+            singles = list(range(len(canonical)))
         if not singles and not groups:
             return [ready[i] for i in range(len(canonical))]
         units: list[tuple[list[int], asyncio.Task]] = [
             ([i], loop.create_task(self._fetch_one(canonical[i], step_id, device))) for i in singles]
         #: per group task, the positions (in the group) whose tensors had arrived when it gave up
         gave_up: dict[asyncio.Task, set[int]] = {}
-        for src, idx in groups.items():
-            target, _ = self.devices.resolve(explicit or placement_for_device(as_key(canonical[idx[0]]).dst),
-                                             explicit is not None)
+        for src, idx, group_keys, dst in groups:
+            target, _ = self.devices.resolve(explicit or placement_for_device(dst), explicit is not None)
             seen: set[int] = set()
-            task = loop.create_task(self._fetch_group(src, [canonical[i] for i in idx], step_id, target, seen))
+            task = loop.create_task(self._fetch_group(src, group_keys, step_id, target, seen))
             units.append((idx, task))
             gave_up[task] = seen
         tasks = [t for _, t in units]
@@ -267,6 +307,21 @@ class Receiver:
             raise interrupted
         raise batch_failure(canonical, step_id, failures)
 
+    def _plan(self, keys: Sequence[Key | str]) -> _Plan:
+        """The routing of ``keys``, remembered for the next steps' batches."""
+        try:
+            known = tuple(keys)
+            plan = self._plans.get(known)
+        except TypeError:  # a key that does not hash: routed afresh each time
+            return _Plan(keys, self.task)
+        if plan is None:
+            plan = self._plans[known] = _Plan(known, self.task)
+            if len(self._plans) > _PLANS:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(known)
+        return plan
+
     def _take_ready(self, key: str, step_id: int, explicit: Placement | None, i: int,
                     ready: dict[int, Fetched], targets: dict[str, Placement]) -> bool:
         """Take this rank's own tensor of ``key`` now if it is in the table and
@@ -313,9 +368,25 @@ class Receiver:
             for _ in keys:
                 self._stats.error(path)
             raise
-        out = []
         received = self._stats.received
-        # a host array received for the host stays as it is: nothing to ask per key
+        if not target.is_gpu:
+            # A host array received for the host stays as it is: nothing to place,
+            # and the counters move once per path.
+            tally: dict[Path, list[int]] = {}
+            for fetched in got:
+                value = fetched.item.value
+                if isinstance(value, DeviceTensor) and not fetched.placed:
+                    break  # a GPU tensor for the host: placed one by one below
+                counts = tally.get(fetched.path)
+                if counts is None:
+                    counts = tally[fetched.path] = [0, 0]
+                counts[0] += 1
+                counts[1] += payload_nbytes(value)
+            else:
+                for p, (n, nbytes) in tally.items():
+                    received(p, nbytes, n)
+                return got
+        out = []
         needs_copy = self.devices.needs_copy if target.is_gpu else _never
         for j, fetched in enumerate(got):
             item = fetched.item

@@ -223,11 +223,11 @@ class ConsumerStream:
         malformed group breaks the stream (InvalidArgument from the parse)."""
         group = fused.parse_group(buf, *span, self.client.config.max_tensor_bytes)
         pending = self.pending
-        calls = [(i, call_id, pending.get(call_id)) for i, call_id in enumerate(group.call_ids)]
         planes = self.client.planes
         if group.payload is not None:
             values = fused.views(group, buf, group.payload[0])
             path = self.inline_path
+            calls = [(i, call_id, pending.get(call_id)) for i, call_id in enumerate(group.call_ids)]
             if planes.traced:
                 planes.answered([p.placement for _, _, p in calls if p is not None and not p.orphan], False)
             for i, call_id, p in calls:
@@ -235,31 +235,43 @@ class ConsumerStream:
                     self._finish(call_id, p, Fetched(Received(values[i], False), path))
             return
         landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
-        moving = [(i, call_id, p) for i, call_id, p in calls if p is not None]
+        moving: list[tuple[int, int, Pending]] = []
+        on_the_way = self.moving
+        for i, call_id in enumerate(group.call_ids):
+            p = pending.pop(call_id, None)
+            if p is not None:
+                on_the_way[call_id] = p
+                p.path = Path.MPI
+                moving.append((i, call_id, p))
         if planes.traced:
             planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
-        for _, call_id, p in moving:
-            del pending[call_id]
-            self.moving[call_id] = p
-            p.path = Path.MPI
         landing.add_done_callback(lambda f: self._settle_group(group, moving, f))
 
     def _settle_group(self, group: fused.Group, moving: list[tuple[int, int, Pending]],
                       landed: asyncio.Future) -> None:
         """A group's fusion buffer is here (or failed): each call takes its view."""
-        values = fused.views(group, landed.result()) if not landed.cancelled() and landed.exception() is None \
-            else None
+        on_the_way = self.moving
+        if landed.cancelled() or landed.exception() is not None:
+            for _, call_id, p in moving:
+                if on_the_way.get(call_id) is p:
+                    del on_the_way[call_id]
+                p.settled = True
+                if landed.cancelled():
+                    if not p.future.done():
+                        p.future.cancel()
+                elif not p.orphan and not p.future.done():
+                    p.future.set_exception(landed.exception())  # type: ignore[arg-type]
+            return
+        values = fused.views(group, landed.result())
         for i, call_id, p in moving:
-            if self.moving.get(call_id) is p:
-                del self.moving[call_id]
+            if on_the_way.get(call_id) is p:
+                del on_the_way[call_id]
             p.settled = True
-            if values is not None:
+            future = p.future
+            if not p.orphan and not future.done():
+                future.set_result(Fetched(Received(values[i], False), Path.MPI))
+            else:
                 self._deliver(p, Fetched(Received(values[i], False), Path.MPI))
-            elif landed.cancelled():
-                if not p.future.done():
-                    p.future.cancel()
-            elif not p.orphan and not p.future.done():
-                p.future.set_exception(landed.exception())  # type: ignore[arg-type]
 
     def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
         if frame.group is not None:

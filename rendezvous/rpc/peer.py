@@ -78,12 +78,13 @@ class _Batch:
     batch, resolved when every call is answered or one failed (a call whose
     stream broke waits for the others: they may all be asked again)."""
 
-    __slots__ = ("left", "failed", "broken", "waiter")
+    __slots__ = ("left", "failed", "broken", "cancelled", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
         self.left = n
         self.failed = False
         self.broken = False
+        self.cancelled = False  # a call was cancelled (its bytes could not land)
         self.waiter = loop.create_future()
 
     def settled(self, exc: BaseException | None) -> None:
@@ -135,6 +136,7 @@ class _Slot:
         if self._state != _PENDING:
             return False
         self._state = _CANCELLED
+        self._batch.cancelled = True
         self._batch.settled(None)
         return True
 
@@ -150,6 +152,19 @@ class _Slot:
         if exc is not None:
             raise exc
         return self._result
+
+
+class _Calls:
+    """A batch's calls as ``(call_id, Pending)`` pairs: consecutive ids from ``first``."""
+
+    __slots__ = ("first", "pendings")
+
+    def __init__(self, first: int, pendings: list[Pending]) -> None:
+        self.first = first
+        self.pendings = pendings
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return zip(itertools.count(self.first), self.pendings)
 
 
 def _failure(exc: BaseException | None) -> BaseException | None:
@@ -186,7 +201,7 @@ class PeerClient:
         self._next_id = 1  # call ids: a batch takes a contiguous range (see _take_ids)
         # Unique per recv (a retry reuses its own); a random start keeps clients apart
         # in the producer's retry cache without a random draw per recv.
-        self._request_ids = itertools.count(secrets.randbits(62) + 1)
+        self._next_request_id = secrets.randbits(62) + 1
         self._connected_once = False
         self._closed = False
         #: (step_id, key) -> request_id of recvs that ended without the producer's
@@ -243,7 +258,7 @@ class PeerClient:
         key_bytes = key.encode()
         # A recv of this key that ended unanswered on a broken stream asked with
         # this id: ask again with it (see unsettled).
-        request_id = self._unsettled.pop((step_id, key), None) or next(self._request_ids)
+        request_id = self._unsettled.pop((step_id, key), None) or self._take_request_ids(1)
         attempts = 0
         asked = False  # sent, and not answered by the producer (a tensor or its error)
         orphaned = False  # given up with its cancel on a live stream: the stream settles it
@@ -304,25 +319,28 @@ class PeerClient:
         loop = asyncio.get_running_loop()
         options = self.planes.offer(placement)
         stream = await self._get_stream(None)
-        calls: list[tuple[int, Pending]] = []
-        first = self._take_ids(len(keys))
+        n = len(keys)
+        first = self._take_ids(n)
+        rid = self._take_request_ids(n)
         unsettled = self._unsettled
+        batch = _Batch(loop, n)
+        pendings = [Pending(_Slot(batch), key, step_id, placement,  # type: ignore[arg-type]
+                            (unsettled.pop((step_id, key), None) if unsettled else None) or rid + i)
+                    for i, key in enumerate(keys)]
         # One RecvMany per up to MANY_REQUEST_BYTES of keys: a request every
         # producer accepts (max_request_bytes is at least 64 KiB).
+        encoded = [key.encode() for key in keys]
         start = 0
         size = 0
-        encoded = [key.encode() for key in keys]
-        batch = _Batch(loop, len(keys))
-        for i, key in enumerate(keys):
-            request_id = (unsettled.pop((step_id, key), None) if unsettled else None) or next(self._request_ids)
-            calls.append((first + i, Pending(_Slot(batch), key, step_id, placement, request_id)))  # type: ignore[arg-type]
-            size += len(encoded[i]) + 12
-            if size >= MANY_REQUEST_BYTES or i == len(keys) - 1:
-                part = calls[start:i + 1]
-                stream.submit_many(first + start, [p for _, p in part], frames.recv_many_request(
-                    first + start, step_id, encoded[start:i + 1], [p.request_id for _, p in part], options))
+        for i, key in enumerate(encoded):
+            size += len(key) + 12
+            if size >= MANY_REQUEST_BYTES or i == n - 1:
+                part = pendings[start:i + 1]
+                stream.submit_many(first + start, part, frames.recv_many_request(
+                    first + start, step_id, encoded[start:i + 1], [p.request_id for p in part], options))
                 start, size = i + 1, 0
-        futures = [p.future for _, p in calls]
+        calls = _Calls(first, pendings)
+        slots: list[_Slot] = [p.future for p in pendings]  # type: ignore[misc]
         try:
             # one future for the batch: all answered, or one failed (a stream that
             # broke fails its other calls too: then they all settle first)
@@ -330,20 +348,22 @@ class PeerClient:
         except BaseException:
             self._give_up_batch(stream, calls, (), arrived)
             raise
-        failures = {i: _failure(f.exception()) for i, f in enumerate(futures)
+        if not batch.failed and not batch.broken and not batch.cancelled:
+            return [s._result for s in slots]
+        failures = {i: _failure(f.exception()) for i, f in enumerate(slots)
                     if f.done() and f.exception() is not None and _failure(f.exception()) is not None}
         if failures:
-            in_hand = sum(1 for f in futures if f.done() and not f.cancelled() and f.exception() is None)
+            in_hand = sum(1 for f in slots if f.done() and not f.cancelled() and f.exception() is None)
             self._give_up_batch(stream, calls, failures, arrived)
             raise BatchFailed(failures, in_hand)
-        broken = [i for i, f in enumerate(futures) if f.exception() is not None]
+        broken = [i for i, f in enumerate(slots) if f.exception() is not None]
         if not broken:
-            return [f.result() for f in futures]
+            return [f.result() for f in slots]
         # The stream broke under some calls: each asks again on its own, with its
         # request_id (so nothing is taken twice), as recv does after a break.
         for i in broken:
-            self.unsettled(step_id, keys[i], calls[i][1].request_id)
-        out: list[Fetched | None] = [None if i in broken else futures[i].result() for i in range(len(keys))]
+            self.unsettled(step_id, keys[i], pendings[i].request_id)
+        out: list[Fetched | None] = [None if i in broken else slots[i].result() for i in range(len(keys))]
         try:
             for i in broken:
                 out[i] = await self.recv(keys[i], step_id, None, placement)
@@ -363,7 +383,13 @@ class PeerClient:
         self._next_id += n
         return first
 
-    def _give_up_batch(self, stream: ConsumerStream, calls: list[tuple[int, Pending]], failed: Any,
+    def _take_request_ids(self, n: int) -> int:
+        """The first of ``n`` new consecutive request ids."""
+        first = self._next_request_id
+        self._next_request_id += n
+        return first
+
+    def _give_up_batch(self, stream: ConsumerStream, calls: "_Calls", failed: Any,
                        arrived: set[int]) -> None:
         """Every call of a batch that is not in ``failed`` gives up (see recv_batch);
         the positions of those whose tensor was in go to ``arrived``."""

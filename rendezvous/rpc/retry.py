@@ -129,10 +129,15 @@ class RetryCache:
     def record(self, step_id: int, request_id: int, item: Received, key: str = "") -> None:
         """Note an answer taken without waiting (the tensor was already there): no
         future, no callback (a batch records thousands)."""
-        ready = _Ready(item)
-        entry = self._entries[request_id] = _Entry(step_id, key, ready)  # type: ignore[arg-type]
+        entry = self._entries[request_id] = _Entry(step_id, key, _Ready(item))  # type: ignore[arg-type]
         entry.handed = 1
-        self._completed(request_id, ready)  # type: ignore[arg-type]
+        done_at = entry.done_at = time.monotonic()
+        entry.nbytes = int(getattr(item.value, "nbytes", 0) or 0)
+        self._done[request_id] = entry
+        self._done_bytes += entry.nbytes
+        self._expire(done_at)
+        if self._timer is None:
+            self._arm()
 
     def unclaimed(self, request_id: int) -> Received | None:
         """An answer that was taken for ``request_id`` but that no caller waits for
