@@ -40,7 +40,7 @@ import collections
 import copy
 import concurrent.futures
 import time
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .errors import Aborted, InvalidArgument, RendezvousError
@@ -393,6 +393,30 @@ class WaitingTable:
             if not keys:
                 del self._steps[step_id]
         return item
+
+    def try_take_many(self, step_id: int, keys: Sequence[Hashable | None]) -> list[Received | None]:
+        """:meth:`try_take` for each of ``keys`` in order (None keys are skipped):
+        one check of the loop and the step for a whole batch."""
+        self._enter()
+        if self._closed is not None or self._tombstones:
+            err = self._dead(step_id)
+            if err is not None:
+                raise err.with_traceback(None)
+        queued = self._steps.get(step_id)
+        if queued is None:
+            return [None] * len(keys)
+        out: list[Received | None] = []
+        for key in keys:
+            q = queued.get(key) if key is not None else None
+            if type(q) is not _Tensors:
+                out.append(None)
+                continue
+            out.append(q.popleft()[0])
+            if not q:
+                del queued[key]
+        if not queued and self._steps.get(step_id) is queued:
+            del self._steps[step_id]
+        return out
 
     def fail_waiters(self, error: RendezvousError) -> int:
         """Fail every waiting receiver with ``error`` (draining), keeping queued

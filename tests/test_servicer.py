@@ -908,17 +908,21 @@ def _stream_harness(table: WaitingTable):
     return servicer, incoming, requests
 
 
-def test_a_batchs_large_replies_are_written_while_the_rest_is_taken():
+def test_a_batchs_large_replies_are_written_while_the_rest_is_planned():
     """The writer gets a turn within a long batch: the first large tensors' replies
-    leave (their consumer can post its receives) before the last keys are taken."""
+    leave (their consumer can post its receives) before the last ones are made.
+    The batch's tensors were all taken at once, before any reply."""
     async def main():
         table = WaitingTable()
         servicer, incoming, requests = _stream_harness(table)
-        written: list[tuple[bytes, int]] = []
+        written: list[tuple[bytes, int, int]] = []
+
+        def served() -> int:
+            return sum(c["served"] for c in servicer.stats.snapshot().values())
 
         class Recording:
             async def write(self, message: bytes) -> None:
-                written.append((message, len(table)))
+                written.append((message, len(table), served()))
 
             async def abort(self, code, details):
                 raise AssertionError(f"aborted: {code} {details}")
@@ -928,8 +932,10 @@ def test_a_batchs_large_replies_are_written_while_the_rest_is_taken():
             table.send(1, k, np.ones(2048 if "big" in k else 4, np.float32))  # 8 KiB: above the fusion threshold
         serving_ = asyncio.ensure_future(servicer.serve_stream(requests(), Recording()))
         incoming.put_nowait(recv_many(1, keys))
-        await until(lambda: len(table) == 0 and written and written[-1][1] == 0, what="the batch to be answered")
-        assert written[0][1] > 0, "every key was taken before the first reply was written"
+        await until(lambda: len(table) == 0 and written and written[-1][2] == len(keys),
+                    what="the batch to be answered")
+        assert written[0][1] == 0, "the batch's tensors were not all taken before its first reply"
+        assert written[0][2] < 16, "every reply was made before the first was written"
         serving_.cancel()
         await asyncio.gather(serving_, return_exceptions=True)
     run(main(), 20)
@@ -937,9 +943,10 @@ def test_a_batchs_large_replies_are_written_while_the_rest_is_taken():
 
 def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch):
     """The stream ends while the reader lets the writer run in the middle of a
-    batch: the small tensors already taken (their group not made yet) go back
-    to the table, in their order; the replies handed to the stream are kept
-    for their request_ids (asked again, they are answered the same)."""
+    batch: the tensors already taken and not answered (the small ones whose
+    group is not made yet, the keys not reached) go back to the table, in
+    their order; the replies handed to the stream are kept for their
+    request_ids (asked again, they are answered the same)."""
     from rendezvous.rpc import producer_stream
 
     async def main():
@@ -967,8 +974,8 @@ def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch)
         table.send(1, K("later"), np.array([3.0], np.float32))
         serving_ = asyncio.ensure_future(servicer.serve_stream(requests(), Stuck()))
         incoming.put_nowait(recv_many(1, keys, request_ids=list(range(10, 19))))
-        await held.wait()  # eight keys taken: two small ones in the group, six replies queued
-        assert _tensors(table) == {K("later"): 1}
+        await held.wait()  # all taken; eight keys reached: two small ones in the group, six replies queued
+        assert _tensors(table) == {}
         serving_.cancel()
         await asyncio.gather(serving_, return_exceptions=True)
         assert _tensors(table) == {K("s"): 2, K("later"): 1}

@@ -199,32 +199,67 @@ class ProducerStream:
         recv's rules; the small tensors found ready go back together in group
         replies, anything else on its own (or when it is produced).
 
-        Every few keys, when replies are ready to write, the writer gets a turn
-        (the reader reads nothing meanwhile, so requests keep their order): a
-        large tensor's descriptor leaves while the rest of the batch is taken,
-        and its consumer posts the receive sooner (MPI moves a large message
-        only once its receive is posted). The small tensors taken but not yet
-        packed go back if the stream ends meanwhile."""
+        The tensors already produced are taken at once, in key order (one pass
+        over the table and the retry cache for the batch). Then, every few
+        keys while their replies are made, the writer gets a turn when replies
+        are ready (the reader reads nothing meanwhile, so requests keep their
+        order): a large tensor's descriptor leaves while the rest of the batch
+        is planned, and its consumer posts the receive sooner (MPI moves a
+        large message only once its receive is posted). What was taken but
+        not yet answered goes back, in order, if the stream ends meanwhile."""
         keys = many.rendezvous_keys
         rids = many.request_ids
-        if len(rids) != len(keys):
-            raise _BadStream(f"RecvMany {first} has {len(rids)} request_ids for {len(keys)} keys")
-        if first + len(keys) > 1 << 64:
+        n = len(keys)
+        if len(rids) != n:
+            raise _BadStream(f"RecvMany {first} has {len(rids)} request_ids for {n} keys")
+        if first + n > 1 << 64:
             raise _BadStream(f"RecvMany {first} runs past the largest call_id")
+        self._claim(first, n)
         step = many.step_id
         opts = many.transport_options
+        keys = list(keys)
+        rids = list(rids)
+        # The keys whose tensors are here are taken at once, in key order; the
+        # rest go one by one (they wait, or their error is answered).
+        taken = self.s.take_ready_many(step, keys, rids)
         group: list[tuple[int, Any, Received, str]] = []
         try:
-            for i, key in enumerate(keys):
-                self._ask(first + i, KeyRequest(step, key, rids[i], opts), group)  # type: ignore[arg-type]
+            for i in range(n):
+                req = KeyRequest(step, keys[i], rids[i], opts)
+                got = taken[i]
+                if got is None:
+                    self._ask(first + i, req, group)
+                else:
+                    taken[i] = None  # answered from here on (or put back with the group)
+                    if self._packs(req, got.item):
+                        group.append((first + i, req, got.item, got.key))
+                    else:
+                        self._reply(first + i, req, *got)
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1 and self.ready:
                     await _writer_turn()
         except BaseException:
-            for _, req, item, key in reversed(group):  # taken, their group not made: back, in order
+            # taken, their replies not made: back, the last taken first
+            rest = [(0, KeyRequest(step, keys[j], rids[j], opts), got.item, got.key)
+                    for j, got in enumerate(taken) if got is not None]
+            for _, req, item, key in reversed(group + rest):
                 self.s.put_back(req, key, item)
             raise
         if group:
             self._reply_groups(group, many)
+
+    def _claim(self, first: int, n: int) -> None:
+        """The calls ``first`` .. ``first + n - 1`` of a batch are new: an id in
+        use is a broken stream (a cancelled call's id may be used again: the
+        answer to its cancel is moot then)."""
+        replies = self.replies
+        waiting = self.waiting
+        for call_id in range(first, first + n):
+            queued = replies.get(call_id)
+            if queued is not None and queued.ack and not queued.started:
+                del replies[call_id]
+                queued = None
+            if queued is not None or call_id in waiting:
+                raise _BadStream(f"call_id {call_id} is already in use on this stream")
 
     def _ask(self, call_id: int, req: pb.RecvTensorRequest,
              group: list[tuple[int, Any, Received, str]] | None = None) -> None:

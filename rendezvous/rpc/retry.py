@@ -139,6 +139,27 @@ class RetryCache:
         if self._timer is None:
             self._arm()
 
+    def record_many(self, step_id: int, answers: list[tuple[int, Received, str]]) -> None:
+        """:meth:`record` for a batch's answers, ``(request_id, item, key)``:
+        one clock reading and one release check for all of them."""
+        if not answers:
+            return
+        done_at = time.monotonic()
+        entries = self._entries
+        done = self._done
+        added = 0
+        for request_id, item, key in answers:
+            entry = entries[request_id] = _Entry(step_id, key, _Ready(item))  # type: ignore[arg-type]
+            entry.handed = 1
+            entry.done_at = done_at
+            nbytes = entry.nbytes = int(getattr(item.value, "nbytes", 0) or 0)
+            done[request_id] = entry
+            added += nbytes
+        self._done_bytes += added
+        self._expire(done_at)
+        if self._timer is None:
+            self._arm()
+
     def unclaimed(self, request_id: int) -> Received | None:
         """An answer that was taken for ``request_id`` but that no caller waits for
         any more (its only caller was cancelled just as the tensor arrived). The id

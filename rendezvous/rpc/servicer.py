@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -168,8 +168,55 @@ class RecvTensorServicer:
             self.timeline.taken(req, key, item, None)
         return Taken(item, key)
 
+    def take_ready_many(self, step_id: int, raws: Sequence[str],
+                        request_ids: Sequence[int]) -> list[Taken | None]:
+        """:meth:`take_now` for a batch's keys at once: each key's tensor if it is
+        already produced, taken (in key order) and recorded for its request_id.
+        None where the key goes through :meth:`take_now` or :meth:`take` on its
+        own: nothing produced yet, a retry (an id known, or twice in the
+        batch), a malformed key or an ended step (the key's own take says
+        so), and every key while the server drains or writes a timeline."""
+        n = len(raws)
+        if self.draining or self.timeline is not None:
+            return [None] * n
+        canonical_of = self._canonical.get
+        known = self.retry.known
+        seen: set[int] = set()
+        keys: list[str | None] = []
+        for raw, rid in zip(raws, request_ids):
+            key = canonical_of(raw)
+            if key is None:
+                try:
+                    key = self._canonical_key(raw)
+                except RendezvousError:
+                    keys.append(None)
+                    continue
+            if rid:
+                if rid in seen or known(rid):
+                    key = None
+                seen.add(rid)
+            keys.append(key)
+        try:
+            items = self.table.try_take_many(step_id, keys)
+        except RendezvousError:
+            return [None] * n
+        out: list[Taken | None] = [None] * n
+        answers: list[tuple[int, Received, str]] = []
+        for i, item in enumerate(items):
+            if item is not None:
+                key = keys[i]
+                out[i] = Taken(item, key)  # type: ignore[arg-type]
+                if request_ids[i]:
+                    answers.append((request_ids[i], item, key))  # type: ignore[arg-type]
+        self.retry.record_many(step_id, answers)
+        return out
+
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
-        raw = req.rendezvous_key
+        return self._canonical_key(req.rendezvous_key)
+
+    def _canonical_key(self, raw: str) -> str:
+        """The canonical form of a requested key (cached), or InvalidKey, or
+        FailedPrecondition for a key another task produces."""
         canonical = self._canonical.get(raw)
         if canonical is not None:
             return canonical
