@@ -374,16 +374,21 @@ class WaitingTable:
         if keys:
             self._fail(keys, Aborted(f"step {step_id} cleaned up"))
 
-    def try_take(self, step_id: int, key: Hashable) -> Received | None:
-        """The oldest item queued for ``key`` if there is one, else None; never waits.
-
-        Raises the step's error like :meth:`recv`."""
+    def _queued(self, step_id: int) -> dict | None:
+        """The keys of ``step_id`` (None if none), after checking the loop; the
+        step's error if it ended (as :meth:`recv` raises it)."""
         self._enter()
         if self._closed is not None or self._tombstones:
             err = self._dead(step_id)
             if err is not None:
                 raise err.with_traceback(None)
-        keys = self._steps.get(step_id)
+        return self._steps.get(step_id)
+
+    def try_take(self, step_id: int, key: Hashable) -> Received | None:
+        """The oldest item queued for ``key`` if there is one, else None; never waits.
+
+        Raises the step's error like :meth:`recv`."""
+        keys = self._queued(step_id)
         q = keys.get(key) if keys is not None else None
         if type(q) is not _Tensors:
             return None
@@ -397,12 +402,7 @@ class WaitingTable:
     def try_take_many(self, step_id: int, keys: Sequence[Hashable | None]) -> list[Received | None]:
         """:meth:`try_take` for each of ``keys`` in order (None keys are skipped):
         one check of the loop and the step for a whole batch."""
-        self._enter()
-        if self._closed is not None or self._tombstones:
-            err = self._dead(step_id)
-            if err is not None:
-                raise err.with_traceback(None)
-        queued = self._steps.get(step_id)
+        queued = self._queued(step_id)
         if queued is None:
             return [None] * len(keys)
         out: list[Received | None] = []
