@@ -138,11 +138,13 @@ def descriptor_response(meta: TensorMeta, transport_options: bytes, send_start_m
 
 
 def stream_frames(call_id: int, item: Received, chunk_bytes: int,
-                  send_start_micros: int = 0) -> Iterator[bytes]:
+                  send_start_micros: int = 0) -> Iterator[bytes | wire.Pieces]:
     """The StreamResponse frames answering ``call_id`` with ``item``, produced lazily.
 
     The first frame holds dtype, shape and up to ``chunk_bytes`` of content; the
-    rest carry ``chunk`` fields. Each frame costs one copy of its slice.
+    rest carry ``chunk`` fields. Each frame costs one copy of its slice, made
+    by whoever joins it: a frame with ``wire.GATHER_BYTES`` of content or more
+    is :class:`wire.Pieces` (``join()`` gives its bytes).
     """
     cid = _call_id_field(call_id)
     head = _response_fields(item.is_dead, send_start_micros, None)
@@ -168,13 +170,19 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
     tlen = len(meta) + len(content) + first
     tensor_hdr = wire.len_field_header(F.RESPONSE_TENSOR, tlen)
     resp_len = len(head) + len(tensor_hdr) + tlen
-    yield b"".join([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, meta,
-                    content, payload[:first]])
+    yield _frame([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, meta,
+                  content, payload[:first]], first)
     pos = first
     while pos < total:
         end = min(total, pos + chunk_bytes)
-        yield b"".join([cid, wire.len_field_header(F.STREAM_RESPONSE_CHUNK, end - pos), payload[pos:end]])
+        yield _frame([cid, wire.len_field_header(F.STREAM_RESPONSE_CHUNK, end - pos), payload[pos:end]], end - pos)
         pos = end
+
+
+def _frame(parts: list, content: int) -> bytes | wire.Pieces:
+    """A frame of ``parts``: joined now, or left as pieces for its writer when
+    it carries ``wire.GATHER_BYTES`` of content or more."""
+    return wire.Pieces(parts) if content >= wire.GATHER_BYTES else b"".join(parts)
 
 
 def _call_id_field(call_id: int) -> bytes:
@@ -235,8 +243,15 @@ def cancel_request(call_id: int) -> bytes:
     return wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id) + wire.len_field_header(F.STREAM_REQUEST_CANCEL, 0)
 
 
-def _batch(messages: list[bytes], field_number: int) -> bytes:
-    return b"".join(part for m in messages for part in (wire.len_field_header(field_number, len(m)), m))
+def _batch(messages: list, field_number: int) -> bytes:
+    parts: list = []
+    for m in messages:
+        parts.append(wire.len_field_header(field_number, len(m)))
+        if type(m) is wire.Pieces:
+            parts += m.parts
+        else:
+            parts.append(m)
+    return b"".join(parts)
 
 
 def batch_requests(messages: list[bytes]) -> bytes:

@@ -29,6 +29,8 @@ __all__ = [
     "iter_fields",
     "to_signed64",
     "byte_buffer",
+    "Pieces",
+    "GATHER_BYTES",
 ]
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
@@ -184,3 +186,27 @@ def iter_fields(buf, start: int = 0, end: int | None = None) -> Iterator[tuple[i
             pos = stop
         else:
             raise InvalidArgument(f"field {field}: unsupported wire type {wt}")
+
+
+#: messages carrying at least this many bytes of tensor content are made as
+#: :class:`Pieces`, joined only by the writer that sends them
+GATHER_BYTES = 64 << 10
+
+
+class Pieces:
+    """One message as the pieces it is made of (headers, and views of tensors'
+    own memory), not yet joined. The writer that sends it joins them once,
+    together with any envelope it puts in front (an MPI stream's head): the
+    tensor's bytes are copied once on their way to the wire, not once per layer."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+        self.nbytes = sum(len(p) for p in parts)  # byte-format views: len is bytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def join(self, head: bytes = b"") -> bytes:
+        return b"".join([head, *self.parts]) if head else b"".join(self.parts)

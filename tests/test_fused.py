@@ -47,7 +47,7 @@ def test_a_group_round_trips_every_fixed_size_dtype_as_aligned_views():
 def test_a_payload_announced_elsewhere_is_filled_at_the_same_offsets():
     lay = fused.layout(ARRAYS)
     buffer = np.empty(lay.nbytes, np.uint8)
-    fused.fill(buffer, ARRAYS, lay)
+    fused.fill(buffer, lay)
     frame = fused.group_frame(list(range(len(ARRAYS))), None, lay, 0, b"\x0a\x01x")
     group = fused.parse_group(frame, *_span(frame))
     assert group.payload is None and group.transport_options is not None and group.nbytes == lay.nbytes

@@ -36,6 +36,7 @@ import grpc
 
 from rendezvous.errors import status_code_from_int
 from rendezvous.paths import Path
+from rendezvous.wire import Pieces
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .engine import ProgressEngine
@@ -150,7 +151,10 @@ class _ProducerContext:
         self.ended = False
         self._out = _Outflow()
 
-    async def write(self, message: bytes) -> None:
+    #: frames may come in pieces: :meth:`MpiRequests.submit` joins them behind its head
+    gathers = True
+
+    async def write(self, message: bytes | Pieces) -> None:
         """Hand a frame to MPI; returns at once unless too much is still unsent."""
         await self._out.add(self._requests.submit(self.rank, REPLY_TAG, self.stream_id, _DATA, message),
                             len(message))
@@ -215,11 +219,14 @@ class MpiRequests:
 
     # -- sending -----------------------------------------------------------------
 
-    def submit(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> asyncio.Future:
+    def submit(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes | Pieces) -> asyncio.Future:
         """One envelope to ``rank``, handed to MPI; the future is done once sent.
         Envelopes to one rank leave in the order submitted (MPI does not let
-        messages of one pair, tag and communicator overtake each other)."""
-        return self.engine.isend(_HEAD.pack(stream_id, kind) + body, rank, tag, _MAX_MESSAGE, comm=self.comm)
+        messages of one pair, tag and communicator overtake each other). A
+        body in pieces is joined once, behind the head."""
+        head = _HEAD.pack(stream_id, kind)
+        message = body.join(head) if type(body) is Pieces else head + body
+        return self.engine.isend(message, rank, tag, _MAX_MESSAGE, comm=self.comm)
 
     def post(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> None:
         """:meth:`submit`, nobody waiting for it (an end or a close)."""
@@ -240,7 +247,7 @@ class MpiRequests:
     def forget(self, call: MpiCall) -> None:
         self._calls.pop((call.rank, call.stream_id), None)
 
-    def _replies_arrived(self, taken: list[tuple[int, bytes]]) -> None:
+    def _replies_arrived(self, taken: list[tuple[int, bytearray]]) -> None:
         for source, message in taken:
             if len(message) < _HEAD.size:
                 log.warning("a malformed control message from rank %d was dropped", source)
@@ -251,11 +258,11 @@ class MpiRequests:
                 continue  # a stream closed here: its late frames go nowhere
             if kind == _END:
                 self._calls.pop((source, stream_id), None)
-            call._deliver(kind, message[_HEAD.size:])
+            call._deliver(kind, memoryview(message)[_HEAD.size:])
 
     # -- the producer's side ----------------------------------------------------------
 
-    def _requests_arrived(self, taken: list[tuple[int, bytes]]) -> None:
+    def _requests_arrived(self, taken: list[tuple[int, bytearray]]) -> None:
         for source, message in taken:
             if len(message) < _HEAD.size:
                 log.warning("a malformed control message from rank %d was dropped", source)
@@ -271,7 +278,7 @@ class MpiRequests:
                 if self._closed:
                     continue
                 serving = self._serve(source, stream_id)
-            serving[0].queue.put_nowait(message[_HEAD.size:])
+            serving[0].queue.put_nowait(memoryview(message)[_HEAD.size:])
 
     def _serve(self, source: int, stream_id: int) -> tuple[_Requests, _ProducerContext, asyncio.Task]:
         requests, context = _Requests(), _ProducerContext(self, source, stream_id)

@@ -178,9 +178,9 @@ class ProgressEngine:
         loop = asyncio.get_running_loop()
         return self._transfer(Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
 
-    def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
+    def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, bytearray]]], None]) -> None:
         """Take every message that arrives on ``comm`` with ``tag`` (from any rank)
-        and hand them, as (source rank, bytes), to ``deliver`` on the calling
+        and hand them, as (source rank, bytearray: the buffer it was received into), to ``deliver`` on the calling
         loop, all that arrived in one turn together. Matched probes
         (``Improbe`` + ``Imrecv``): a message is received by exactly this
         listener, into a buffer of its own size. While a listener exists the

@@ -65,12 +65,12 @@ class Listener:
     __slots__ = ("comm", "tag", "loop", "deliver", "taken", "order", "ready")
 
     def __init__(self, comm: Any, tag: int, loop: asyncio.AbstractEventLoop,
-                 deliver: Callable[[list[tuple[int, bytes]]], None]) -> None:
+                 deliver: Callable[[list[tuple[int, bytearray]]], None]) -> None:
         self.comm = comm
         self.tag = tag
         self.loop = loop
         self.deliver = deliver
-        self.taken: list[tuple[int, bytes]] = []  # received this turn, handed over at its end
+        self.taken: list[tuple[int, bytearray]] = []  # received this turn, handed over at its end
         #: by source rank, messages matched and being received, in the order they
         #: were matched. Their receives may complete in another order (a large
         #: message after a small one); they are handed over in this one, which is
@@ -82,7 +82,7 @@ class Listener:
         #: the MPI thread and the home loop both take messages, and hand them over
         #: differently (a callback scheduled on the loop, or at once), so a later
         #: batch could otherwise overtake an earlier one
-        self.ready: collections.deque[list[tuple[int, bytes]]] = collections.deque()
+        self.ready: collections.deque[list[tuple[int, bytearray]]] = collections.deque()
 
     def flush(self) -> None:
         """Deliver every batch ready, in order (on the listener's loop)."""
@@ -99,7 +99,7 @@ class Listener:
         while order and order[0].remaining == 0:
             op = order.popleft()
             if op.error is None:
-                self.taken.append((op.peer, bytes(op.buf)))
+                self.taken.append((op.peer, op.buf))  # its own buffer: handed over, not copied
             else:
                 log.warning("MPI control message from rank %d lost: %s", op.peer, op.error)
             op.buf = None

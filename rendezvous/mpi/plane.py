@@ -196,7 +196,7 @@ class MpiPlane(DataPlane):
         if endpoint is None or nbytes < endpoint.inline_below:
             return None
         buf = np.empty(nbytes, np.uint8)
-        fused.fill(buf, arrays, layout)
+        fused.fill(buf, layout)
         chunk = self._chunk(endpoint)
         tag = self._post_send(endpoint.rank, lambda t: self.engine.isend(buf, endpoint.rank, t, chunk))
         return self._transfer_any(tag, nbytes, chunk)

@@ -43,6 +43,15 @@ _BATCH_REQUEST_BYTES = 32 << 10
 MANY_REQUEST_BYTES = 24 << 10
 
 
+_new_tuple = tuple.__new__
+
+
+def _landed(value: Any, path: Path) -> Fetched:
+    """``Fetched(Received(value, False), path)``, built without the named tuples'
+    argument handling: once per tensor of a group reply."""
+    return _new_tuple(Fetched, (_new_tuple(Received, (value, False)), path, False))
+
+
 class Broken(Exception):
     """The stream carrying a call broke; the call may be re-sent."""
 
@@ -227,12 +236,20 @@ class ConsumerStream:
         if group.payload is not None:
             values = fused.views(group, buf, group.payload[0])
             path = self.inline_path
-            calls = [(i, call_id, pending.get(call_id)) for i, call_id in enumerate(group.call_ids)]
             if planes.traced:
-                planes.answered([p.placement for _, _, p in calls if p is not None and not p.orphan], False)
-            for i, call_id, p in calls:
-                if p is not None:
-                    self._finish(call_id, p, Fetched(Received(values[i], False), path))
+                planes.answered([p.placement for p in map(pending.get, group.call_ids)
+                                 if p is not None and not p.orphan], False)
+            pop = pending.pop
+            for call_id, value in zip(group.call_ids, values):
+                p = pop(call_id, None)
+                if p is not None:  # _finish, inlined: once per tensor of the group
+                    fetched = _landed(value, path)
+                    future = p.future
+                    if not p.orphan and not future.done():
+                        p.settled = True
+                        future.set_result(fetched)
+                    else:
+                        self._deliver(p, fetched)
             return
         landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
         moving: list[tuple[int, int, Pending]] = []
@@ -269,9 +286,9 @@ class ConsumerStream:
             p.settled = True
             future = p.future
             if not p.orphan and not future.done():
-                future.set_result(Fetched(Received(values[i], False), Path.MPI))
+                future.set_result(_landed(values[i], Path.MPI))
             else:
-                self._deliver(p, Fetched(Received(values[i], False), Path.MPI))
+                self._deliver(p, _landed(values[i], Path.MPI))
 
     def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
         if frame.group is not None:

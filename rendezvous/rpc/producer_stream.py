@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames, fused
+from rendezvous import frames, fused, wire
 from rendezvous.errors import Cancelled, RendezvousError
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
@@ -117,6 +117,9 @@ class ProducerStream:
         self.inline_path = inline_path  # how frames travel: counts replies carried inside them
         self.s = servicer
         self.context = context
+        #: the context joins a message's pieces itself (with its own envelope in
+        #: front: MPI); else a large frame's pieces are joined here (gRPC wants bytes)
+        self.gathers = bool(getattr(context, "gathers", False))
         self.waiting: dict[int, asyncio.Task] = {}
         self.replies: dict[int, _Outgoing] = {}
         self.flushing: dict[int, _Outgoing] = {}  # replies whose last frame is being written
@@ -223,6 +226,9 @@ class ProducerStream:
         # rest go one by one (they wait, or their error is answered).
         taken = self.s.take_ready_many(step, keys, rids)
         group: list[tuple[int, Any, Received, str]] = []
+        # _packs, inlined for the common case (no timeline): once per key
+        fuse = self.s.fusion_threshold if self.s.timeline is None else 0
+        fusable = fused.fusable
         try:
             for i in range(n):
                 req = KeyRequest(step, keys[i], rids[i], opts)
@@ -231,8 +237,9 @@ class ProducerStream:
                     self._ask(first + i, req, group)
                 else:
                     taken[i] = None  # answered from here on (or put back with the group)
-                    if self._packs(req, got.item):
-                        group.append((first + i, req, got.item, got.key))
+                    item = got.item
+                    if (fusable(item.value, fuse) and not item.is_dead) if fuse else self._packs(req, item):
+                        group.append((first + i, req, item, got.key))
                     else:
                         self._reply(first + i, req, *got)
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1 and self.ready:
@@ -321,7 +328,10 @@ class ProducerStream:
         try:
             lay = fused.layout(arrays)
             path, options = self.s.planes.plan_group(request, arrays, lay)
-            frame = fused.group_frame(call_ids, None if options else arrays, lay, _now_micros(), options)
+            if options or lay.nbytes < wire.GATHER_BYTES:
+                frame = fused.group_frame(call_ids, None if options else arrays, lay, _now_micros(), options)
+            else:  # the payload inside: joined by the writer, one copy
+                frame = wire.Pieces(fused.group_parts(call_ids, arrays, lay, _now_micros()))
         except Exception as exc:  # answered one by one instead
             log.debug("group reply of %d tensors failed (%r); answering them one by one", len(members), exc)
             for call_id, req, item, key in members:
@@ -444,7 +454,7 @@ class ProducerStream:
         self.ready.append(call_id)
         self.wakeup.set()
 
-    def _next_message(self) -> bytes | None:
+    def _next_message(self) -> bytes | wire.Pieces | None:
         """The next message to write: one large frame, or small frames packed."""
         batch: list[bytes] = []
         size = 0
@@ -479,6 +489,8 @@ class ProducerStream:
             message = self._next_message()
             if message is not None:
                 self.writing = True
+                if type(message) is not bytes and not self.gathers:
+                    message = message.join()
                 try:
                     await self.context.write(message)
                 finally:

@@ -17,6 +17,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+import numpy as np
+
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
 from rendezvous.table import Received
 
@@ -50,15 +52,16 @@ class _Ready:
 class _Entry:
     __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn")
 
-    def __init__(self, step_id: int, key: str, task: asyncio.Task) -> None:
+    def __init__(self, step_id: int, key: str, task: asyncio.Task | _Ready, handed: int = 0,
+                 done_at: float | None = None, nbytes: int = 0) -> None:
         self.step_id = step_id
         self.key = key
         self.withdrawn: RendezvousError | None = None  # why a waiting take was withdrawn
         self.task = task
         self.waiters = 0
-        self.handed = 0  # calls the answer was given to (a retry on another stream is one more)
-        self.done_at: float | None = None
-        self.nbytes = 0
+        self.handed = handed  # calls the answer was given to (a retry on another stream is one more)
+        self.done_at = done_at
+        self.nbytes = nbytes
 
 
 class RetryCache:
@@ -149,11 +152,9 @@ class RetryCache:
         done = self._done
         added = 0
         for request_id, item, key in answers:
-            entry = entries[request_id] = _Entry(step_id, key, _Ready(item))  # type: ignore[arg-type]
-            entry.handed = 1
-            entry.done_at = done_at
-            nbytes = entry.nbytes = int(getattr(item.value, "nbytes", 0) or 0)
-            done[request_id] = entry
+            value = item.value
+            nbytes = value.nbytes if type(value) is np.ndarray else int(getattr(value, "nbytes", 0) or 0)
+            entries[request_id] = done[request_id] = _Entry(step_id, key, _Ready(item), 1, done_at, nbytes)
             added += nbytes
         self._done_bytes += added
         self._expire(done_at)

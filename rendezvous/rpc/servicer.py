@@ -202,10 +202,11 @@ class RecvTensorServicer:
             return [None] * n
         out: list[Taken | None] = [None] * n
         answers: list[tuple[int, Received, str]] = []
+        new = tuple.__new__  # Taken(item, key), without the named tuple's argument handling
         for i, item in enumerate(items):
             if item is not None:
                 key = keys[i]
-                out[i] = Taken(item, key)  # type: ignore[arg-type]
+                out[i] = new(Taken, (item, key))
                 if request_ids[i]:
                     answers.append((request_ids[i], item, key))  # type: ignore[arg-type]
         self.retry.record_many(step_id, answers)
