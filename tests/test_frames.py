@@ -577,3 +577,26 @@ def test_an_error_frame_whose_status_is_ok_is_malformed():
     raw = pb.StreamResponse(call_id=3, error=pb.Status(code=0, message="fine?")).SerializeToString()
     with pytest.raises(InvalidArgument, match="status is OK"):
         frames.parse_stream_frame(raw)
+
+
+def test_frames_with_large_content_are_pieces_joined_once_by_their_writer():
+    """A frame carrying ``wire.GATHER_BYTES`` of tensor bytes or more is left in
+    pieces (a view of the tensor's own memory among them, not a copy); joined,
+    with or without an envelope in front, it is the same frame; smaller ones
+    are bytes; a batch of frames takes pieces and bytes alike."""
+    big = np.arange(wire.GATHER_BYTES // 4 + 10, dtype=np.float32)
+    msgs = list(frames.stream_frames(3, _live(big), chunk_bytes=wire.GATHER_BYTES))
+    assert [type(m) for m in msgs] == [wire.Pieces, bytes]  # the rest (40 bytes) is a small chunk
+    first = msgs[0]
+    assert len(first) == sum(len(p) for p in first.parts)
+    assert any(isinstance(p, memoryview) and np.shares_memory(np.frombuffer(p, np.uint8), big)
+               for p in first.parts)
+    joined = first.join()
+    assert len(joined) == len(first) and first.join(b"HEAD") == b"HEAD" + joined
+    head = frames.parse_stream_frame(joined).head
+    asm = frames.decode_inline(joined, head.tensor)
+    assert asm.add(memoryview(msgs[1])[slice(*frames.parse_stream_frame(msgs[1]).chunk)]) is True
+    np.testing.assert_array_equal(asm.result(), big)
+    small = next(frames.stream_frames(4, _live(np.arange(8, dtype=np.int8)), chunk_bytes=1 << 20))
+    assert type(small) is bytes
+    assert frames.batch_responses([first, small]) == frames.batch_responses([joined, small])

@@ -136,6 +136,7 @@ def test_a_listener_hands_a_sources_messages_over_in_match_order():
             op = ops[name] = Op(OpKind.TAKE, loop, None, bytearray(name.encode()), source, 1)
             op.remaining = 1
             listener.matched(op)
+        bufs = {name: id(op.buf) for name, op in ops.items()}
         for name in ("a2", "b1"):  # a2 completes before a1; b1 is another source's
             ops[name].remaining = 0
             listener.received(ops[name].peer)
@@ -143,6 +144,8 @@ def test_a_listener_hands_a_sources_messages_over_in_match_order():
         ops["a1"].remaining = 0
         listener.received(1)
         assert listener.taken == [(2, b"b1"), (1, b"a1"), (1, b"a2")]
+        # each message is the very buffer it was received into: handed over, not copied
+        assert [id(buf) for _, buf in listener.taken] == [bufs[n] for n in ("b1", "a1", "a2")]
         assert not listener.order
     finally:
         loop.close()

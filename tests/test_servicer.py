@@ -1011,3 +1011,60 @@ def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch)
         serving_.cancel()
         await asyncio.gather(serving_, return_exceptions=True)
     run(main(), 20)
+
+
+class _Collecting:
+    """A stream's context that keeps every message written; ``gathers`` as the
+    MPI request path's context declares it (it joins a message's pieces itself)."""
+
+    def __init__(self, gathers: bool) -> None:
+        if gathers:
+            self.gathers = True
+        self.written: list = []
+
+    async def write(self, message) -> None:
+        self.written.append(message)
+
+    async def abort(self, code, details) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+@pytest.mark.parametrize("gathers", [False, True], ids=["grpc-context", "gathering-context"])
+def test_large_frames_reach_a_gathering_context_in_pieces_and_any_other_as_bytes(gathers):
+    """A reply of 256 KiB and a group of small tensors with 96 KiB of payload:
+    a context that joins pieces itself (the MPI request path, which puts its
+    envelope in front) gets them as ``wire.Pieces``, with the tensors' own
+    memory inside; a gRPC context always gets bytes. Either way the frames
+    carry the tensors whole."""
+    async def main():
+        table, stats = WaitingTable(), Stats()
+        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                             staging=(4096, 2), stats=stats)
+        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
+                                      retry=RetryCache(30, 1 << 30), fusion=(64 << 10, 1 << 20))
+        big = np.arange(64 << 10, dtype=np.float32)
+        smalls = [np.full(8 << 10, i, np.float32) for i in range(3)]
+        table.send(1, K("big"), big)
+        for i, v in enumerate(smalls):
+            table.send(1, K(f"s{i}"), v)
+        context = _Collecting(gathers)
+
+        async def incoming():
+            yield recv(1, K("big"))
+            yield recv_many(2, [K(f"s{i}") for i in range(3)])
+
+        await asyncio.wait_for(servicer.serve_stream(incoming(), context), 10)
+        assert len(table) == 0 and len(context.written) == 2
+        kinds = {type(m) for m in context.written}
+        assert kinds == ({frames.wire.Pieces} if gathers else {bytes})
+        if gathers:
+            shared = [p for m in context.written for p in m.parts if isinstance(p, memoryview)]
+            assert any(np.shares_memory(np.frombuffer(p, np.uint8), big) for p in shared)
+        single, group = [m if type(m) is bytes else m.join() for m in context.written]
+        head = frames.parse_stream_frame(single).head
+        np.testing.assert_array_equal(frames.decode_inline(single, head.tensor), big)
+        parsed = fused.parse_group(group, *frames.parse_stream_frame(group).group)
+        assert parsed.call_ids == [2, 3, 4]
+        for want, have in zip(smalls, fused.views(parsed, group, parsed.payload[0])):
+            np.testing.assert_array_equal(have, want)
+    run(main(), 20)
