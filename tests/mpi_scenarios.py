@@ -579,6 +579,38 @@ def stopped_producer(folder: str) -> None:
     server.stop(5)
 
 
+def network_peers() -> None:
+    """The aio server with gRPC requests: which ranks MPI reaches over the
+    network (``MPIR_CVAR_NOLOCAL=1`` makes every other rank one), that its
+    loop polls exactly those transfers, and that tensors of every size cross
+    and land whole either way."""
+    import asyncio
+
+    from rendezvous import aio
+
+    async def main() -> None:
+        rank, _ = launcher_rank() or (0, 1)
+        server = aio.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi")
+        await server.start()
+        me, other = rank, 1 - rank
+        table = [100, 1 << 16, (1 << 20) + 7, 8 << 20]
+        server.send_many([(key(worker(me), worker(other), f"t{i}"), pattern(n, me)) for i, n in enumerate(table)],
+                         step_id=1)
+        got = await server.recv_many([key(worker(other), worker(me), f"t{i}") for i in range(len(table))],
+                                     step_id=1, timeout=120)
+        for n, value in zip(table, got):
+            assert np.array_equal(value, pattern(n, other)), f"size {n}: content differs"
+        server.send(key(worker(me), worker(other), "finished"), np.ones(1), step_id=999)
+        await server.recv(key(worker(other), worker(me), "finished"), step_id=999, timeout=120)
+        stats = server.stats()
+        engine = server.mpi.engine
+        result(rank=me, remote=sorted(server.mpi.world.remote_ranks), loop_peers=sorted(engine.loop_peers),
+               home=engine.home is asyncio.get_running_loop(), mpi_transfers=stats["mpi"]["transfers"])
+        await server.stop(5)
+
+    asyncio.run(main())
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     globals()[name](*args)

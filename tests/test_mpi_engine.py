@@ -149,3 +149,40 @@ def test_a_listener_hands_a_sources_messages_over_in_match_order():
         assert not listener.order
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("remote", [True, False], ids=["remote-peer", "node-local-peer"])
+def test_the_home_loop_polls_only_transfers_with_its_loop_peers(comm, remote):
+    """With ``loop_peers`` (gRPC requests), a transfer with a rank in it makes
+    the home loop poll (a rank MPI reaches over the network moves only as fast
+    as it is polled); any other is left to the MPI thread, and the loop stays
+    free for gRPC. Both complete either way."""
+    async def main():
+        engine = ProgressEngine(comm)
+        engine.start(loop_polls=True, loop_peers=frozenset())
+        engine.attach(comm)
+        engine.loop_peers = frozenset({0}) if remote else frozenset()  # as set once the job's ranks are known
+        try:
+            data = np.arange(4096, dtype=np.uint8)
+            got = np.empty_like(data)
+            received = engine.irecv(got, 0, 21, 1 << 20)
+            assert engine._loop_polling is remote
+            await asyncio.gather(engine.isend(data, 0, 21, 1 << 20), received)
+            assert np.array_equal(got, data) and engine.in_flight == 0
+        finally:
+            engine.stop()
+    run(main())
+
+
+def test_the_world_names_no_rank_remote_on_one_node():
+    """A singleton world (one node, shared memory): no rank is reached over the network."""
+    from rendezvous.keys import TaskName
+    from rendezvous.mpi.world import MpiWorld
+
+    world = MpiWorld.join()
+    world.exchange(TaskName("w", 0, 0), "127.0.0.1:1")
+    try:
+        assert world.remote_ranks == frozenset()
+    finally:
+        world.control.Free()
+        world.comm.Free()

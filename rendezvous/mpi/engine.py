@@ -72,6 +72,7 @@ class ProgressEngine:
         self.direct = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._waiting: list[Callable[[], bool]] = []  # see expect_while
         self.home: asyncio.AbstractEventLoop | None = None  # the loop that polls while hot (start)
+        self.loop_peers: frozenset[int] | None = None  # ranks whose transfers it polls (None: all)
         self._loop_polling = False  # a _loop_poll is scheduled on the home loop
         # Requests in flight and their operations, and everything else one poll
         # touches: one poller at a time (the MPI thread or the home loop).
@@ -95,11 +96,15 @@ class ProgressEngine:
         """The communicator every later transfer uses (made by a start-up collective)."""
         self.comm = comm
 
-    def start(self, loop_polls: bool = False) -> None:
+    def start(self, loop_polls: bool = False, loop_peers: frozenset[int] | None = None) -> None:
         """Start the MPI thread. With ``loop_polls``, the running loop is the
         engine's home: while traffic is expected it polls there (see
-        :meth:`_loop_poll`); else the MPI thread polls, with its backoff."""
+        :meth:`_loop_poll`); else the MPI thread polls, with its backoff.
+        ``loop_peers``: only transfers with these ranks make the home loop poll
+        (None: all; it may be set later, as ``loop_peers``, once the ranks are
+        known); the MPI thread polls the others."""
         self.home = asyncio.get_running_loop() if loop_polls else None
+        self.loop_peers = loop_peers
         self._thread = threading.Thread(target=self._run, name="rendezvous-mpi", daemon=True)
         self._thread.start()
 
@@ -127,7 +132,7 @@ class ProgressEngine:
             if not reqs:  # posting failed: nothing to complete
                 resolve(op.future, op.error, None)
                 return op.future
-            if op.loop is self.home:
+            if op.loop is self.home and (self.loop_peers is None or op.peer in self.loop_peers):
                 with self._plock:
                     self._reqs.extend(reqs)
                     self._owners.extend([op] * len(reqs))

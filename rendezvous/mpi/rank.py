@@ -60,9 +60,12 @@ class MpiRank:
         cfg = self.config
         engine = ProgressEngine(poll_min_us=cfg.mpi_poll_min_us, poll_max_us=cfg.mpi_poll_max_us)
         # With requests over MPI the loop polls while traffic is expected (small
-        # transfers at MPI latency); with gRPC requests the MPI thread does,
-        # leaving the loop to gRPC (see the engine's notes and loop_polls).
-        engine.start(loop_polls=cfg.mpi_requests and loop_polls)
+        # transfers at MPI latency). With gRPC requests it polls only transfers
+        # with ranks MPI reaches over the network (each progress call moves only
+        # what the socket takes, so they move as fast as they are polled); the
+        # MPI thread polls the rest, leaving the loop to gRPC (a loop spinning
+        # beside gRPC's thread slows its replies on one node). See loop_polls.
+        engine.start(loop_polls=loop_polls, loop_peers=None if cfg.mpi_requests else frozenset())
         self.engine = engine
         # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
         # this stops the engine before that even if stop() is never called.
@@ -71,6 +74,8 @@ class MpiRank:
             world = self.world
             found = await engine.call(lambda: world.exchange(task, address))
             engine.attach(world.comm)
+            if not cfg.mpi_requests:
+                engine.loop_peers = world.remote_ranks
             self.ranks = {t: where.rank for t, where in found.items()}
             self.plane = MpiPlane(world, engine, cfg, stats, buffers=buffers, devices=devices)
             self.plane.delivered = delivered

@@ -75,6 +75,9 @@ class MpiWorld:
     world_id: int
     library: str
     control: Any = None  # the communicator of the request path's messages (made with ``comm``)
+    #: ranks MPI reaches over the network, not through this node's shared memory
+    #: (``COMM_TYPE_SHARED``; with ``MPIR_CVAR_NOLOCAL=1`` every other rank)
+    remote_ranks: frozenset[int] = frozenset()
 
     @classmethod
     def join(cls) -> "MpiWorld":
@@ -115,12 +118,27 @@ class MpiWorld:
                 return bool(query()), f"MPIX_Query_cuda_support in {os.path.basename(path)}"
         return False, "the MPI library offers no CUDA query"
 
+    def _remote_ranks(self) -> frozenset[int]:
+        """Collective: the ranks outside this node's shared-memory group, as MPI
+        itself sees them (so network-namespace hosts told ``MPIR_CVAR_NOLOCAL``
+        count as remote, as they are to MPI)."""
+        local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        near_group, all_group = local.Get_group(), self.comm.Get_group()
+        try:
+            near = near_group.Translate_ranks(list(range(near_group.Get_size())), all_group)
+        finally:
+            near_group.Free()
+            all_group.Free()
+            local.Free()
+        return frozenset(range(self.size)) - frozenset(near)
+
     def exchange(self, task: TaskName, address: str) -> dict[TaskName, RankAddress]:
         """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""
         world = self.MPI.COMM_WORLD
         self.comm = world.Dup()
         self.control = self.comm.Dup()  # requests and replies: never matched by a data transfer
         self.world_id = self.comm.bcast(secrets.randbits(63) | 1 if self.rank == 0 else None, root=0)
+        self.remote_ranks = self._remote_ranks()
         entries = self.comm.allgather((task.job, task.replica, task.task, address))
         table: dict[TaskName, RankAddress] = {}
         for rank, (job, replica, index, addr) in enumerate(entries):
