@@ -181,7 +181,7 @@ def group_parts(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, la
     body: list = []
     if arrays is not None:
         body = [wire.len_field_header(F.GROUP_PAYLOAD, lay.nbytes), *_parts(lay)]
-    size = sum(len(p) for p in head) + sum(len(p) for p in body)
+    size = sum(map(len, head)) + sum(map(len, body))
     return [wire.len_field_header(field, size), *head, *body]
 
 

@@ -203,7 +203,7 @@ class Pieces:
 
     def __init__(self, parts: list) -> None:
         self.parts = parts
-        self.nbytes = sum(len(p) for p in parts)  # byte-format views: len is bytes
+        self.nbytes = sum(map(len, parts))  # byte-format views: len is bytes
 
     def __len__(self) -> int:
         return self.nbytes

@@ -579,11 +579,11 @@ def stopped_producer(folder: str) -> None:
     server.stop(5)
 
 
-def network_peers() -> None:
-    """The aio server with gRPC requests: which ranks MPI reaches over the
-    network (``MPIR_CVAR_NOLOCAL=1`` makes every other rank one), that its
-    loop polls exactly those transfers, and that tensors of every size cross
-    and land whole either way."""
+def network_peers(api: str = "aio") -> None:
+    """The aio server with gRPC requests, or the blocking Server with either:
+    which ranks MPI reaches over the network (``MPIR_CVAR_NOLOCAL=1`` makes
+    every other rank one), that the server's loop polls exactly those
+    transfers, and that tensors of every size cross and land whole either way."""
     import asyncio
 
     from rendezvous import aio
@@ -608,7 +608,23 @@ def network_peers() -> None:
                home=engine.home is asyncio.get_running_loop(), mpi_transfers=stats["mpi"]["transfers"])
         await server.stop(5)
 
-    asyncio.run(main())
+    if api == "aio":
+        asyncio.run(main())
+        return
+    server = start(2)  # the blocking Server, requests as the environment says
+    me, other = server.task.task, 1 - server.task.task
+    table = [1 << 16, 8 << 20]
+    server.send_many([(key(worker(me), worker(other), f"t{i}"), pattern(n, me)) for i, n in enumerate(table)],
+                     step_id=1)
+    got = server.recv_many([key(worker(other), worker(me), f"t{i}") for i in range(len(table))], step_id=1,
+                           timeout=120)
+    for n, value in zip(table, got):
+        assert np.array_equal(value, pattern(n, other)), f"size {n}: content differs"
+    finish(server)
+    engine = server.aio.mpi.engine
+    result(rank=me, remote=sorted(server.aio.mpi.world.remote_ranks), loop_peers=sorted(engine.loop_peers),
+           home=engine.home is server.loop, mpi_transfers=server.stats()["mpi"]["transfers"])
+    server.stop(5)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,19 @@ def test_the_loop_polls_the_transfers_of_ranks_mpi_reaches_over_the_network(nolo
         assert r["mpi_transfers"] == 4  # all of them: the two small ones packed in one fusion buffer
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
+def test_the_blocking_servers_loop_polls_only_remote_transfers_whatever_the_requests(requests):
+    """The blocking Server (whose loop thread must leave the GIL to the
+    caller's threads) polls on its loop only transfers with ranks MPI reaches
+    over the network, with requests over gRPC or MPI alike."""
+    _, results, _ = launch(2, "network_peers", "blocking",
+                           env={"MPIR_CVAR_NOLOCAL": "1", "RENDEZVOUS_MPI_REQUESTS": requests}, timeout=180)
+    for r in results:
+        assert r["remote"] == [1 - r["rank"]] and r["loop_peers"] == [1 - r["rank"]] and r["home"]
+        assert r["mpi_transfers"] == (3 if requests == "1" else 2)  # over MPI requests, the handshake too
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_all_sizes_on_the_default_path():

@@ -15,11 +15,20 @@ pytestmark = pytest.mark.timeout(30)
 class ScriptedComm:
     """COMM_WORLD of a scripted job: what every rank contributes is given."""
 
-    def __init__(self, rank: int, contributions: list, world_id: int = 0x1234) -> None:
+    def __init__(self, rank: int, contributions: list, world_id: int = 0x1234, nodes: list | None = None) -> None:
         self.rank = rank
         self.contributions = contributions
         self.world_id = world_id
         self.dups = 0
+        self.nodes = nodes if nodes is not None else [0] * len(contributions)  # each rank's node
+        self.freed: list = []
+
+    def Split_type(self, kind):
+        assert kind == ScriptedMPI.COMM_TYPE_SHARED
+        return _Ranks([r for r, node in enumerate(self.nodes) if node == self.nodes[self.rank]], self.freed)
+
+    def Get_group(self):
+        return _Ranks(list(range(len(self.contributions))), self.freed)
 
     def Dup(self) -> "ScriptedComm":
         self.dups += 1
@@ -41,8 +50,29 @@ class ScriptedComm:
         return len(self.contributions)
 
 
+class _Ranks:
+    """A scripted node-local communicator, or a group: the world ranks it holds."""
+
+    def __init__(self, ranks: list, freed: list) -> None:
+        self.ranks = ranks
+        self.freed = freed
+
+    def Get_group(self) -> "_Ranks":
+        return _Ranks(self.ranks, self.freed)
+
+    def Get_size(self) -> int:
+        return len(self.ranks)
+
+    def Translate_ranks(self, ranks: list, other: "_Ranks") -> list:
+        return [other.ranks.index(self.ranks[r]) for r in ranks]
+
+    def Free(self) -> None:
+        self.freed.append(self)
+
+
 class ScriptedMPI:
     THREAD_SINGLE, THREAD_FUNNELED, THREAD_SERIALIZED, THREAD_MULTIPLE = range(4)
+    COMM_TYPE_SHARED = 7
 
     def __init__(self, comm: ScriptedComm, level: int = 3) -> None:
         self.COMM_WORLD = comm
@@ -72,6 +102,21 @@ def test_exchange_maps_every_task_to_its_rank_and_address_and_agrees_on_a_world_
     follower = _world(2, others)
     follower.exchange(TaskName("ps", 0, 0), "10.0.0.3:1")
     assert follower.world_id == 0x1234  # what rank 0 broadcast
+
+
+def test_exchange_names_the_ranks_on_other_nodes_and_frees_what_it_asked_with():
+    """Ranks 0 and 2 share a node, rank 1 and 3 are elsewhere: rank 2 reaches 1
+    and 3 over the network (what its loop polls with gRPC requests); the
+    node's communicator and both groups are freed."""
+    tasks = [("worker", 0, i, f"10.0.0.{i}:1") for i in range(4)]
+    comm = ScriptedComm(2, tasks, nodes=["a", "b", "a", "c"])
+    world = MpiWorld(ScriptedMPI(comm), None, 2, 4, "MULTIPLE", 0, "test")
+    world.exchange(TaskName("worker", 0, 2), "10.0.0.2:1")
+    assert world.remote_ranks == frozenset({1, 3})
+    assert len(comm.freed) == 3
+    alone = _world(0, tasks[:2])
+    alone.exchange(TaskName("worker", 0, 0), "10.0.0.0:1")
+    assert alone.remote_ranks == frozenset()
 
 
 def test_two_ranks_claiming_one_task_is_an_error_naming_both():

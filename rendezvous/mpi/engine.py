@@ -347,8 +347,9 @@ class ProgressEngine:
                 listener.flush()
             else:
                 listener.loop.call_soon_threadsafe(listener.flush)
-        if taken and not on_loop and self.home is not None:
+        if taken and not on_loop and self.home is not None and self.loop_peers is None:
             # requests came in: their replies (and likely more requests) follow
+            # (a loop that polls only some peers' transfers leaves this to the thread)
             self.home.call_soon_threadsafe(self._poll_on_loop)
 
     def _hot(self, now: float) -> bool:

@@ -51,7 +51,7 @@ class MpiRank:
         return cls(MpiWorld.join(), config)
 
     async def start(self, task: TaskName, address: str, *, servicer: Any, stats: Any, buffers: Any, devices: Any,
-                    delivered: Callable[[int], None], loop_polls: bool) -> dict[TaskName, str]:
+                    delivered: Callable[[int], None], loop_polls: bool | str) -> dict[TaskName, str]:
         """Start the progress engine, exchange every rank's task and address (the
         job's collective), and make the MPI data plane (``self.plane``, for the
         server's planes) and, with ``mpi_requests``, the request path served by
@@ -64,8 +64,11 @@ class MpiRank:
         # with ranks MPI reaches over the network (each progress call moves only
         # what the socket takes, so they move as fast as they are polled); the
         # MPI thread polls the rest, leaving the loop to gRPC (a loop spinning
-        # beside gRPC's thread slows its replies on one node). See loop_polls.
-        engine.start(loop_polls=loop_polls, loop_peers=None if cfg.mpi_requests else frozenset())
+        # beside gRPC's thread slows its replies on one node). With
+        # ``loop_polls="remote"`` (the blocking Server) it polls only those
+        # whatever the requests. See aio.Server.poll_on_loop.
+        remote_only = loop_polls == "remote" or not cfg.mpi_requests
+        engine.start(loop_polls=bool(loop_polls), loop_peers=frozenset() if remote_only else None)
         self.engine = engine
         # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
         # this stops the engine before that even if stop() is never called.
@@ -74,7 +77,7 @@ class MpiRank:
             world = self.world
             found = await engine.call(lambda: world.exchange(task, address))
             engine.attach(world.comm)
-            if not cfg.mpi_requests:
+            if remote_only:
                 engine.loop_peers = world.remote_ranks
             self.ranks = {t: where.rank for t, where in found.items()}
             self.plane = MpiPlane(world, engine, cfg, stats, buffers=buffers, devices=devices)

@@ -38,7 +38,7 @@ class Server:
                  **overrides: Any) -> None:
         self._aio = AsyncServer(cluster, job_name, task_index, protocol, config=config, devices=devices,
                                **overrides)
-        self._aio.poll_on_loop = False  # the caller's threads need the GIL (see aio.Server.poll_on_loop)
+        self._aio.poll_on_loop = "remote"  # the caller's threads need the GIL (see aio.Server.poll_on_loop)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
