@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvous import frames
+from rendezvous import frames, wire
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import Devices
@@ -72,8 +72,15 @@ def _request(put: PlaneUnderTest, request_id: int = 0) -> pb.RecvTensorRequest:
     return req
 
 
-async def _arrive(put: PlaneUnderTest, frames_out: list[bytes], call_id: int) -> tuple[Any, Any]:
+def _written(frames_out: list) -> list[bytes]:
+    """A reply's frames as a stream writes them: a large one is made as pieces
+    (``wire.Pieces``) and joined by the writer."""
+    return [f.join() if isinstance(f, wire.Pieces) else f for f in frames_out]
+
+
+async def _arrive(put: PlaneUnderTest, frames_out: list, call_id: int) -> tuple[Any, Any]:
     """Receive one reply's frames as a consumer's stream reader does: (the value, the Arrival)."""
+    frames_out = _written(frames_out)
     first = frames_out[0]
     [head_frame] = list(frames.iter_stream_frames(first))
     assert head_frame.call_id == call_id and head_frame.head is not None
@@ -138,7 +145,7 @@ async def check_data_plane(put: PlaneUnderTest) -> None:
     # 3. a reply nobody waits for is drained; the next transfer gets its own bytes
     big = next(v for v in carried if v.nbytes >= 4 << 20)
     first = plane.plan(_request(put), Received(np.full(big.shape, 0xAB, big.dtype), False))
-    out = list(first.stream_frames(90))
+    out = _written(list(first.stream_frames(90)))
     [head_frame] = list(frames.iter_stream_frames(out[0]))
     put.planes.drain(out[0], head_frame.head)
     second = np.full(big.shape, 0x11, big.dtype)

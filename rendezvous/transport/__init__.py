@@ -42,7 +42,9 @@ __all__ = ["Path", "Reply", "Arrival", "Fetched", "DataPlane", "Planes", "descri
 class Reply:
     """How one produced tensor answers one request (made by a plane's ``plan``).
 
-    ``stream_frames(call_id)`` yields the ``StreamResponse`` frames; ``unary()``
+    ``stream_frames(call_id)`` yields the ``StreamResponse`` frames (bytes, or
+    :class:`rendezvous.wire.Pieces` for a large one, joined by the stream's
+    writer); ``unary()``
     is the whole ``RecvTensorResponse``. ``item`` is what goes back to the
     table if the reply is dropped before its first frame is written; a
     *committed* reply (its bytes already on their way) has none and is always
@@ -50,7 +52,7 @@ class Reply:
     reply to send (a GPU tensor copied to the host, for instance)."""
 
     path: Path
-    stream_frames: Callable[[int], Iterator[bytes]]
+    stream_frames: Callable[[int], Iterator[Any]]
     unary: Callable[[], bytes]
     item: Received | None
     prepare: Callable[[], Awaitable["Reply"]] | None = None
