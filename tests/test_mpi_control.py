@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 import grpc
+import numpy as np
 import pytest
 
 from rendezvous.mpi import control
@@ -32,8 +33,10 @@ class Wire:
     def carry(self, source: int, dest: int, tag: int, message: bytes) -> asyncio.Future:
         self.sent.append((source, dest, tag, bytes(message)))
         loop = asyncio.get_running_loop()
-        deliver = self.engines[dest].listeners[tag]
-        loop.call_soon(deliver, [(source, bytes(message))])
+        deliver, alloc = self.engines[dest].listeners[tag]
+        buf = alloc(len(message))  # received into what the listener asked for, as the engine does
+        memoryview(buf).cast("B")[:] = message
+        loop.call_soon(deliver, [(source, buf)])
         done = loop.create_future()
         if self.hold:
             self.unfinished.append(done)
@@ -51,8 +54,8 @@ class Engine:
         self.listeners: dict[int, object] = {}
         self.expecting: list = []
 
-    def listen(self, comm, tag, deliver) -> None:
-        self.listeners[tag] = deliver
+    def listen(self, comm, tag, deliver, alloc=bytearray) -> None:
+        self.listeners[tag] = (deliver, alloc)
 
     def expect_while(self, waiting) -> None:
         self.expecting.append(waiting)
@@ -88,11 +91,12 @@ class Stream:
         self.ended.set()
 
 
-def pair() -> tuple[Wire, MpiRequests, MpiRequests, Handler]:
-    """Rank 0 the consumer, rank 1 the producer (each could be both)."""
+def pair(buffers=None) -> tuple[Wire, MpiRequests, MpiRequests, Handler]:
+    """Rank 0 the consumer (its replies received into ``buffers``), rank 1 the
+    producer (each could be both)."""
     wire = Wire()
     handler = Handler()
-    consumer = MpiRequests(wire.engines[0], comm=None, rank=0, servicer=Handler())
+    consumer = MpiRequests(wire.engines[0], comm=None, rank=0, servicer=Handler(), buffers=buffers)
     producer = MpiRequests(wire.engines[1], comm=None, rank=1, servicer=handler)
     consumer.start()
     producer.start()
@@ -116,6 +120,41 @@ def test_a_stream_carries_requests_and_replies_and_ends_with_its_status():
         assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
         assert all(tag in (REQUEST_TAG, REPLY_TAG) for _, _, tag, _ in wire.sent)
         assert not producer._serving and not consumer._calls
+    run(main())
+
+
+def test_large_replies_land_in_reused_buffers_and_small_ones_in_their_own():
+    """A reply message of at least the cache's smallest size is received into a
+    buffer of the rank's RecvBuffers: what the consumer reads is a view on it,
+    the buffer stays in use while anything refers to it, and once that is
+    dropped the next large reply reuses it (no fresh pages per step). A small
+    one gets a bytearray of its own. The requests' listener keeps bytearrays."""
+    from rendezvous.buffers import RecvBuffers
+
+    async def main():
+        buffers = RecvBuffers(min_bytes=4096)
+        _, consumer, _, handler = pair(buffers)
+        call = consumer.open_call(1)
+        await call.write(b"go")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        assert bytes(await asyncio.wait_for(stream.received.get(), 5)) == b"go"
+        first = bytes(range(256)) * 64  # 16 KiB
+        await stream.context.write(first)
+        got = await asyncio.wait_for(call.read(), 5)
+        assert bytes(got) == first and isinstance(got.obj, np.ndarray) and buffers.reused == 0
+        await stream.context.write(b"\x07" * 16384)
+        held = await asyncio.wait_for(call.read(), 5)
+        assert bytes(held) == b"\x07" * 16384 and buffers.reused == 0  # the first is still referred to
+        del got
+        await stream.context.write(b"\x09" * 16384)
+        again = await asyncio.wait_for(call.read(), 5)
+        assert bytes(again) == b"\x09" * 16384 and buffers.reused == 1  # the first one's buffer
+        assert bytes(held) == b"\x07" * 16384  # one still held is never written
+        await stream.context.write(b"small")
+        small = await asyncio.wait_for(call.read(), 5)
+        assert bytes(small) == b"small" and type(small.obj) is bytearray
+        stream.finished.set_result(None)
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
     run(main())
 
 

@@ -33,7 +33,9 @@ from collections.abc import AsyncIterator, Sized
 from typing import Any
 
 import grpc
+import numpy as np
 
+from rendezvous.buffers import RecvBuffers
 from rendezvous.errors import status_code_from_int
 from rendezvous.paths import Path
 from rendezvous.wire import Pieces
@@ -197,11 +199,16 @@ class MpiRequests:
     """Both ends of the MPI request path of one rank: its calls to other ranks,
     and the streams other ranks opened to it, served by ``servicer``."""
 
-    def __init__(self, engine: ProgressEngine, comm: Any, rank: int, servicer: Any) -> None:
+    def __init__(self, engine: ProgressEngine, comm: Any, rank: int, servicer: Any,
+                 buffers: RecvBuffers | None = None) -> None:
         self.engine = engine
         self.comm = comm  # the control communicator
         self.rank = rank
         self.servicer = servicer
+        #: where a large reply message is received (its tensors are views on it):
+        #: buffers reused once those arrays are dropped, so a step's replies do not
+        #: fault in fresh pages (see rendezvous.buffers); None: a new bytearray each
+        self.buffers = buffers
         self._calls: dict[tuple[int, int], MpiCall] = {}
         self._serving: dict[tuple[int, int], tuple[_Requests, _ProducerContext, asyncio.Task]] = {}
         self._next_stream = 1
@@ -210,8 +217,15 @@ class MpiRequests:
     def start(self) -> None:
         """Listen for both directions (call inside the server's loop)."""
         self.engine.listen(self.comm, REQUEST_TAG, self._requests_arrived)
-        self.engine.listen(self.comm, REPLY_TAG, self._replies_arrived)
+        self.engine.listen(self.comm, REPLY_TAG, self._replies_arrived, self._reply_buffer)
         self.engine.expect_while(self._awaiting)
+
+    def _reply_buffer(self, nbytes: int) -> Any:
+        """A buffer for a reply message of ``nbytes`` (MPI thread or loop)."""
+        buffers = self.buffers
+        if buffers is None or nbytes < buffers.min_bytes:
+            return bytearray(nbytes)
+        return buffers.empty(nbytes, np.uint8)
 
     def _awaiting(self) -> bool:
         """Whether a recv of this rank awaits a reply over MPI (MPI thread)."""
@@ -247,7 +261,7 @@ class MpiRequests:
     def forget(self, call: MpiCall) -> None:
         self._calls.pop((call.rank, call.stream_id), None)
 
-    def _replies_arrived(self, taken: list[tuple[int, bytearray]]) -> None:
+    def _replies_arrived(self, taken: list[tuple[int, Any]]) -> None:
         for source, message in taken:
             if len(message) < _HEAD.size:
                 log.warning("a malformed control message from rank %d was dropped", source)
@@ -262,7 +276,7 @@ class MpiRequests:
 
     # -- the producer's side ----------------------------------------------------------
 
-    def _requests_arrived(self, taken: list[tuple[int, bytearray]]) -> None:
+    def _requests_arrived(self, taken: list[tuple[int, Any]]) -> None:
         for source, message in taken:
             if len(message) < _HEAD.size:
                 log.warning("a malformed control message from rank %d was dropped", source)

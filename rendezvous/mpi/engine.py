@@ -183,16 +183,18 @@ class ProgressEngine:
         loop = asyncio.get_running_loop()
         return self._transfer(Op(OpKind.SEND, loop, loop.create_future(), buf, dest, tag, chunk, comm=comm))
 
-    def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, bytearray]]], None]) -> None:
+    def listen(self, comm: Any, tag: int, deliver: Callable[[list[tuple[int, Any]]], None],
+               alloc: Callable[[int], Any] = bytearray) -> None:
         """Take every message that arrives on ``comm`` with ``tag`` (from any rank)
-        and hand them, as (source rank, bytearray: the buffer it was received into), to ``deliver`` on the calling
+        and hand them, as (source rank, the buffer it was received into: ``alloc(n)``
+        for a message of n bytes, a bytearray unless said otherwise), to ``deliver`` on the calling
         loop, all that arrived in one turn together. Matched probes
         (``Improbe`` + ``Imrecv``): a message is received by exactly this
         listener, into a buffer of its own size. While a listener exists the
         engine polls (with its backoff) instead of sleeping."""
         loop = asyncio.get_running_loop()
         with self._cv:
-            self._listeners.append(Listener(comm, tag, loop, deliver))
+            self._listeners.append(Listener(comm, tag, loop, deliver, alloc))
             self._cv.notify()
 
 
@@ -308,7 +310,7 @@ class ProgressEngine:
                 if msg is None:
                     break
                 n = status.Get_count(MPI.BYTE)
-                buf = bytearray(n)
+                buf = listener.alloc(n)
                 op = Op(OpKind.TAKE, listener.loop, None, buf, status.Get_source(), listener.tag,
                          fn=listener)  # type: ignore[arg-type]
                 try:

@@ -62,15 +62,18 @@ class Op:
 class Listener:
     """Messages on (comm, tag) from any rank, for one deliver callback on one loop."""
 
-    __slots__ = ("comm", "tag", "loop", "deliver", "taken", "order", "ready")
+    __slots__ = ("comm", "tag", "loop", "deliver", "alloc", "taken", "order", "ready")
 
     def __init__(self, comm: Any, tag: int, loop: asyncio.AbstractEventLoop,
-                 deliver: Callable[[list[tuple[int, bytearray]]], None]) -> None:
+                 deliver: Callable[[list[tuple[int, Any]]], None],
+                 alloc: Callable[[int], Any] = bytearray) -> None:
         self.comm = comm
         self.tag = tag
         self.loop = loop
         self.deliver = deliver
-        self.taken: list[tuple[int, bytearray]] = []  # received this turn, handed over at its end
+        #: a writable buffer of n bytes for a message of n bytes (any thread)
+        self.alloc = alloc
+        self.taken: list[tuple[int, Any]] = []  # received this turn, handed over at its end
         #: by source rank, messages matched and being received, in the order they
         #: were matched. Their receives may complete in another order (a large
         #: message after a small one); they are handed over in this one, which is
@@ -82,7 +85,7 @@ class Listener:
         #: the MPI thread and the home loop both take messages, and hand them over
         #: differently (a callback scheduled on the loop, or at once), so a later
         #: batch could otherwise overtake an earlier one
-        self.ready: collections.deque[list[tuple[int, bytearray]]] = collections.deque()
+        self.ready: collections.deque[list[tuple[int, Any]]] = collections.deque()
 
     def flush(self) -> None:
         """Deliver every batch ready, in order (on the listener's loop)."""

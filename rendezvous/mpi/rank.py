@@ -83,7 +83,7 @@ class MpiRank:
             self.plane = MpiPlane(world, engine, cfg, stats, buffers=buffers, devices=devices)
             self.plane.delivered = delivered
             if cfg.mpi_requests:
-                self.requests = MpiRequests(engine, world.control, world.rank, servicer)
+                self.requests = MpiRequests(engine, world.control, world.rank, servicer, buffers=buffers)
                 self.requests.start()
         except BaseException:
             await self.stop(0)
