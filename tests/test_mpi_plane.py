@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import frames
+from rendezvous import frames, fused
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import CPU, Devices, Placement
@@ -446,6 +446,39 @@ def test_receive_posts_a_receive_and_resolves_to_the_delivered_bytes():
         value = await got
         assert value is recv.buf
         np.testing.assert_array_equal(value, arr)
+    run(main(), 20)
+
+
+def test_a_groups_fusion_buffer_is_received_into_a_reused_buffer():
+    """A group's fusion buffer (many small tensors in one MPI message) lands in
+    the plane's RecvBuffers: once the tensors viewing it are dropped, the next
+    group of that size reuses it; while one is held, it is never written."""
+    async def main():
+        producer_engine, consumer_engine = FakeEngine(), FakeEngine()
+        producer = make_plane(FakeWorld(rank=0), producer_engine)
+        consumer = make_plane(FakeWorld(rank=2), consumer_engine)
+        arrays = [np.full((256, 64), i, np.float32) for i in range(8)]  # 512 KiB: above the cache's 256 KiB
+
+        async def one_group(start: int) -> list:
+            lay = fused.layout(arrays)
+            options = producer.plan_group(request_from(consumer), arrays, lay)
+            frame = fused.group_frame(list(range(start, start + len(arrays))), None, lay, 0, options)
+            group = fused.parse_group(frame, *frames.parse_stream_frame(frame).group)
+            landing = consumer.receive_group(frame, group)
+            recv = await consumer_engine.next_recv()
+            consumer_engine.recvs.remove(recv)
+            await deliver(producer_engine.sends.pop(0), recv)
+            return fused.views(group, await landing)
+
+        first = await one_group(0)
+        assert consumer.buffers.reused == 0
+        held = await one_group(10)
+        assert consumer.buffers.reused == 0 and not np.shares_memory(first[0], held[0])
+        del first
+        third = await one_group(20)
+        assert consumer.buffers.reused == 1
+        for i, (a, b) in enumerate(zip(held, third)):
+            assert (a == i).all() and (b == i).all()
     run(main(), 20)
 
 

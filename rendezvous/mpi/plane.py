@@ -304,7 +304,7 @@ class MpiPlane(DataPlane):
         transfer = self._transfer(buf, group.transport_options)
         if transfer.nbytes != group.nbytes:
             raise Internal(f"group's MPI transfer announces {transfer.nbytes} bytes; its offsets say {group.nbytes}")
-        dest = np.empty(group.nbytes, np.uint8)
+        dest = self.buffers.empty(group.nbytes, np.uint8)  # a large one is reused once its views are dropped
         done = self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
         out = asyncio.get_running_loop().create_future()
 
