@@ -170,19 +170,13 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
     tlen = len(meta) + len(content) + first
     tensor_hdr = wire.len_field_header(F.RESPONSE_TENSOR, tlen)
     resp_len = len(head) + len(tensor_hdr) + tlen
-    yield _frame([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, meta,
+    yield wire.frame([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, meta,
                   content, payload[:first]], first)
     pos = first
     while pos < total:
         end = min(total, pos + chunk_bytes)
-        yield _frame([cid, wire.len_field_header(F.STREAM_RESPONSE_CHUNK, end - pos), payload[pos:end]], end - pos)
+        yield wire.frame([cid, wire.len_field_header(F.STREAM_RESPONSE_CHUNK, end - pos), payload[pos:end]], end - pos)
         pos = end
-
-
-def _frame(parts: list, content: int) -> bytes | wire.Pieces:
-    """A frame of ``parts``: joined now, or left as pieces for its writer when
-    it carries ``wire.GATHER_BYTES`` of content or more."""
-    return wire.Pieces(parts) if content >= wire.GATHER_BYTES else b"".join(parts)
 
 
 def _call_id_field(call_id: int) -> bytes:

@@ -108,7 +108,7 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
         shape = a.shape
         ranks.append(len(shape))
         dims += shape
-        start = (end + 7) & ~7  # ALIGN
+        start = (end + ALIGN - 1) & ~(ALIGN - 1)
         offsets.append(start)
         raw = _raw(a)
         raws.append(raw)
@@ -261,7 +261,7 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
         pos += r
         nbytes = prod(shape) * dts[i].itemsize
         o = offs[i]
-        if o < prev or o & 7 or o + nbytes > offs[i + 1]:  # ALIGN
+        if o < prev or o % ALIGN or o + nbytes > offs[i + 1]:
             raise InvalidArgument(f"group's tensor {i} ({nbytes} bytes at offset {o}) does not fit its payload")
         prev = o + nbytes
         shapes.append(shape)

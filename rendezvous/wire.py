@@ -31,6 +31,7 @@ __all__ = [
     "byte_buffer",
     "Pieces",
     "GATHER_BYTES",
+    "frame",
 ]
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
@@ -210,3 +211,9 @@ class Pieces:
 
     def join(self, head: bytes = b"") -> bytes:
         return b"".join([head, *self.parts]) if head else b"".join(self.parts)
+
+
+def frame(parts: list, content: int) -> "bytes | Pieces":
+    """A message of ``parts`` carrying ``content`` bytes of tensor data: joined
+    now, or left as :class:`Pieces` for its writer from ``GATHER_BYTES`` up."""
+    return Pieces(parts) if content >= GATHER_BYTES else b"".join(parts)

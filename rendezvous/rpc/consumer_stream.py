@@ -242,14 +242,8 @@ class ConsumerStream:
             pop = pending.pop
             for call_id, value in zip(group.call_ids, values):
                 p = pop(call_id, None)
-                if p is not None:  # _finish, inlined: once per tensor of the group
-                    fetched = _landed(value, path)
-                    future = p.future
-                    if not p.orphan and not future.done():
-                        p.settled = True
-                        future.set_result(fetched)
-                    else:
-                        self._deliver(p, fetched)
+                if p is not None:
+                    self._deliver(p, _landed(value, path))
             return
         landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
         moving: list[tuple[int, int, Pending]] = []

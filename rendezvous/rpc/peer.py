@@ -124,10 +124,7 @@ class _Slot:
         if self._state != _PENDING:
             raise asyncio.InvalidStateError("the call is already answered")
         self._state, self._result = _DONE, result
-        batch = self._batch
-        batch.left -= 1  # _Batch.settled(None), inlined: once per tensor
-        if batch.left <= 0 and not batch.waiter.done():
-            batch.waiter.set_result(None)
+        self._batch.settled(None)
 
     def set_exception(self, exc: BaseException) -> None:
         if self._state != _PENDING:

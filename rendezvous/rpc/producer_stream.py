@@ -226,9 +226,6 @@ class ProducerStream:
         # rest go one by one (they wait, or their error is answered).
         taken = self.s.take_ready_many(step, keys, rids)
         group: list[tuple[int, Any, Received, str]] = []
-        # _packs, inlined for the common case (no timeline): once per key
-        fuse = self.s.fusion_threshold if self.s.timeline is None else 0
-        fusable = fused.fusable
         try:
             for i in range(n):
                 req = KeyRequest(step, keys[i], rids[i], opts)
@@ -237,9 +234,8 @@ class ProducerStream:
                     self._ask(first + i, req, group)
                 else:
                     taken[i] = None  # answered from here on (or put back with the group)
-                    item = got.item
-                    if (fusable(item.value, fuse) and not item.is_dead) if fuse else self._packs(req, item):
-                        group.append((first + i, req, item, got.key))
+                    if self._packs(req, got.item):
+                        group.append((first + i, req, got.item, got.key))
                     else:
                         self._reply(first + i, req, *got)
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1 and self.ready:
@@ -328,10 +324,9 @@ class ProducerStream:
         try:
             lay = fused.layout(arrays)
             path, options = self.s.planes.plan_group(request, arrays, lay)
-            if options or lay.nbytes < wire.GATHER_BYTES:
-                frame = fused.group_frame(call_ids, None if options else arrays, lay, _now_micros(), options)
-            else:  # the payload inside: joined by the writer, one copy
-                frame = wire.Pieces(fused.group_parts(call_ids, arrays, lay, _now_micros()))
+            # the payload inside (no options): a large one is joined by the writer, one copy
+            frame = wire.frame(fused.group_parts(call_ids, None if options else arrays, lay, _now_micros(), options),
+                               0 if options else lay.nbytes)
         except Exception as exc:  # answered one by one instead
             log.debug("group reply of %d tensors failed (%r); answering them one by one", len(members), exc)
             for call_id, req, item, key in members:

@@ -17,8 +17,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-import numpy as np
-
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
 from rendezvous.table import Received
 
@@ -152,8 +150,7 @@ class RetryCache:
         done = self._done
         added = 0
         for request_id, item, key in answers:
-            value = item.value
-            nbytes = value.nbytes if type(value) is np.ndarray else int(getattr(value, "nbytes", 0) or 0)
+            nbytes = int(getattr(item.value, "nbytes", 0) or 0)
             entries[request_id] = done[request_id] = _Entry(step_id, key, _Ready(item), 1, done_at, nbytes)
             added += nbytes
         self._done_bytes += added
