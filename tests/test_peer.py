@@ -825,6 +825,73 @@ def test_a_batch_whose_stream_breaks_asks_again_with_the_same_ids():
     run(main(), 20)
 
 
+#: keys so long that three fill one RecvMany (MANY_REQUEST_BYTES): a batch of
+#: four goes as two requests
+LONG = [key(1, 0, f"{i}-" + "x" * 9000) for i in range(4)]
+
+
+def test_a_large_batch_sends_its_first_request_before_making_the_rest():
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv_batch(LONG, step_id=2))
+            reqs = await side.recvs(4)
+            # the first RecvMany left in a message of its own (written while the
+            # second was being made), not batched with the second as queued ones are
+            first, second = (pb.StreamRequest.FromString(m) for m in side.raw[1:3])
+            assert first.WhichOneof("kind") == "recv_many" and not first.batch
+            assert list(first.recv_many.rendezvous_keys) == LONG[:3]
+            assert list(second.recv_many.rendezvous_keys) == LONG[3:]
+            for i, q in enumerate(reqs):
+                side.write(*reply(q.call_id, np.array([i])))
+            assert [f.item.value.tolist() for f in await r] == [[0], [1], [2], [3]]
+    run(main(), 20)
+
+
+class _FakeCall:
+    """A stream another way than gRPC (as the MPI request path opens them): what
+    it is sent is kept; ``answer`` replies to each recv request it sees."""
+
+    def __init__(self, answer: bool) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.asked: list[pb.RecvTensorRequest] = []
+        self._answer = answer
+
+    async def write(self, message: bytes) -> None:
+        msg = pb.StreamRequest.FromString(message)
+        for one in [msg, *msg.batch]:
+            if one.WhichOneof("kind") == "recv":
+                self.asked.append(one.recv)
+                if self._answer:
+                    value = np.array([LONG.index(one.recv.rendezvous_key)])
+                    for frame in reply(one.call_id, value):
+                        self.inbox.put_nowait(frame)
+
+    async def read(self):
+        return await self.inbox.get()
+
+    def cancel(self) -> None:
+        self.inbox.put_nowait(grpc.aio.EOF)
+
+
+def test_a_batch_whose_stream_ends_while_its_first_request_leaves_asks_every_key_again():
+    async def main():
+        broken, fresh = _FakeCall(answer=False), _FakeCall(answer=True)
+        calls = [broken, fresh]
+        client = PeerClient(PEER, "mpi", Config.load({}, env={}), planes=_inline_planes(),
+                            open_call=lambda: calls.pop(0))
+        broken.inbox.put_nowait(grpc.aio.EOF)  # read by the stream's reader in its first turn
+        try:
+            got = await client.recv_batch(LONG, step_id=2)
+        finally:
+            await client.close()
+        assert [f.item.value.tolist() for f in got] == [[0], [1], [2], [3]]
+        # asked once each on the new stream, one by one
+        assert sorted(q.rendezvous_key for q in fresh.asked) == sorted(LONG)
+        assert len({q.request_id for q in fresh.asked}) == 4
+    run(main(), 20)
+
+
 def test_a_batch_with_an_error_keeps_what_arrived_and_cancels_the_rest():
     async def main():
         kept = []

@@ -324,30 +324,43 @@ class PeerClient:
         rid = self._take_request_ids(n)
         unsettled = self._unsettled
         batch = _Batch(loop, n)
-        pendings = [Pending(_Slot(batch), key, step_id, placement,  # type: ignore[arg-type]
-                            (unsettled.pop((step_id, key), None) if unsettled else None) or rid + i)
-                    for i, key in enumerate(keys)]
         # One RecvMany per up to MANY_REQUEST_BYTES of keys: a request every
         # producer accepts (max_request_bytes is at least 64 KiB).
         encoded = [key.encode() for key in keys]
+        bounds: list[tuple[int, int]] = []
         start = 0
         size = 0
         for i, key in enumerate(encoded):
             size += len(key) + 12
             if size >= MANY_REQUEST_BYTES or i == n - 1:
-                part = pendings[start:i + 1]
-                stream.submit_many(first + start, part, frames.recv_many_request(
-                    first + start, step_id, encoded[start:i + 1], [p.request_id for p in part], options))
+                bounds.append((start, i + 1))
                 start, size = i + 1, 0
-        calls = _Calls(first, pendings)
-        slots: list[_Slot] = [p.future for p in pendings]  # type: ignore[misc]
+        pendings: list[Pending] = []
         try:
+            for a, b in bounds:
+                part = [Pending(_Slot(batch), keys[i], step_id, placement,  # type: ignore[arg-type]
+                                (unsettled.pop((step_id, keys[i]), None) if unsettled else None) or rid + i)
+                        for i in range(a, b)]
+                pendings += part
+                if stream.alive:
+                    stream.submit_many(first + a, part, frames.recv_many_request(
+                        first + a, step_id, encoded[a:b], [p.request_id for p in part], options))
+                else:  # it broke while the first request left: these are asked again below
+                    broken = Broken(PeerUnavailable(f"stream to {self.describe()} closed"))
+                    for p in part:
+                        p.future.set_exception(broken)
+                if a == 0 and b < n:
+                    # The first request leaves now (the writer's turn), and the
+                    # producer starts on it while the rest are made.
+                    await asyncio.sleep(0)
             # one future for the batch: all answered, or one failed (a stream that
             # broke fails its other calls too: then they all settle first)
             await batch.waiter
         except BaseException:
-            self._give_up_batch(stream, calls, (), arrived)
+            self._give_up_batch(stream, _Calls(first, pendings), (), arrived)
             raise
+        calls = _Calls(first, pendings)
+        slots: list[_Slot] = [p.future for p in pendings]  # type: ignore[misc]
         if not batch.failed and not batch.broken and not batch.cancelled:
             return [s._result for s in slots]
         failures = {i: _failure(f.exception()) for i, f in enumerate(slots)
