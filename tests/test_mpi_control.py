@@ -266,3 +266,99 @@ def test_close_ends_every_call_and_every_stream_served():
         producer._requests_arrived([(0, control._HEAD.pack(77, control._DATA) + b"new")])
         assert not producer._serving
     run(main())
+
+
+# -- messages handled as they arrive (no turn of a reader task) -----------------------------------
+
+
+def test_replies_go_to_the_readers_dispatch_as_they_arrive_unless_one_is_queued():
+    async def main():
+        wire, consumer, _, handler = pair()
+        call = consumer.open_call(1)
+        taken: list[bytes] = []
+        refuse = {b"refused"}
+
+        def dispatch(body) -> bool:
+            if bytes(body) in refuse:
+                return False  # left to the reader
+            if bytes(body) == b"broken":
+                raise ValueError("a frame that breaks the stream")
+            taken.append(bytes(body))
+            return True
+
+        call.deliver_to(dispatch)
+        await call.write(b"r")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        await stream.context.write(b"one")
+        await until(lambda: taken == [b"one"], what="the reply dispatched")
+        await stream.context.write(b"refused")
+        await stream.context.write(b"two")  # one is queued before it: queued too, in order
+        assert await asyncio.wait_for(call.read(), 5) == b"refused"
+        assert await asyncio.wait_for(call.read(), 5) == b"two"
+        assert taken == [b"one"]
+        await stream.context.write(b"broken")  # the reader raises what the dispatch raised
+        with pytest.raises(ValueError, match="breaks the stream"):
+            await asyncio.wait_for(call.read(), 5)
+        stream.finished.set_result(None)
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # an end is always read
+    run(main())
+
+
+def test_requests_go_to_the_handlers_take_as_they_arrive_unless_one_is_queued(caplog):
+    async def main():
+        _, consumer, producer, handler = pair()
+        call = consumer.open_call(1)
+        await call.write(b"first")  # opens the stream: read by its handler
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        assert await asyncio.wait_for(stream.received.get(), 5) == b"first"
+        (requests, _, _), = producer._serving.values()
+        taken: list[bytes] = []
+
+        def take(message) -> bool:
+            if bytes(message) == b"bug":
+                raise RuntimeError("a bug of the handler")
+            if bytes(message) == b"later":
+                return False
+            taken.append(bytes(message))
+            return True
+
+        turns: list[int] = []
+        requests.deliver_to(take, lambda: turns.append(len(taken)))
+        await call.write(b"now")
+        await until(lambda: taken == [b"now"], what="the request taken")
+        assert turns == [1]  # told once the turn's arrivals were offered
+        with caplog.at_level(logging.ERROR, logger="rendezvous.mpi"):
+            await call.write(b"bug")  # the reader gets it instead, and the rank goes on
+            assert await asyncio.wait_for(stream.received.get(), 5) == b"bug"
+        assert "as it arrived failed" in caplog.text
+        await call.write(b"later")
+        assert await asyncio.wait_for(stream.received.get(), 5) == b"later"
+        assert taken == [b"now"] and turns == [1]  # nothing taken since: not told again
+        stream.finished.set_result(None)
+    run(main())
+
+
+def test_non_waiting_writes_hand_over_at_once_and_refuse_what_must_wait():
+    async def main():
+        wire, consumer, _, handler = pair()
+        call = consumer.open_call(1)
+        assert call.write_nowait(b"r")
+        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        assert await asyncio.wait_for(stream.received.get(), 5) == b"r"
+        context = stream.context
+        assert context.has_room()
+        context.write_nowait(b"reply")
+        assert await asyncio.wait_for(call.read(), 5) == b"reply"
+        wire.hold = True
+        assert call.write_nowait(b"x" * (30 << 20))  # below the bound
+        assert not call.write_nowait(b"y" * (4 << 20))  # above it: the writer waits instead
+        context.write_nowait(b"z" * (33 << 20))
+        assert not context.has_room()
+        wire.unfinished[0].set_exception(RuntimeError("the send failed"))
+        wire.unfinished[1].set_result(None)
+        assert not call.write_nowait(b"w")  # a failed send is for the writer's write to raise
+        with pytest.raises(RuntimeError, match="the send failed"):
+            await call.write(b"w")
+        assert context.has_room()  # its own sends finished
+        stream.finished.set_result(None)
+    run(main())

@@ -892,6 +892,72 @@ def test_a_batch_whose_stream_ends_while_its_first_request_leaves_asks_every_key
     run(main(), 20)
 
 
+class _NonWaitingCall:
+    """The MPI request path's call: requests handed over without waiting, replies
+    handed to the stream's dispatch as they arrive; its reader never gets one."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.StreamRequest] = []
+        self.dispatch = None
+        self._end = asyncio.get_running_loop().create_future()
+
+    def write_nowait(self, message: bytes) -> bool:
+        self.sent.append(pb.StreamRequest.FromString(message))
+        return True
+
+    async def write(self, message: bytes) -> None:
+        raise AssertionError("a request with nothing queued before it is handed over at once")
+
+    def deliver_to(self, dispatch) -> None:
+        self.dispatch = dispatch
+
+    async def read(self):
+        return await self._end
+
+    def cancel(self) -> None:
+        if not self._end.done():
+            self._end.set_result(grpc.aio.EOF)
+
+
+def test_on_a_call_that_takes_messages_at_once_a_recv_needs_no_reader_or_writer_turn():
+    async def main():
+        call = _NonWaitingCall()
+        client = PeerClient(PEER, "mpi", Config.load({}, env={}), planes=_inline_planes(), open_call=lambda: call)
+        try:
+            r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+            await until(lambda: call.sent, what="the request")
+            (q,) = call.sent
+            assert q.recv.rendezvous_key == K1
+            assert all(call.dispatch(frame) for frame in reply(q.call_id, np.array([5])))
+            assert (await r).item.value.tolist() == [5]
+        finally:
+            await client.close()
+    run(main(), 20)
+
+
+def test_on_such_a_call_what_one_turn_asks_leaves_packed_in_one_message():
+    """Requests and cancels made in one turn leave at its end as one message
+    (on the MPI request path one MPI message, not one per recv or cancel)."""
+    async def main():
+        call = _NonWaitingCall()
+        client = PeerClient(PEER, "mpi", Config.load({}, env={}), planes=_inline_planes(), open_call=lambda: call)
+        try:
+            recvs = [asyncio.ensure_future(client.recv(k, step_id=2, timeout=10)) for k in (K1, K2, K3)]
+            await until(lambda: call.sent, what="the requests")
+            (asked,) = call.sent
+            assert list(asked.recv_many.rendezvous_keys) == [K1, K2, K3]
+            for r in recvs:
+                r.cancel()
+            await asyncio.gather(*recvs, return_exceptions=True)
+            await until(lambda: len(call.sent) == 2, what="the cancels")
+            cancels = call.sent[1].batch
+            assert [c.WhichOneof("kind") for c in cancels] == ["cancel"] * 3
+            assert [c.call_id for c in cancels] == [asked.call_id + i for i in range(3)]
+        finally:
+            await client.close()
+    run(main(), 20)
+
+
 def test_a_batch_with_an_error_keeps_what_arrived_and_cancels_the_rest():
     async def main():
         kept = []

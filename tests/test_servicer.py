@@ -1068,3 +1068,74 @@ def test_large_frames_reach_a_gathering_context_in_pieces_and_any_other_as_bytes
         for want, have in zip(smalls, fused.views(parsed, group, parsed.payload[0])):
             np.testing.assert_array_equal(have, want)
     run(main(), 20)
+
+
+class _NonWaiting(_Collecting):
+    """The MPI request path's context: it also takes a message without waiting
+    (kept apart in ``at_once``), and ends a stream with a status it keeps."""
+
+    def __init__(self) -> None:
+        super().__init__(gathers=True)
+        self.at_once: list = []
+        self.aborted: tuple | None = None
+
+    def has_room(self) -> bool:
+        return True
+
+    def write_nowait(self, message) -> None:
+        self.at_once.append(message)
+
+    async def abort(self, code, details) -> None:
+        self.aborted = (code, details)
+
+
+def _answers(messages: list) -> list[tuple[int, list]]:
+    """(call_id, value) of each reply frame in ``messages``."""
+    out = []
+    for m in messages:
+        buf = m if type(m) is bytes else m.join()
+        for frame in frames.iter_stream_frames(buf):
+            out.append((frame.call_id, frames.decode_inline(buf, frame.head.tensor).tolist()))
+    return out
+
+
+def test_a_lone_request_is_answered_as_it_arrives_and_a_batch_is_left_to_the_reader():
+    """On the MPI request path a request offered as it arrives is handled right
+    there, and its reply handed to MPI in the same call, with no turn of the
+    reader or the writer; what the reader must take (a batch, a request for a
+    tensor not produced yet once its reply is made, a malformed message) still
+    goes its way, in order."""
+    from rendezvous.mpi.control import _Requests
+
+    async def main():
+        table, stats = WaitingTable(), Stats()
+        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                             staging=(4096, 2), stats=stats)
+        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
+                                      retry=RetryCache(30, 1 << 30), fusion=(64 << 10, 1 << 20))
+        requests, context = _Requests(), _NonWaiting()
+        serving = asyncio.ensure_future(servicer.serve_stream(requests, context))
+        await until(lambda: requests._take is not None, what="the stream handler reading")
+        table.send(1, K("a"), np.array([1.0]))
+        table.send(1, K("e"), np.array([5.0]))
+        # two requests arrive in one turn (as MpiRequests hands a turn's arrivals
+        # over): each is taken as it arrives, and their replies leave together
+        assert requests.offer(recv(1, K("a"))) and requests.offer(recv(5, K("e")))
+        assert not context.at_once and not context.written
+        requests.taken()
+        assert len(context.at_once) == 1  # in this very call, one message
+        assert sorted(_answers(context.at_once)) == [(1, [1.0]), (5, [5.0])]
+        assert requests.offer(recv(2, K("b")))  # not produced yet: it waits
+        requests.taken()
+        assert len(context.at_once) == 1 and not requests.queue.qsize()
+        table.send(1, K("b"), np.array([2.0]))  # answered by the writer
+        await until(lambda: _answers(context.written) == [(2, [2.0])], what="the late reply")
+        table.send(1, K("c"), np.array([3.0]))
+        table.send(1, K("d"), np.array([4.0]))
+        assert not requests.offer(recv_many(3, [K("c"), K("d")]))  # a batch: the reader's
+        assert requests.queue.qsize() == 1 and len(context.at_once) == 1
+        await until(lambda: len(table) == 0, what="the batch taken")
+        assert not requests.offer(b"\xff\xff garbage")  # the reader ends the stream with INVALID_ARGUMENT
+        await asyncio.wait_for(serving, 10)
+        assert context.aborted is not None and context.aborted[0] is grpc.StatusCode.INVALID_ARGUMENT
+    run(main(), 20)

@@ -29,7 +29,7 @@ import asyncio
 import collections
 import logging
 import struct
-from collections.abc import AsyncIterator, Sized
+from collections.abc import AsyncIterator, Callable, Sized
 from typing import Any
 
 import grpc
@@ -70,12 +70,25 @@ class _Outflow:
         self.nbytes = 0
 
     async def add(self, done: asyncio.Future, n: int) -> None:
-        self.pending.append((done, n))
-        self.nbytes += n
+        self.put(done, n)
         while self.pending and (self.pending[0][0].done() or self.nbytes > _IN_FLIGHT_BYTES):
             first, size = self.pending.popleft()
             self.nbytes -= size
             await first  # raises the send's error, if any
+
+    def put(self, done: asyncio.Future, n: int) -> None:
+        self.pending.append((done, n))
+        self.nbytes += n
+
+    def room(self, n: int) -> bool:
+        """Whether a message of ``n`` bytes may be handed over without waiting:
+        the sends done are let go (a failed one stays, for :meth:`add` to raise)
+        and what remains in flight leaves room for it."""
+        pending = self.pending
+        while pending and pending[0][0].done() and not pending[0][0].cancelled() \
+                and pending[0][0].exception() is None:
+            self.nbytes -= pending.popleft()[1]
+        return not (pending and pending[0][0].done()) and self.nbytes + n <= _IN_FLIGHT_BYTES
 
 
 def call_ended(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -96,11 +109,20 @@ class MpiCall:
         self._done = False
         self._out = _Outflow()
         self.awaited: Sized = ()  # the recvs awaiting replies on this stream (see watch)
+        #: the reader's dispatch of a message as it arrives (see deliver_to)
+        self._dispatch: Callable[[Any], bool] | None = None
 
     def watch(self, awaited: Sized) -> None:
         """``awaited``: the reader's recvs awaiting replies; while it is not empty
         the engine polls for them without pausing."""
         self.awaited = awaited
+
+    def deliver_to(self, dispatch: Callable[[Any], bool]) -> None:
+        """``dispatch`` takes each message of the stream as it arrives (on the
+        loop, in the engine's hand-over) while none waits in the reader's inbox
+        before it: a reply reaches its recv without a turn of the reader task.
+        It returns False to leave the message to the reader."""
+        self._dispatch = dispatch
 
     async def write(self, message: bytes) -> None:
         """Hand ``message`` to MPI; returns at once unless too much is still unsent."""
@@ -108,6 +130,14 @@ class MpiCall:
             raise call_ended(grpc.StatusCode.CANCELLED, "stream closed")
         await self._out.add(self._requests.submit(self.rank, REQUEST_TAG, self.stream_id, _DATA, message),
                             len(message))
+
+    def write_nowait(self, message: bytes) -> bool:
+        """:meth:`write` when it would return at once: True once handed to MPI;
+        False (nothing done) when the writer must write it, waiting or failing."""
+        if self._done or not self._out.room(len(message)):
+            return False
+        self._out.put(self._requests.submit(self.rank, REQUEST_TAG, self.stream_id, _DATA, message), len(message))
+        return True
 
     async def read(self) -> Any:
         """The next message, or ``grpc.aio.EOF`` once the producer ended the stream
@@ -130,8 +160,16 @@ class MpiCall:
         self._inbox.put_nowait(call_ended(grpc.StatusCode.CANCELLED, "stream closed locally"))
 
     # from MpiRequests
-    def _deliver(self, kind: int, body: bytes) -> None:
+    def _deliver(self, kind: int, body: Any) -> None:
         if kind == _DATA:
+            dispatch = self._dispatch
+            if dispatch is not None and self._inbox.empty():
+                try:
+                    if dispatch(body):
+                        return
+                except Exception as exc:  # the reader raises it, as if it had read it
+                    self._inbox.put_nowait(exc)
+                    return
             self._inbox.put_nowait(body)
             return
         self._done = True
@@ -161,6 +199,15 @@ class _ProducerContext:
         await self._out.add(self._requests.submit(self.rank, REPLY_TAG, self.stream_id, _DATA, message),
                             len(message))
 
+    def has_room(self) -> bool:
+        """Whether :meth:`write` would return at once now (no failed send to
+        raise, and less than the bound in flight)."""
+        return self._out.room(0)
+
+    def write_nowait(self, message: bytes | Pieces) -> None:
+        """Hand a frame to MPI without waiting (after :meth:`has_room`)."""
+        self._out.put(self._requests.submit(self.rank, REPLY_TAG, self.stream_id, _DATA, message), len(message))
+
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.end(code, details)
         raise _Aborted()
@@ -183,6 +230,37 @@ class _Requests:
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        #: the stream handler's take of a message as it arrives, and what it does
+        #: once a turn's arrivals are taken (see deliver_to)
+        self._take: Callable[[Any], bool] | None = None
+        self._taken: Callable[[], None] | None = None
+
+    def deliver_to(self, take: Callable[[Any], bool], taken: Callable[[], None]) -> None:
+        """``take`` is offered each message as it arrives (on the loop, in the
+        engine's hand-over) while none is queued before it; False queues it.
+        ``taken`` is called once the turn's arrivals are offered, if ``take``
+        took one (the handler writes the replies they made ready, together)."""
+        self._take, self._taken = take, taken
+
+    def offer(self, message: Any) -> bool:
+        """Hand ``message`` to the handler's take, or queue it; True if taken."""
+        take = self._take
+        if take is not None and self.queue.empty():
+            try:
+                if take(message):
+                    return True
+            except Exception:  # a bug of ours: the reader handles the message instead
+                log.exception("handling an MPI request message as it arrived failed")
+        self.queue.put_nowait(message)
+        return False
+
+    def taken(self) -> None:
+        """The turn's arrivals are offered (see deliver_to)."""
+        if self._taken is not None:
+            try:
+                self._taken()
+            except Exception:  # a bug of ours: the stream's writer writes them instead
+                log.exception("writing replies to MPI requests as they were made failed")
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._iterate()
@@ -277,6 +355,7 @@ class MpiRequests:
     # -- the producer's side ----------------------------------------------------------
 
     def _requests_arrived(self, taken: list[tuple[int, Any]]) -> None:
+        handled: list[_Requests] = []  # the streams that took a message as it arrived
         for source, message in taken:
             if len(message) < _HEAD.size:
                 log.warning("a malformed control message from rank %d was dropped", source)
@@ -292,7 +371,10 @@ class MpiRequests:
                 if self._closed:
                     continue
                 serving = self._serve(source, stream_id)
-            serving[0].queue.put_nowait(memoryview(message)[_HEAD.size:])
+            if serving[0].offer(memoryview(message)[_HEAD.size:]) and serving[0] not in handled:
+                handled.append(serving[0])
+        for requests in handled:
+            requests.taken()
 
     def _serve(self, source: int, stream_id: int) -> tuple[_Requests, _ProducerContext, asyncio.Task]:
         requests, context = _Requests(), _ProducerContext(self, source, stream_id)

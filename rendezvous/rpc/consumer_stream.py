@@ -46,6 +46,15 @@ MANY_REQUEST_BYTES = 24 << 10
 _new_tuple = tuple.__new__
 
 
+def _run_request(run: list[tuple[int, int, bytes, int, bytes | None]]) -> bytes:
+    """The request for a run of consecutive recvs: a RecvMany, or a plain
+    request for a run of one."""
+    call_id, step_id, key, request_id, options = run[0]
+    if len(run) == 1:
+        return frames.recv_request(call_id, step_id, key, request_id, options)
+    return frames.recv_many_request(call_id, step_id, [c[2] for c in run], [c[3] for c in run], options)
+
+
 def _landed(value: Any, path: Path) -> Fetched:
     """``Fetched(Received(value, False), path)``, built without the named tuples'
     argument handling: once per tensor of a group reply."""
@@ -92,11 +101,18 @@ class ConsumerStream:
         #: calls whose bytes are on their way another way (an MPI transfer posted)
         self.moving: dict[int, Pending] = {}
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
-        #: recvs submitted in this turn of the loop, not sent yet (see submit)
-        self._coalescing: list[tuple[int, int, bytes, int, bytes | None]] = []
+        #: recvs (and cancels, as their frames) asked in this turn of the loop,
+        #: not sent yet (see submit and _flush)
+        self._coalescing: list[tuple[int, int, bytes, int, bytes | None] | bytes] = []
         self.alive = True
+        #: the call's non-waiting write (MPI): a request with nothing queued
+        #: before it is handed over at once, not on the writer's next turn
+        self._write_now = getattr(call, "write_nowait", None)
         self.reader = asyncio.create_task(self._read())
         self.writer = asyncio.create_task(self._write())
+        deliver_to = getattr(call, "deliver_to", None)
+        if deliver_to is not None:  # replies dispatched as they arrive (MPI), see _arrived
+            deliver_to(self._arrived)
 
     def submit(self, call_id: int, pending: Pending, step_id: int, key: bytes, request_id: int,
                options: bytes | None) -> None:
@@ -113,35 +129,70 @@ class ConsumerStream:
         """The calls ``first`` .. ``first + len(pendings) - 1`` of one RecvMany."""
         self._flush()  # requests leave in the order they were made
         self.pending.update(zip(range(first, first + len(pendings)), pendings))
-        self.outbox.put_nowait(request)
+        self._send(request)
+
+    def _send(self, message: bytes) -> None:
+        """Queue ``message`` for the writer, or hand it to the call at once when
+        the call takes messages without waiting (MPI) and none is queued
+        before it: requests keep their order, one loop turn sooner."""
+        if self._write_now is not None and self.outbox.empty() and self._write_now(message):
+            return
+        self.outbox.put_nowait(message)
 
     def _flush(self) -> None:
-        """Send the recvs submitted since the last flush: runs of consecutive
-        calls of one step (and one offer) as one RecvMany each, up to
-        ``MANY_REQUEST_BYTES`` of keys; a run of one as a plain request."""
+        """Send what was asked since the last flush (the end of the turn it was
+        asked in): runs of consecutive recvs of one step (and one offer) as one
+        RecvMany each, up to ``MANY_REQUEST_BYTES`` of keys, a run of one as a
+        plain request, and the cancels in between, in order; all of it in as
+        few stream messages as ``_BATCH_REQUEST_BYTES`` allows (one MPI message
+        each on the MPI request path: a burst of timed-out recvs and their
+        cancels is a few messages, not one each)."""
         queued, self._coalescing = self._coalescing, []
         if not queued:
             return
-        run = [queued[0]]
-        size = len(queued[0][2])
-        for call in queued[1:]:
-            last = run[-1]
-            if call[0] == last[0] + 1 and call[1] == last[1] and call[4] == last[4] and size < MANY_REQUEST_BYTES:
-                run.append(call)
-                size += len(call[2]) + 12
+        messages: list[bytes] = []
+        run: list[tuple[int, int, bytes, int, bytes | None]] = []
+        size = 0
+        for item in queued:
+            if type(item) is bytes:  # a cancel: after the requests before it
+                if run:
+                    messages.append(_run_request(run))
+                    run = []
+                messages.append(item)
+                continue
+            if run:
+                last = run[-1]
+                if item[0] == last[0] + 1 and item[1] == last[1] and item[4] == last[4] and size < MANY_REQUEST_BYTES:
+                    run.append(item)
+                    size += len(item[2]) + 12
+                    continue
+                messages.append(_run_request(run))
+            run = [item]
+            size = len(item[2])
+        if run:
+            messages.append(_run_request(run))
+        # Handed to the call at once, packed, when it takes messages without
+        # waiting (MPI) and nothing is queued before them; else queued one by
+        # one for the writer, which packs what it finds queued (never a packed
+        # message inside another).
+        start = 0
+        if self._write_now is not None and self.outbox.empty():
+            size = 0
+            for i, message in enumerate(messages):
+                if i > start and size + len(message) > _BATCH_REQUEST_BYTES:
+                    if not self._write_packed(messages[start:i]):
+                        break
+                    start, size = i, 0
+                size += len(message) + 4
             else:
-                self._send_run(run)
-                run = [call]
-                size = len(call[2])
-        self._send_run(run)
+                if self._write_packed(messages[start:]):
+                    return
+        for message in messages[start:]:
+            self.outbox.put_nowait(message)
 
-    def _send_run(self, run: list[tuple[int, int, bytes, int, bytes | None]]) -> None:
-        call_id, step_id, key, request_id, options = run[0]
-        if len(run) == 1:
-            self.outbox.put_nowait(frames.recv_request(call_id, step_id, key, request_id, options))
-        else:
-            self.outbox.put_nowait(frames.recv_many_request(call_id, step_id, [c[2] for c in run],
-                                                            [c[3] for c in run], options))
+    def _write_packed(self, messages: list[bytes]) -> bool:
+        """``messages`` handed to the call at once, as one stream message."""
+        return self._write_now(messages[0] if len(messages) == 1 else frames.batch_requests(messages))
 
     def cancel(self, call_id: int, p: Pending) -> bool:
         """The recv of ``call_id`` (``p``) gave up. True when this stream settles
@@ -162,8 +213,10 @@ class ConsumerStream:
             del self.pending[call_id]
             return False
         p.orphan = True
-        self._flush()  # its request leaves first: a cancel never overtakes it
-        self.outbox.put_nowait(frames.cancel_request(call_id))
+        # at the end of the turn, after its request (a cancel never overtakes it)
+        if not self._coalescing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._coalescing.append(frames.cancel_request(call_id))
         return True
 
     async def _write(self) -> None:
@@ -221,6 +274,17 @@ class ConsumerStream:
                 if not p.future.done():
                     p.future.set_exception(broken)
             self.pending.clear()
+
+    def _arrived(self, buf: Any) -> bool:
+        """A message of the stream, handed over as it arrives (by the MPI call,
+        when none is queued before it): dispatched here, with no turn of the
+        reader in between. False if the stream has ended (the call keeps it, as
+        it keeps a message nobody reads); an error raised here ends the stream
+        as the reader would (the call hands the reader the error to raise)."""
+        if not self.alive:
+            return False
+        self._dispatch(buf)
+        return True
 
     def _dispatch(self, buf: bytes) -> None:
         for frame in frames.iter_stream_frames(buf):

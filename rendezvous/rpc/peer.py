@@ -349,9 +349,10 @@ class PeerClient:
                     broken = Broken(PeerUnavailable(f"stream to {self.describe()} closed"))
                     for p in part:
                         p.future.set_exception(broken)
-                if a == 0 and b < n:
+                if a == 0 and b < n and not stream.outbox.empty():
                     # The first request leaves now (the writer's turn), and the
-                    # producer starts on it while the rest are made.
+                    # producer starts on it while the rest are made (a call
+                    # that takes it at once, MPI, has it already).
                     await asyncio.sleep(0)
             # one future for the batch: all answered, or one failed (a stream that
             # broke fails its other calls too: then they all settle first)

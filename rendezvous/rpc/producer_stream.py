@@ -133,8 +133,15 @@ class ProducerStream:
         self._group_ids = -1
         #: batches' keys produced while they waited, grouped at the end of the turn
         self._late: list[tuple[int, Any, Received, str]] = []
+        self._handling = False  # the reader is handling a message (it may be awaiting)
+        #: the context's non-waiting write (MPI), for replies made as a request
+        #: arrives (see _arrived)
+        self._write_now = getattr(context, "write_nowait", None)
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
+        deliver_to = getattr(requests, "deliver_to", None)
+        if deliver_to is not None:  # requests handled as they arrive (MPI), see _arrived
+            deliver_to(self._arrived, self._write_ready)
         reader = asyncio.create_task(self._read(requests))
         try:
             await self._write()
@@ -167,6 +174,7 @@ class ProducerStream:
     async def _read(self, requests: AsyncIterator[bytes]) -> None:
         try:
             async for raw in requests:
+                self._handling = True
                 try:
                     msg = pb.StreamRequest.FromString(raw)
                 except DecodeError as exc:
@@ -178,12 +186,53 @@ class ProducerStream:
                         await self._handle(one)
                 else:
                     await self._handle(msg)
+                self._handling = False
         except _BadStream:
             self.failed = True  # the writer stops at once: the stream ends with the error
             raise
         finally:
             self.reader_done = True
             self.wakeup.set()
+
+    def _arrived(self, raw: Any) -> bool:
+        """A request message handed over as it arrives (by the MPI request path,
+        when none is queued before it): a lone recv or cancel is handled here,
+        with no turn of the reader; the replies made ready are written once
+        the turn's arrivals are taken (:meth:`_write_ready`). False leaves the
+        message to the reader: one it is still handling, a batch, one that does
+        not parse or breaks the stream (the reader meets the error again and
+        ends the stream)."""
+        if self._handling or self.reader_done or self.failed or self.closing:
+            return False
+        try:
+            msg = pb.StreamRequest.FromString(raw)
+        except DecodeError:
+            return False
+        kind = msg.WhichOneof("kind")
+        if msg.batch or (kind != "recv" and kind != "cancel"):
+            return False
+        if kind == "recv":
+            try:
+                self._ask(msg.call_id, msg.recv)
+            except _BadStream:  # raised before anything was taken
+                return False
+        else:
+            self._cancel(msg.call_id)
+        return True
+
+    def _write_ready(self) -> None:
+        """What the writer would write next (the small frames ready, packed in
+        one message), handed to the context at once: when it takes messages
+        without waiting (MPI), the writer is not mid-write and the context has
+        room (else the writer, woken, writes it)."""
+        write_now = self._write_now
+        if write_now is None or self.writing or not self.ready or not self.context.has_room():
+            return
+        message = self._next_message()
+        if message is None:
+            return
+        write_now(message)
+        self.flushing.clear()  # handed over whole, as when the writer's write returns
 
     async def _handle(self, msg: pb.StreamRequest) -> None:
         kind = msg.WhichOneof("kind")
