@@ -1013,6 +1013,16 @@ def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch)
     run(main(), 20)
 
 
+def _fusing_servicer() -> tuple[WaitingTable, RecvTensorServicer]:
+    """A table and its servicer answering over the inline plane, packing tensors
+    up to 64 KiB in group replies of up to 1 MiB."""
+    table, stats = WaitingTable(), Stats()
+    inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                         staging=(4096, 2), stats=stats)
+    return table, RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
+                                     retry=RetryCache(30, 1 << 30), fusion=(64 << 10, 1 << 20))
+
+
 class _Collecting:
     """A stream's context that keeps every message written; ``gathers`` as the
     MPI request path's context declares it (it joins a message's pieces itself)."""
@@ -1037,11 +1047,7 @@ def test_large_frames_reach_a_gathering_context_in_pieces_and_any_other_as_bytes
     memory inside; a gRPC context always gets bytes. Either way the frames
     carry the tensors whole."""
     async def main():
-        table, stats = WaitingTable(), Stats()
-        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
-                             staging=(4096, 2), stats=stats)
-        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
-                                      retry=RetryCache(30, 1 << 30), fusion=(64 << 10, 1 << 20))
+        table, servicer = _fusing_servicer()
         big = np.arange(64 << 10, dtype=np.float32)
         smalls = [np.full(8 << 10, i, np.float32) for i in range(3)]
         table.send(1, K("big"), big)
@@ -1108,11 +1114,7 @@ def test_a_lone_request_is_answered_as_it_arrives_and_a_batch_is_left_to_the_rea
     from rendezvous.mpi.control import _Requests
 
     async def main():
-        table, stats = WaitingTable(), Stats()
-        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
-                             staging=(4096, 2), stats=stats)
-        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([inline]),
-                                      retry=RetryCache(30, 1 << 30), fusion=(64 << 10, 1 << 20))
+        table, servicer = _fusing_servicer()
         requests, context = _Requests(), _NonWaiting()
         serving = asyncio.ensure_future(servicer.serve_stream(requests, context))
         await until(lambda: requests._take is not None, what="the stream handler reading")
