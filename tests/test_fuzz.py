@@ -1288,6 +1288,14 @@ def test_daemon_send_of_a_zero_element_tensor_numpy_cannot_shape_is_invalid_argu
 
 # -- 5b. pooled sends: the right segment, or a wrong one, from the right session or another ---------
 
+def _names_a_segment(raw: bytes) -> bool:
+    """Whether a SEND body parses with its ``pooled`` field (else it is a plain send)."""
+    try:
+        return lpb.SendRequest.FromString(raw).HasField("pooled")
+    except DecodeError:
+        return True  # refused anyway: never accepted as a plain send
+
+
 def _pooled_verdict(meta_raw: bytes | None, dead: bool, segment: int, nbytes: int, own: bool, lent: int,
                     size: int) -> grpc.StatusCode | None:
     """What the daemon must answer an intact pooled send: None (accepted) or the code.
@@ -1411,6 +1419,14 @@ def test_fuzz_pooled_sends(node):
                 assert seg.lent_to == sid, "a send naming another segment took this one"
             else:
                 assert seg.lent_to in (sid, None), seg.lent_to
+            return
+        if not intact and not _names_a_segment(raw):
+            # the mutation made a plain send (no pooled field; a TensorProto with no
+            # content is zeros): accepted from any session, the lent segment untouched
+            assert seg is not None and not seg.tensor and seg.lent_to == sid, (sender, which)
+            left = lt.run(_snapshot(d)) - before
+            assert sum(left.values()) == 1, left
+            event("mutated into a plain Send, accepted")
             return
         # accepted: only the owner's own segment can be (the only one lent), now under the tensor
         assert sender == "owner" and seg is not None and seg.tensor and seg.lent_to is None, (sender, which)
