@@ -103,12 +103,18 @@ def pair(buffers=None) -> tuple[Wire, MpiRequests, MpiRequests, Handler]:
     return wire, consumer, producer, handler
 
 
+async def opened(consumer: MpiRequests, handler: Handler, first: bytes = b"r"):
+    """A stream from the consumer to rank 1, opened by writing ``first``: its
+    call, and the producer's side of it (given to the handler)."""
+    call = consumer.open_call(1)
+    await call.write(first)
+    return call, await asyncio.wait_for(handler.streams.get(), 5)
+
+
 def test_a_stream_carries_requests_and_replies_and_ends_with_its_status():
     async def main():
         wire, consumer, producer, handler = pair()
-        call = consumer.open_call(1)
-        await call.write(b"request one")
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler, b"request one")
         # replies inside these frames travel by MPI: the handler is told so (stats count them there)
         assert stream.inline_path is Path.MPI
         assert await asyncio.wait_for(stream.received.get(), 5) == b"request one"
@@ -134,9 +140,7 @@ def test_large_replies_land_in_reused_buffers_and_small_ones_in_their_own():
     async def main():
         buffers = RecvBuffers(min_bytes=4096)
         _, consumer, _, handler = pair(buffers)
-        call = consumer.open_call(1)
-        await call.write(b"go")
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler, b"go")
         assert bytes(await asyncio.wait_for(stream.received.get(), 5)) == b"go"
         first = bytes(range(256)) * 64  # 16 KiB
         await stream.context.write(first)
@@ -161,9 +165,7 @@ def test_large_replies_land_in_reused_buffers_and_small_ones_in_their_own():
 def test_an_abort_ends_the_consumers_reads_with_its_code():
     async def main():
         _, consumer, _, handler = pair()
-        call = consumer.open_call(1)
-        await call.write(b"bad")
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler, b"bad")
         with pytest.raises(control._Aborted):
             await stream.context.abort(grpc.StatusCode.INVALID_ARGUMENT, "call_id 3 is already in use")
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -178,9 +180,7 @@ def test_an_abort_ends_the_consumers_reads_with_its_code():
 def test_a_consumer_that_closes_its_stream_ends_the_producers_requests():
     async def main():
         wire, consumer, producer, handler = pair()
-        call = consumer.open_call(1)
-        await call.write(b"r")
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler)
         call.cancel()
         call.cancel()  # twice is fine
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -223,9 +223,7 @@ def test_malformed_messages_are_dropped_and_the_rank_goes_on(caplog):
             consumer._replies_arrived([(1, b"\x01")])
             consumer._replies_arrived([(1, control._HEAD.pack(999, control._DATA) + b"for nobody")])
         assert sum("malformed control message" in r.getMessage() for r in caplog.records) == 2
-        call = consumer.open_call(1)
-        await call.write(b"still works")
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler, b"still works")
         assert await stream.received.get() == b"still works"
         stream.finished.set_result(None)
     run(main())
@@ -252,9 +250,7 @@ def test_writes_return_at_once_until_too_much_is_unsent():
 def test_close_ends_every_call_and_every_stream_served():
     async def main():
         _, consumer, producer, handler = pair()
-        call = consumer.open_call(1)
-        await call.write(b"r")
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler)
         closing = asyncio.ensure_future(producer.close())
         await asyncio.wait_for(stream.ended.wait(), 5)  # the producer ends the requests it serves
         stream.finished.set_result(None)
@@ -307,9 +303,7 @@ def test_replies_go_to_the_readers_dispatch_as_they_arrive_unless_one_is_queued(
 def test_requests_go_to_the_handlers_take_as_they_arrive_unless_one_is_queued(caplog):
     async def main():
         _, consumer, producer, handler = pair()
-        call = consumer.open_call(1)
-        await call.write(b"first")  # opens the stream: read by its handler
-        stream = await asyncio.wait_for(handler.streams.get(), 5)
+        call, stream = await opened(consumer, handler, b"first")
         assert await asyncio.wait_for(stream.received.get(), 5) == b"first"
         (requests, _, _), = producer._serving.values()
         taken: list[bytes] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -53,6 +54,21 @@ def _run_request(run: list[tuple[int, int, bytes, int, bytes | None]]) -> bytes:
     if len(run) == 1:
         return frames.recv_request(call_id, step_id, key, request_id, options)
     return frames.recv_many_request(call_id, step_id, [c[2] for c in run], [c[3] for c in run], options)
+
+
+def _packs(messages: list[bytes]) -> Iterator[list[bytes]]:
+    """``messages`` in order, in runs that fit one stream message of about
+    ``_BATCH_REQUEST_BYTES``."""
+    pack: list[bytes] = []
+    size = 0
+    for message in messages:
+        if pack and size + len(message) > _BATCH_REQUEST_BYTES:
+            yield pack
+            pack, size = [], 0
+        pack.append(message)
+        size += len(message) + 4
+    if pack:
+        yield pack
 
 
 def _landed(value: Any, path: Path) -> Fetched:
@@ -172,27 +188,17 @@ class ConsumerStream:
         if run:
             messages.append(_run_request(run))
         # Handed to the call at once, packed, when it takes messages without
-        # waiting (MPI) and nothing is queued before them; else queued one by
-        # one for the writer, which packs what it finds queued (never a packed
-        # message inside another).
-        start = 0
+        # waiting (MPI) and nothing is queued before them; what it does not take
+        # is queued one by one for the writer, which packs what it finds queued
+        # (never a packed message inside another).
+        sent = 0
         if self._write_now is not None and self.outbox.empty():
-            size = 0
-            for i, message in enumerate(messages):
-                if i > start and size + len(message) > _BATCH_REQUEST_BYTES:
-                    if not self._write_packed(messages[start:i]):
-                        break
-                    start, size = i, 0
-                size += len(message) + 4
-            else:
-                if self._write_packed(messages[start:]):
-                    return
-        for message in messages[start:]:
+            for pack in _packs(messages):
+                if not self._write_now(pack[0] if len(pack) == 1 else frames.batch_requests(pack)):
+                    break
+                sent += len(pack)
+        for message in messages[sent:]:
             self.outbox.put_nowait(message)
-
-    def _write_packed(self, messages: list[bytes]) -> bool:
-        """``messages`` handed to the call at once, as one stream message."""
-        return self._write_now(messages[0] if len(messages) == 1 else frames.batch_requests(messages))
 
     def cancel(self, call_id: int, p: Pending) -> bool:
         """The recv of ``call_id`` (``p``) gave up. True when this stream settles
