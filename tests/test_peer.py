@@ -706,18 +706,67 @@ def test_a_recv_the_producer_answered_with_an_error_does_not_keep_its_id():
     run(main(), 20)
 
 
-def test_an_mpi_transfer_cut_from_its_stream_fails_the_recv_and_lands_for_the_next_recv():
+def test_an_mpi_transfer_whose_stream_ends_still_lands_in_its_recv():
+    """A producer that stops ends its stream once its sends are done: the bytes
+    land just after. The recv waits for them (within the reconnect window) and
+    is never asked again."""
     async def main():
         plane = DescriptorPlane()
-        async with scripted(planes=_inline_planes([plane]), reconnect_attempts=3) as (peer, client):
+        kept = []
+        async with scripted(planes=_inline_planes([plane]), reconnect_attempts=3,
+                            on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
+            (req,) = await side.recvs(1)
+            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
+            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side.end()
+            await until(lambda: not client.live_stream(), what="the client to see the stream end")
+            assert not r.done()
+            (fut, _), = plane.arrivals
+            fut.set_result(np.array([4, 2]))
+            assert (await r).item.value.tolist() == [4, 2]
+            assert len(peer.sides) == 1  # not asked again
+            assert kept == []  # delivered once, to its recv
+    run(main(), 20)
+
+
+def test_a_recv_whose_transfer_was_cut_from_its_stream_keeps_its_own_deadline():
+    async def main():
+        plane = DescriptorPlane()
+        kept = []
+        async with scripted(planes=_inline_planes([plane]), on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=0.5))
+            (req,) = await side.recvs(1)
+            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
+            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
+            with pytest.raises(DeadlineExceeded):  # the 30 s window does not outlast the recv's deadline
+                await r
+            (fut, _), = plane.arrivals
+            fut.set_result(np.array([4, 2]))  # lands late: kept, not lost
+            await until(lambda: kept, what="the late tensor to be kept")
+            (step_id, k, fetched), = kept
+            assert (step_id, k, fetched.item.value.tolist()) == (1, K1, [4, 2])
+    run(main(), 20)
+
+
+def test_an_mpi_transfer_cut_from_its_stream_fails_the_recv_after_the_window_and_lands_for_the_next_recv():
+    async def main():
+        plane = DescriptorPlane()
+        # keepalive off: the reconnect window is connect_timeout
+        async with scripted(planes=_inline_planes([plane]), reconnect_attempts=3, keepalive_time=0,
+                            connect_timeout=1.0) as (peer, client):
             side = await connected(peer, client)
             r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
             (req,) = await side.recvs(1)
             side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
             await until(lambda: plane.arrivals, what="the transfer to be posted")
             side.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
-            # Fails with the stream, not re-sent (a second transfer would bring it twice).
-            with pytest.raises(PeerUnavailable, match="kept for the next recv"):
+            # Fails once the window is over, not re-sent (a second transfer would
+            # bring it twice).
+            with pytest.raises(PeerUnavailable, match="did not land within 1s.*kept for the next recv"):
                 await r
             assert len(peer.sides) == 1
             # The next recv asks the producer anew (the tensor was served: it waits)...

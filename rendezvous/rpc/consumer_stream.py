@@ -248,6 +248,7 @@ class ConsumerStream:
 
     async def _read(self) -> None:
         error: RendezvousError = PeerUnavailable(f"stream to {self.client.describe()} closed")
+        closed_here = False
         try:
             while True:
                 buf = await self.call.read()
@@ -258,6 +259,7 @@ class ConsumerStream:
             error = _status_error(exc, self.client)
         except asyncio.CancelledError:
             error = PeerUnavailable(f"stream to {self.client.describe()} was closed locally")
+            closed_here = True
         except RendezvousError as exc:  # a frame we cannot parse: the peer is broken
             error = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
             self.call.cancel()
@@ -265,21 +267,39 @@ class ConsumerStream:
             self.alive = False
             self.writer.cancel()
             broken = Broken(error)
-            for p in self.moving.values():
-                # Its bytes travel outside this stream (MPI) and are received
-                # whenever they come, then kept for the next recv: the recv fails
-                # now, within the keepalive bound, and is not re-sent.
-                p.orphan = True
-                if not p.future.done():
-                    p.future.set_exception(PeerUnavailable(
-                        f"{error.message}; the tensor for {p.key!r} was on its way outside the stream "
-                        "and is kept for the next recv of its key when it lands"))
+            if self.moving:
+                # Their bytes travel outside this stream (MPI) and are received
+                # whenever they come; they are never asked again (a second
+                # transfer would bring them twice). A producer that stops cleanly
+                # ends its stream once its sends are done, so they land moments
+                # later: the recvs wait for them for the reconnect window (within
+                # their own deadlines), then fail, and what lands after that is
+                # kept for the next recv of its key.
+                cut = list(self.moving.items())
+                if closed_here:
+                    self._cut_off(cut, error)
+                else:
+                    asyncio.get_running_loop().call_later(self.client.config.reconnect_window,
+                                                          self._cut_off, cut, error)
             for p in self.pending.values():
                 if p.orphan:  # its cancel may never have reached the producer
                     self.client.unsettled(p.step_id, p.key, p.request_id)
                 if not p.future.done():
                     p.future.set_exception(broken)
             self.pending.clear()
+
+    def _cut_off(self, cut: list[tuple[int, Pending]], error: RendezvousError) -> None:
+        """The recvs of ``cut``, whose bytes were on their way when the stream
+        ended, stop waiting for what has not landed yet."""
+        for call_id, p in cut:
+            if self.moving.get(call_id) is not p:
+                continue  # landed (or failed) meanwhile
+            p.orphan = True
+            if not p.future.done():
+                p.future.set_exception(PeerUnavailable(
+                    f"{error.message}; the tensor for {p.key!r} was on its way outside the stream and did "
+                    f"not land within {self.client.config.reconnect_window:g}s of it; it is kept for the next "
+                    "recv of its key when it lands"))
 
     def _arrived(self, buf: Any) -> bool:
         """A message of the stream, handed over as it arrives (by the MPI call,

@@ -23,9 +23,10 @@ keepalive; a channel that was up and is not gets one reconnect window (the
 keepalive bound) before its recvs fail with UNAVAILABLE. A recv that ended
 unanswered on a stream that broke leaves its request_id behind for the next
 recv of the same key and step (the producer may have written the tensor
-into the dead connection: its retry cache answers the id again), and a recv
-whose bytes were already moving outside the stream (MPI) fails with the
-stream and its tensor is kept when it lands.
+into the dead connection: its retry cache answers the id again). A recv
+whose bytes were already moving outside the stream (MPI) is not asked
+again: it waits for them for the reconnect window, then fails, and its
+tensor is kept when it lands.
 
 What a request offers and how a reply's bytes are received is the server's
 data planes' business (:class:`rendezvous.transport.Planes`): the stream
