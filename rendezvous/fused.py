@@ -58,7 +58,9 @@ def _dtype(code: int) -> np.dtype:
     return dt
 
 
-_FIXED: dict[np.dtype, bool] = {}  # dtype -> whether it is fixed-size (packs), as met
+#: dtype -> whether it is fixed-size (packs), as met; read directly by hot
+#: loops that inline :func:`fusable`
+FIXED_DTYPES: dict[np.dtype, bool] = {}
 
 
 def fusable(value: object, limit: int) -> bool:
@@ -67,9 +69,9 @@ def fusable(value: object, limit: int) -> bool:
     if type(value) is not np.ndarray or value.nbytes > limit:  # type: ignore[attr-defined]
         return False
     dtype = value.dtype  # type: ignore[attr-defined]
-    fixed = _FIXED.get(dtype)
+    fixed = FIXED_DTYPES.get(dtype)
     if fixed is None:
-        fixed = _FIXED[dtype] = not dtype.hasobject and dtype.kind not in "SUV"
+        fixed = FIXED_DTYPES[dtype] = not dtype.hasobject and dtype.kind not in "SUV"
     return fixed
 
 
@@ -110,7 +112,10 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
         dims += shape
         start = (end + ALIGN - 1) & ~(ALIGN - 1)
         offsets.append(start)
-        raw = _raw(a)
+        try:
+            raw = memoryview(a).cast("B")
+        except (TypeError, ValueError):  # not C-contiguous, or a dtype buffers cannot carry
+            raw = _raw(a)
         raws.append(raw)
         end = start + len(raw)
     offsets.append(end)

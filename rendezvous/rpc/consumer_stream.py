@@ -332,7 +332,13 @@ class ConsumerStream:
             pop = pending.pop
             for call_id, value in zip(group.call_ids, values):
                 p = pop(call_id, None)
-                if p is not None:
+                if p is None:
+                    continue
+                future = p.future
+                if not p.orphan and not future.done():  # _deliver's common case, inlined
+                    p.settled = True
+                    future.set_result(_landed(value, path))
+                else:
                     self._deliver(p, _landed(value, path))
             return
         landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way

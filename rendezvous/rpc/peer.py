@@ -89,13 +89,16 @@ class _Batch:
         self.waiter = loop.create_future()
 
     def settled(self, exc: BaseException | None) -> None:
-        self.left -= 1
-        if exc is not None:
-            if isinstance(exc, Broken):
-                self.broken = True
-            else:
-                self.failed = True
-        if not self.waiter.done() and (self.left <= 0 or (self.failed and not self.broken)):
+        left = self.left = self.left - 1
+        if exc is None:  # the common case, once per key: no more than this
+            if left <= 0 and not self.waiter.done():
+                self.waiter.set_result(None)
+            return
+        if isinstance(exc, Broken):
+            self.broken = True
+        else:
+            self.failed = True
+        if not self.waiter.done() and (left <= 0 or (self.failed and not self.broken)):
             self.waiter.set_result(None)
 
 

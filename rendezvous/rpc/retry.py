@@ -17,6 +17,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+import numpy as np
+
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
 from rendezvous.table import Received
 
@@ -149,8 +151,10 @@ class RetryCache:
         entries = self._entries
         done = self._done
         added = 0
+        ndarray = np.ndarray
         for request_id, item, key in answers:
-            nbytes = int(getattr(item.value, "nbytes", 0) or 0)
+            value = item.value
+            nbytes = value.nbytes if type(value) is ndarray else int(getattr(value, "nbytes", 0) or 0)
             entries[request_id] = done[request_id] = _Entry(step_id, key, _Ready(item), 1, done_at, nbytes)
             added += nbytes
         self._done_bytes += added
