@@ -40,7 +40,7 @@ import collections
 import copy
 import concurrent.futures
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .errors import Aborted, InvalidArgument, RendezvousError
@@ -108,6 +108,9 @@ class WaitingTable:
         self._steps: dict[int, dict[Hashable, _Tensors | _Waiters]] = {}
         self._tombstones: collections.OrderedDict[int, RendezvousError] = collections.OrderedDict()
         self._closed: RendezvousError | None = None
+        #: called after every send (on the loop thread): a transport that idles
+        #: between steps wakes up, a request for the tensor being likely soon
+        self.on_send: Callable[[], None] | None = None
         # Bookkeeping for the cancel-after-handoff race: _inflight counts items
         # handed to a waiter future whose task has not resumed yet; while any
         # are, _ended records the generation at which a step was aborted or
@@ -162,6 +165,8 @@ class WaitingTable:
                 # (and the refused tensor) on it until the step is cleaned up.
                 raise copy.copy(err)
         self._put(step_id, key, Received(None if is_dead else value, is_dead), False)
+        if self.on_send is not None:
+            self.on_send()
 
     def requeue(self, step_id: int, key: Hashable, item: Received) -> None:
         """Give back an item taken by ``recv`` but never delivered (its consumer

@@ -12,7 +12,7 @@ pytest.importorskip("mpi4py")
 from rendezvous.errors import Internal, Unavailable  # noqa: E402
 from rendezvous.mpi.engine import ProgressEngine  # noqa: E402
 
-from conftest import run  # noqa: E402
+from conftest import run, until  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,27 @@ def test_listened_messages_are_handed_over_in_the_order_they_were_sent(comm):
         finally:
             engine.stop()
     run(main())
+
+
+def test_touch_ends_the_idle_pace_at_once(comm):
+    """An engine idle between steps probes for requests only every
+    idle_poll_ms (here ten minutes); a tensor produced on its rank (touch)
+    makes it probe at once, so a request that came meanwhile is taken now."""
+    async def main():
+        engine = ProgressEngine(comm, poll_min_us=5, poll_max_us=100, idle_poll_ms=600_000, idle_after_s=0)
+        engine.start()
+        got = asyncio.Event()
+        try:
+            engine.listen(comm, 31, lambda messages: got.set())
+            await until(lambda: engine._idle, what="the engine to reach its idle pace")
+            # sent past the engine (not one of its operations): nothing of its own moved
+            req = comm.Isend([b"request", 7, engine._MPI.BYTE], 0, 31)
+            engine.touch()
+            await asyncio.wait_for(got.wait(), 10)  # not ten minutes
+            req.Wait()
+        finally:
+            engine.stop()
+    run(main(), 30)
 
 
 def test_a_listener_hands_a_sources_messages_over_in_match_order():

@@ -47,6 +47,27 @@ def test_send_before_recv() -> None:
     run(main())
 
 
+def test_every_send_is_told_to_on_send_and_a_refused_one_is_not() -> None:
+    t = WaitingTable()
+    told = []
+    t.on_send = lambda: told.append(len(t))
+
+    async def main() -> None:
+        waiter = asyncio.ensure_future(t.recv(1, "a"))
+        await asyncio.sleep(0)  # the recv waits in the table
+        t.send(1, "a", "to the waiter")
+        t.send(1, "b", "queued")
+        t.send(1, "b", None, is_dead=True)
+        assert told == [0, 1, 2]  # after each send took effect (the first went to the waiter)
+        assert (await waiter).value == "to the waiter"
+        t.abort(1, Aborted("step 1 aborted"))
+        with pytest.raises(Aborted):
+            t.send(1, "c", "refused")
+        assert len(told) == 3
+
+    run(main())
+
+
 def test_recv_before_send() -> None:
     t = WaitingTable()
 

@@ -20,7 +20,10 @@ and nobody listening it sleeps on a condition variable and uses no CPU; with
 a listener (requests over MPI) it probes every ``poll_max_us``, and every
 ``idle_poll_ms`` once nothing has moved for ``idle_after_s`` and no reply is
 awaited (:meth:`ProgressEngine.expect_while`): a rank idle that long (say,
-computing) notices a new request up to ``idle_poll_ms`` later.
+computing) notices a new request up to ``idle_poll_ms`` later, unless it
+produced a tensor since (:meth:`ProgressEngine.touch`: its server's table
+calls it on every send, and the engine probes at once and stays attentive
+for ``idle_after_s``: the request for that tensor is likely on its way).
 
 Buffers are referenced by their operation until MPI is done with them, so a
 producer's tensor stays alive until its send completes without parking any
@@ -80,6 +83,7 @@ class ProgressEngine:
         self._reqs: list = []
         self._owners: list[Op] = []
         self._last_activity = 0.0  # monotonic time of the last message in or out
+        self._idle = False  # the MPI thread probes at the idle pace (see touch)
         self._cv = threading.Condition()
         self._inbox: list[Op] = []
         self._stopping = False
@@ -121,6 +125,17 @@ class ProgressEngine:
         keep it to a few attribute reads) a reply is awaited, and the MPI
         thread's pause stays at most ``poll_max_us``, however long the wait."""
         self._waiting.append(waiting)
+
+    def touch(self) -> None:
+        """Traffic is likely soon (this rank produced a tensor: a request for it
+        may come, or have come already). The idle pace ends now: the MPI thread
+        probes at once, then every ``poll_max_us`` for ``idle_after_s``. Any
+        thread; a few attribute reads unless the engine was idle."""
+        self._last_activity = time.monotonic()
+        if self._idle:
+            self._idle = False
+            with self._cv:
+                self._cv.notify()
 
     def _transfer(self, op: Op) -> asyncio.Future:
         """Post a send or receive here when MPI allows it (MULTIPLE), so its
@@ -399,8 +414,11 @@ class ProgressEngine:
                             return
                         # idle, or the home loop polls: no CPU until work arrives
                         self._cv.wait(None if not self._stopping else 0.01)
-                    elif pause:
-                        self._cv.wait(pause)  # backing off, but woken by new work
+                    elif pause and (pause <= self.poll_max or self._idle):
+                        # backing off (or idle), but woken by new work; an idle
+                        # pause that a touch ended before it began is skipped
+                        # (read under the lock touch notifies under)
+                        self._cv.wait(pause)
                 inbox, self._inbox = self._inbox, []
                 stopping = self._stopping
                 loop_polls = self._loop_polling and not stopping
@@ -418,11 +436,13 @@ class ProgressEngine:
                 self._last_activity = now
             if moved:
                 pause = 0.0  # poll again at once: more is likely to follow
+                self._idle = False
             else:
                 # Listening with nothing in flight for a while: probe less often.
                 idle = (not self._reqs and not self._pipes and now - self._last_activity > self.idle_after
                         and not any(w() for w in self._waiting))
-                pause = min(self.idle_poll if idle else self.poll_max, max(self.poll_min, pause * 2))
+                self._idle = idle
+                pause = self.idle_poll if idle else min(self.poll_max, max(self.poll_min, pause * 2))
             if stopping:
                 if self._listeners and not self._reqs and not self._pipes:
                     return

@@ -85,6 +85,9 @@ class MpiRank:
             if cfg.mpi_requests:
                 self.requests = MpiRequests(engine, world.control, world.rank, servicer, buffers=buffers)
                 self.requests.start()
+                # a tensor produced here is likely asked for soon: an engine idle
+                # between steps (probing every idle_poll_ms) is attentive again
+                servicer.table.on_send = engine.touch
         except BaseException:
             await self.stop(0)
             raise
@@ -129,5 +132,7 @@ class MpiRank:
         engine, self.engine = self.engine, None
         if engine is None:
             return
+        if self.requests is not None and self.requests.servicer.table.on_send == engine.touch:
+            self.requests.servicer.table.on_send = None
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, grace)
         atexit.unregister(engine.stop)
