@@ -731,6 +731,24 @@ def test_an_mpi_transfer_whose_stream_ends_still_lands_in_its_recv():
     run(main(), 20)
 
 
+def test_closing_the_client_ends_the_wait_for_a_cut_transfer_at_once():
+    async def main():
+        plane = DescriptorPlane()
+        async with scripted(planes=_inline_planes([plane])) as (peer, client):
+            side = await connected(peer, client)
+            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=20))
+            (req,) = await side.recvs(1)
+            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
+            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side.end()
+            await until(lambda: not client.live_stream(), what="the client to see the stream end")
+            assert not r.done()  # waiting for the bytes (the 30 s window)
+            await client.close()
+            with pytest.raises(PeerUnavailable, match="closed locally.*kept for the next recv"):
+                await asyncio.wait_for(r, 5)
+    run(main(), 20)
+
+
 def test_a_recv_whose_transfer_was_cut_from_its_stream_keeps_its_own_deadline():
     async def main():
         plane = DescriptorPlane()

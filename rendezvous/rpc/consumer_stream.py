@@ -279,8 +279,8 @@ class ConsumerStream:
                 if closed_here:
                     self._cut_off(cut, error)
                 else:
-                    asyncio.get_running_loop().call_later(self.client.config.reconnect_window,
-                                                          self._cut_off, cut, error)
+                    window = self.client.config.reconnect_window
+                    asyncio.get_running_loop().call_later(window, self._cut_off, cut, error, window)
             for p in self.pending.values():
                 if p.orphan:  # its cancel may never have reached the producer
                     self.client.unsettled(p.step_id, p.key, p.request_id)
@@ -288,18 +288,18 @@ class ConsumerStream:
                     p.future.set_exception(broken)
             self.pending.clear()
 
-    def _cut_off(self, cut: list[tuple[int, Pending]], error: RendezvousError) -> None:
+    def _cut_off(self, cut: list[tuple[int, Pending]], error: RendezvousError, waited: float | None = None) -> None:
         """The recvs of ``cut``, whose bytes were on their way when the stream
-        ended, stop waiting for what has not landed yet."""
+        ended (and have not landed after ``waited`` seconds), stop waiting."""
+        late = "" if waited is None else f" and did not land within {waited:g}s of its end"
         for call_id, p in cut:
             if self.moving.get(call_id) is not p:
                 continue  # landed (or failed) meanwhile
             p.orphan = True
             if not p.future.done():
                 p.future.set_exception(PeerUnavailable(
-                    f"{error.message}; the tensor for {p.key!r} was on its way outside the stream and did "
-                    f"not land within {self.client.config.reconnect_window:g}s of it; it is kept for the next "
-                    "recv of its key when it lands"))
+                    f"{error.message}; the tensor for {p.key!r} was on its way outside the stream{late}; it is "
+                    "kept for the next recv of its key when it lands"))
 
     def _arrived(self, buf: Any) -> bool:
         """A message of the stream, handed over as it arrives (by the MPI call,
@@ -483,6 +483,9 @@ class ConsumerStream:
     def close(self) -> None:
         self.alive = False
         self.call.cancel()
+        if self.moving:  # closed here: no recv waits for bytes that have not landed
+            self._cut_off(list(self.moving.items()),
+                          PeerUnavailable(f"stream to {self.client.describe()} was closed locally"))
 
 
 def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> tuple[Any, int, int]:
