@@ -706,6 +706,17 @@ def test_a_recv_the_producer_answered_with_an_error_does_not_keep_its_id():
     run(main(), 20)
 
 
+async def _on_its_way(peer: ScriptedPeer, client: PeerClient, plane: DescriptorPlane, timeout: float):
+    """A recv of K1 (step 1) answered with a descriptor: its bytes are on their
+    way outside the stream (a transfer posted to ``plane``)."""
+    side = await connected(peer, client)
+    r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=timeout))
+    (req,) = await side.recvs(1)
+    side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
+    await until(lambda: plane.arrivals, what="the transfer to be posted")
+    return side, req, r
+
+
 def test_an_mpi_transfer_whose_stream_ends_still_lands_in_its_recv():
     """A producer that stops ends its stream once its sends are done: the bytes
     land just after. The recv waits for them (within the reconnect window) and
@@ -715,11 +726,7 @@ def test_an_mpi_transfer_whose_stream_ends_still_lands_in_its_recv():
         kept = []
         async with scripted(planes=_inline_planes([plane]), reconnect_attempts=3,
                             on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
-            side = await connected(peer, client)
-            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
-            (req,) = await side.recvs(1)
-            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
-            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side, req, r = await _on_its_way(peer, client, plane, 10)
             side.end()
             await until(lambda: not client.live_stream(), what="the client to see the stream end")
             assert not r.done()
@@ -735,11 +742,7 @@ def test_closing_the_client_ends_the_wait_for_a_cut_transfer_at_once():
     async def main():
         plane = DescriptorPlane()
         async with scripted(planes=_inline_planes([plane])) as (peer, client):
-            side = await connected(peer, client)
-            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=20))
-            (req,) = await side.recvs(1)
-            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
-            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side, req, r = await _on_its_way(peer, client, plane, 20)
             side.end()
             await until(lambda: not client.live_stream(), what="the client to see the stream end")
             assert not r.done()  # waiting for the bytes (the 30 s window)
@@ -754,11 +757,7 @@ def test_a_recv_whose_transfer_was_cut_from_its_stream_keeps_its_own_deadline():
         plane = DescriptorPlane()
         kept = []
         async with scripted(planes=_inline_planes([plane]), on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
-            side = await connected(peer, client)
-            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=0.5))
-            (req,) = await side.recvs(1)
-            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
-            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side, req, r = await _on_its_way(peer, client, plane, 0.5)
             side.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
             with pytest.raises(DeadlineExceeded):  # the 30 s window does not outlast the recv's deadline
                 await r
@@ -776,11 +775,7 @@ def test_an_mpi_transfer_cut_from_its_stream_fails_the_recv_after_the_window_and
         # keepalive off: the reconnect window is connect_timeout
         async with scripted(planes=_inline_planes([plane]), reconnect_attempts=3, keepalive_time=0,
                             connect_timeout=1.0) as (peer, client):
-            side = await connected(peer, client)
-            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
-            (req,) = await side.recvs(1)
-            side.write(_descriptor(req.call_id, TensorMeta(np.dtype(np.int64), (2,))))
-            await until(lambda: plane.arrivals, what="the transfer to be posted")
+            side, req, r = await _on_its_way(peer, client, plane, 10)
             side.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
             # Fails once the window is over, not re-sent (a second transfer would
             # bring it twice).
