@@ -7,7 +7,9 @@ until the test writes a line to its stdin, so nothing depends on timing. The
 child is single-threaded (stdin is read on its event loop), so signals reach it
 in the order they are sent; after a signal whose effect is silent the test sends
 SIGWINCH, which the child answers with a line, to know the earlier signal was
-handled.
+handled. The child runs in a session of its own, so that a terminal's
+SIGWINCH (a window resized while the suite runs) never adds a line: once in
+CI the child answered one probe twice.
 """
 
 from __future__ import annotations
@@ -89,7 +91,10 @@ class Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, "1" if uvloop else "0", same_signal_s, "fail" if fail else "ok"],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1)
+            text=True, bufsize=1,
+            # a session of its own: no terminal's signals (a resize's SIGWINCH to the
+            # foreground process group) reach it, only the test's
+            start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
         self.stderr = ""
