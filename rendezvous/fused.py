@@ -58,9 +58,7 @@ def _dtype(code: int) -> np.dtype:
     return dt
 
 
-#: dtype -> whether it is fixed-size (packs), as met; read directly by hot
-#: loops that inline :func:`fusable`
-FIXED_DTYPES: dict[np.dtype, bool] = {}
+_FIXED: dict[np.dtype, bool] = {}  # dtype -> whether it is fixed-size (packs), as met
 
 
 def fusable(value: object, limit: int) -> bool:
@@ -69,9 +67,9 @@ def fusable(value: object, limit: int) -> bool:
     if type(value) is not np.ndarray or value.nbytes > limit:  # type: ignore[attr-defined]
         return False
     dtype = value.dtype  # type: ignore[attr-defined]
-    fixed = FIXED_DTYPES.get(dtype)
+    fixed = _FIXED.get(dtype)
     if fixed is None:
-        fixed = FIXED_DTYPES[dtype] = not dtype.hasobject and dtype.kind not in "SUV"
+        fixed = _FIXED[dtype] = not dtype.hasobject and dtype.kind not in "SUV"
     return fixed
 
 
@@ -112,10 +110,7 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
         dims += shape
         start = (end + ALIGN - 1) & ~(ALIGN - 1)
         offsets.append(start)
-        try:
-            raw = memoryview(a).cast("B")
-        except (TypeError, ValueError):  # not C-contiguous, or a dtype buffers cannot carry
-            raw = _raw(a)
+        raw = _raw(a)
         raws.append(raw)
         end = start + len(raw)
     offsets.append(end)

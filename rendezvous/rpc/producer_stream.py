@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from rendezvous import frames, fused, wire
@@ -274,32 +273,20 @@ class ProducerStream:
         rids = list(rids)
         # The keys whose tensors are here are taken at once, in key order; the
         # rest go one by one (they wait, or their error is answered).
-        s = self.s
-        taken = s.take_ready_many(step, keys, rids)
+        taken = self.s.take_ready_many(step, keys, rids)
         group: list[tuple[int, Any, Received, str]] = []
-        # _packs, inlined for the keys taken here (a few calls less per tensor):
-        # taken keys never come with a timeline (take_ready_many leaves them all
-        # to take_now then)
-        limit = s.fusion_threshold if s.timeline is None else 0
-        fixed = fused.FIXED_DTYPES
-        fusable = fused.fusable
-        ndarray = np.ndarray
-        add = group.append
         try:
             for i in range(n):
                 req = KeyRequest(step, keys[i], rids[i], opts)
                 got = taken[i]
                 if got is None:
                     self._ask(first + i, req, group)
-                    continue
-                taken[i] = None  # answered from here on (or put back with the group)
-                item = got[0]
-                value = item.value
-                if limit and type(value) is ndarray and value.nbytes <= limit and not item.is_dead \
-                        and (fixed.get(value.dtype) or fusable(value, limit)):
-                    add((first + i, req, item, got[1]))
                 else:
-                    self._reply(first + i, req, *got)
+                    taken[i] = None  # answered from here on (or put back with the group)
+                    if self._packs(req, got.item):
+                        group.append((first + i, req, got.item, got.key))
+                    else:
+                        self._reply(first + i, req, *got)
                 if i % _YIELD_EVERY == _YIELD_EVERY - 1 and self.ready:
                     await _writer_turn()
         except BaseException:
