@@ -28,7 +28,7 @@ from .dtypes import dtype_to_proto, proto_to_dtype
 from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 from .tensors import _MAX_NDIM
 
-__all__ = ["ALIGN", "Layout", "layout", "group_frame", "group_parts", "fill", "Group", "parse_group", "fusable"]
+__all__ = ["ALIGN", "NO_CALL", "Layout", "layout", "group_frame", "group_parts", "fill", "Group", "parse_group", "fusable"]
 
 #: every tensor's bytes start at a multiple of this within the payload
 ALIGN = 8
@@ -150,6 +150,12 @@ def fill(buffer: np.ndarray, lay: Layout) -> None:
         n = len(raw)
         if n:
             target[pos:pos + n] = raw
+
+
+#: Call ids from here up answer no call: a group re-sent for one retried
+#: member names its other members so (see rpc/producer_stream.py, Handed).
+#: A consumer numbers its calls from 1 and never reaches them.
+NO_CALL = 1 << 63
 
 
 def group_frame(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, lay: Layout,

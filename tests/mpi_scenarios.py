@@ -18,6 +18,7 @@ import traceback
 import numpy as np
 
 import rendezvous
+from rendezvous.keys import TaskName
 from rendezvous.rank.launch import launcher_rank
 
 
@@ -330,7 +331,7 @@ def huge() -> None:
     server.stop(5)
 
 
-def exactly_once(count: str = "1000", api: str = "aio") -> None:
+def exactly_once(count: str = "1000", api: str = "aio", cuts: str = "0") -> None:
     """Deadlines racing transfers on whatever path the environment picks: rank 1
     produces ``count`` tensors (16 B and 256 KiB in turn) while rank 0 receives
     each with a 2-20 ms deadline, retried until it arrives, many recvs in flight
@@ -338,13 +339,18 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
     of threads, or ``batch``: the asyncio server's recv_many, ten keys under
     one deadline); then rank 0 asks every key again (any answer is a second
     delivery) and both ranks report what is left anywhere once the traffic has
-    settled."""
+    settled. With ``cuts`` (gRPC requests only), rank 0 reaches rank 1 through
+    a relay (tests/cutting.py) that resets the connection under the stream that
+    many times during the race, every 50 tensors to arrive: replies in flight
+    are lost, and recvs ask again on a new connection."""
     import concurrent.futures
 
     from rendezvous import aio
+    from cutting import Relay
     from racing import ask_again, paced, race, race_batches, value
 
     n = int(count)
+    cut_left = int(cuts)
     rank, _ = launcher_rank() or (0, 1)
     blocking = api == "blocking"
 
@@ -380,6 +386,25 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
             await on_server(lambda: server.update_cluster({"worker": addresses}))
         me, other = worker(rank), worker(1 - rank)
         name = lambda i: key(worker(1), worker(0), f"x{i}")  # noqa: E731
+        relay = None
+        if cut_left and rank == 0:
+            producer = TaskName("worker", 0, 1)
+            relay = Relay(server.cluster.address(producer))
+            through = await relay.start()
+            await on_server(lambda: server.update_cluster(server.cluster.with_address(producer, through)))
+        arrived = 0
+        every = 5 if api == "batch" else 50  # batches of ten: the same tensors apart
+
+        async def counted(receiving):
+            """What ``receiving`` gives; every ``every``-th arrival cuts the relay's connections."""
+            nonlocal arrived, cut_left
+            got = await receiving
+            arrived += 1
+            if cut_left and arrived % every == 0:
+                cut_left -= 1
+                relay.cut()
+            return got
+
         if rank == 1:
             await recv(key(other, me, "go"), 2, 60)
             await paced(lambda i: send(name(i), value(i), 1), n)
@@ -392,17 +417,28 @@ def exactly_once(count: str = "1000", api: str = "aio") -> None:
             await send(key(me, other, "go"), np.zeros(1), 2)
             if api == "batch":  # recv_many, batches of 10 under one racing deadline
                 tally = await race_batches(
-                    lambda ids, t: server.recv_many([name(i) for i in ids], step_id=1, timeout=t), n, seed=3)
+                    lambda ids, t: counted(server.recv_many([name(i) for i in ids], step_id=1, timeout=t)), n,
+                    seed=3)
             else:
-                tally = await race(lambda i, t: recv(name(i), 1, t), n, seed=3)
+                tally = await race(lambda i, t: counted(recv(name(i), 1, t)), n, seed=3)
             await on_server(lambda: quiet(server))
-            await ask_again(lambda i, t: recv(name(i), 1, t), tally)
-            await on_server(lambda: quiet(server))
+            # Every key asked again: an answer is a second delivery. A recv cut off
+            # with its connection leaves its request_id in doubt (several for one
+            # key, when retries were cut off too); each ask settles one, so the
+            # keys are asked until none is left.
+            for _ in range(20):
+                await ask_again(lambda i, t: recv(name(i), 1, t), tally)
+                await on_server(lambda: quiet(server))
+                unsettled = await on_server(lambda: sum(len(p._unsettled) for p in server.peers.values()))
+                if not unsettled:
+                    break
             kept = await on_server(lambda: sum(len(q) for q in server.kept.values()))
-            unsettled = await on_server(lambda: sum(len(p._unsettled) for p in server.peers.values()))
             stats = server.stats()
             result(rank=rank, n=n, timed_out=tally.timed_out, wrong=tally.wrong, twice=tally.twice,
-                   kept=kept, unsettled=unsettled, mpi=stats["mpi"]["transfers"], grpc=stats["grpc"]["transfers"])
+                   kept=kept, unsettled=unsettled, mpi=stats["mpi"]["transfers"], grpc=stats["grpc"]["transfers"],
+                   cuts=relay.cuts if relay else 0, connections=relay.connections if relay else 0)
+            if relay is not None:
+                await relay.close()
             await send(key(me, other, "done"), np.zeros(1), 2)
         if blocking:
             await loop.run_in_executor(pool, sync.stop, 5)
@@ -439,8 +475,21 @@ async def quiet(server) -> None:
                 f"MPI in flight {server.stats()['mpi']['in_flight']}, "
                 f"streams {[(len(s.pending), len(s.moving)) if s else None for s in streams]}, "
                 f"first {[[(c, p.orphan, p.key[-6:]) for c, p in list(s.pending.items())[:6]] for s in streams if s]}, "
-                f"writer {[(s.writer.done(), s.outbox.qsize(), s.reader.done()) for s in streams if s]}")
+                f"writer {[(s.writer.done(), s.outbox.qsize(), s.reader.done()) for s in streams if s]}, "
+                f"{_engine_state(server)}")
         await asyncio.sleep(0.005)
+
+
+def _engine_state(server) -> str:
+    """What the MPI engine holds, for a failure's message: each operation in
+    flight (kind, peer, tag, bytes) and whether its thread still runs."""
+    engine = getattr(server.mpi, "engine", None)
+    if engine is None:
+        return "no MPI engine"
+    ops = [(op.kind.name, op.peer, op.tag, len(memoryview(op.buf).cast("B")) if op.buf is not None else None)
+           for op in dict.fromkeys(list(engine._owners))]
+    alive = engine._thread is not None and engine._thread.is_alive()
+    return f"MPI thread alive {alive}, loop polling {engine._loop_polling}, ops in flight {ops[:30]}"
 
 
 def stats_paths() -> None:

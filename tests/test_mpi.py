@@ -247,6 +247,31 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once(path, api):
         assert consumer["mpi"] > 0  # the path was taken
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("path,api", [("grpc-requests-optimal", "aio"), ("grpc-requests-optimal", "batch"),
+                                      ("grpc-requests-default", "aio"), ("mpi-disabled", "aio")])
+def test_connections_cut_mid_race_deliver_every_tensor_exactly_once(path, api):
+    """The race above with the consumer's connection to the producer reset
+    eight times while tensors are in flight (tests/cutting.py): replies and
+    descriptors written into the dead connection never arrive, recvs ask
+    again with their request ids on a new one. Each tensor still arrives
+    once; asking every key again gets nothing, no request id is left in
+    doubt, and nothing is left on either rank, MPI sends included (a
+    descriptor lost with its connection is sent again for the retry, so its
+    transfer is received: a second transfer would leave the first waiting
+    forever)."""
+    _, results, out = launch(2, "exactly_once", "1000", api, "8", env=PATHS[path], timeout=130)
+    consumer = next(r for r in results if r["rank"] == 0)
+    producer = next(r for r in results if r["rank"] == 1)
+    assert consumer["cuts"] >= 4 and consumer["connections"] > consumer["cuts"], consumer  # cut, and reconnected
+    assert not consumer["wrong"], consumer
+    assert not consumer["twice"], f"{len(consumer['twice'])} tensors delivered twice: {consumer['twice'][:20]}"
+    assert consumer["kept"] == 0 and consumer["unsettled"] == 0, consumer
+    assert producer["left"] == 0, producer
+    if path == "grpc-requests-optimal":
+        assert consumer["mpi"] > 0
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
 def test_each_transfer_and_error_is_counted_under_the_path_it_took(requests):

@@ -156,6 +156,15 @@ def request_from(consumer: MpiPlane, placement=None) -> pb.RecvTensorRequest:
     return req
 
 
+def planned(plane: MpiPlane, req, item: Received):
+    """``plane.plan(req, item)``, its transfer started as a stream starts it
+    when it hands the descriptor over."""
+    reply = plane.plan(req, item)
+    if reply is not None and reply.carry is not None:
+        reply.carry.start()
+    return reply
+
+
 def first_frame(reply, call_id: int = 3) -> tuple[bytes, frames.ReplyHead]:
     (buf,) = list(reply.stream_frames(call_id))
     frame = frames.parse_stream_frame(buf)
@@ -215,15 +224,24 @@ def test_offer_is_the_endpoint_and_the_staged_one_for_gpu_placements():
 
 # --- producer -----------------------------------------------------------------------
 
-def test_plan_posts_a_send_of_the_arrays_own_buffer_and_returns_a_descriptor():
+def test_plan_returns_a_descriptor_whose_send_of_the_arrays_own_buffer_starts_when_handed_over():
     async def main():
         engine, stats = FakeEngine(), Stats()
         plane = make_plane(FakeWorld(rank=0), engine, stats, mpi_chunk_bytes=1000)
         consumer = make_plane(FakeWorld(rank=3))
         arr = np.arange(32 * 32, dtype=np.float32).reshape(32, 32)
-        reply = plane.plan(request_from(consumer), Received(arr, False))
-        assert reply is not None and reply.path is Path.MPI and reply.committed and reply.item is None
+        item = Received(arr, False)
+        reply = plane.plan(request_from(consumer), item)
+        # planned, not posted: until its stream hands the descriptor over, the
+        # reply holds its item (it goes back to the table if dropped)
+        assert reply is not None and reply.path is Path.MPI and not reply.committed and reply.item is item
+        assert reply.carry is not None and engine.sends == []
+        with pytest.raises(Internal):
+            reply.unary()  # only a stream starts the transfer
+        reply.carry.start()
         (send,) = engine.sends
+        with pytest.raises(Internal, match="started twice"):
+            reply.carry.start()
         assert np.shares_memory(send.buf, arr) and send.buf.nbytes == arr.nbytes  # no copy
         assert (send.rank, send.tag, send.chunk) == (3, 1, 1000)
         buf, head = first_frame(reply)
@@ -232,8 +250,6 @@ def test_plan_posts_a_send_of_the_arrays_own_buffer_and_returns_a_descriptor():
         meta, cs, ce = decode_meta(buf, *head.tensor)
         assert meta == TensorMeta(np.dtype(np.float32), (32, 32)) and cs == ce  # no content inline
         assert not head.is_dead
-        unary = pb.RecvTensorResponse.FromString(reply.unary())
-        assert unary.transport_options.type_url == TRANSFER_URL and unary.tensor.tensor_content == b""
         # the server's planes route such a reply back to this plane
         inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
                              staging=(4096, 2), stats=stats)
@@ -245,12 +261,43 @@ def test_plan_posts_a_send_of_the_arrays_own_buffer_and_returns_a_descriptor():
     run(main(), 20)
 
 
+def test_a_descriptor_dropped_before_it_is_handed_over_posts_nothing_and_frees_its_tag():
+    """A reply cancelled or cut off with its stream before its descriptor left:
+    no send waits in the network for a receive nobody will post, and its tag
+    is no longer held."""
+    async def main():
+        engine = FakeEngine()
+        plane = make_plane(FakeWorld(rank=0), engine)
+        arr = np.ones(4096, np.uint8)
+        dropped = plane.plan(request(), Received(arr, False))
+        assert plane._tags.busy[1] == {transfer_of(*first_frame(dropped)).tag}
+        dropped.carry.release()
+        dropped.carry.release()  # once is what counts
+        assert engine.sends == [] and plane._tags.busy[1] == set()
+        with pytest.raises(Internal, match="started twice"):
+            dropped.carry.start()  # released: never started after all
+        assert engine.sends == []
+        # a group's fusion buffer alike
+        carry = plane.plan_group(request(), [arr, arr], fused.layout([arr, arr]))
+        assert carry is not None and len(plane._tags.busy[1]) == 1
+        carry.release()
+        assert engine.sends == [] and plane._tags.busy[1] == set()
+        # started, the tag is held until the send completes
+        carry = plane.plan_group(request(), [arr, arr], fused.layout([arr, arr]))
+        carry.start()
+        (send,) = engine.sends
+        assert len(plane._tags.busy[1]) == 1
+        await complete(send.future)
+        assert plane._tags.busy[1] == set()
+    run(main(), 20)
+
+
 def test_plan_of_a_non_contiguous_array_sends_its_contiguous_bytes():
     async def main():
         engine = FakeEngine()
         plane = make_plane(engine=engine)
         arr = np.arange(4096, dtype=np.int64)[::2]
-        reply = plane.plan(request(), Received(arr, False))
+        reply = planned(plane, request(), Received(arr, False))
         (send,) = engine.sends
         assert np.asarray(send.buf).tobytes() == arr.tobytes()
         assert transfer_of(*first_frame(reply)).nbytes == arr.nbytes == 2048 * 8
@@ -261,7 +308,7 @@ def test_consumer_chunk_size_limits_the_chunk():
     async def main():
         engine = FakeEngine()
         plane = make_plane(engine=engine, mpi_chunk_bytes=1 << 20)
-        reply = plane.plan(request(max_chunk_bytes=4096), Received(np.zeros(1 << 16, np.uint8), False))
+        reply = planned(plane, request(max_chunk_bytes=4096), Received(np.zeros(1 << 16, np.uint8), False))
         assert engine.sends[0].chunk == 4096 and transfer_of(*first_frame(reply)).chunk_bytes == 4096
     run(main(), 20)
 
@@ -273,7 +320,7 @@ def test_tags_are_unique_per_rank_while_in_flight_and_reused_after():
         arr = np.ones(2048, np.uint8)
 
         def plan(rank: int = 1) -> int:
-            t = transfer_of(*first_frame(plane.plan(request(rank=rank), Received(arr, False)))).tag
+            t = transfer_of(*first_frame(planned(plane, request(rank=rank), Received(arr, False)))).tag
             assert engine.sends[-1].tag == t
             return t
 
@@ -296,10 +343,10 @@ def test_every_tag_up_to_tag_ub_can_be_in_flight():
         engine = FakeEngine()
         plane = make_plane(FakeWorld(tag_ub=3), engine)
         arr = np.ones(2048, np.uint8)
-        tags = [transfer_of(*first_frame(plane.plan(request(), Received(arr, False)))).tag for _ in range(3)]
+        tags = [transfer_of(*first_frame(planned(plane, request(), Received(arr, False)))).tag for _ in range(3)]
         assert tags == [1, 2, 3]
         with pytest.raises(Internal, match="in flight"):
-            plane.plan(request(), Received(arr, False))
+            planned(plane, request(), Received(arr, False))
     run(main(), 20)
 
 
@@ -308,7 +355,7 @@ def fill(plane: MpiPlane, arr: np.ndarray, rank: int = 1) -> list[int]:
     tags = []
     for _ in range(64):
         try:
-            reply = plane.plan(request(rank=rank), Received(arr, False))
+            reply = planned(plane, request(rank=rank), Received(arr, False))
         except Internal as exc:
             assert "in flight" in exc.message
             return tags
@@ -334,7 +381,7 @@ def test_failed_send_counts_an_error_and_frees_its_tag():
         tags = fill(plane, arr)
         await complete(engine.sends[0].future, error=RuntimeError("MPI_ERR_TRUNCATE"))
         assert stats.snapshot()["mpi"]["errors"] == 1
-        tag = transfer_of(*first_frame(plane.plan(request(), Received(arr, False)))).tag
+        tag = transfer_of(*first_frame(planned(plane, request(), Received(arr, False)))).tag
         assert tag not in tags[1:]  # a tag free again, none still in flight
     run(main(), 20)
 
@@ -354,7 +401,7 @@ def test_plan_falls_back_to_inline(case, value, req, fallbacks):
     async def main():
         engine, stats = FakeEngine(), Stats()
         plane = make_plane(engine=engine, stats=stats)  # threshold 1024 bytes (the default)
-        assert plane.plan(req, Received(value, value is None)) is None
+        assert planned(plane, req, Received(value, value is None)) is None
         assert engine.sends == [] and engine.pipelines == []
         assert stats.snapshot()["grpc"]["fallbacks"] == fallbacks
         assert stats.snapshot()["mpi"]["fallbacks"] == 0
@@ -365,7 +412,7 @@ def test_optimal_path_off_never_plans():
     async def main():
         engine, stats = FakeEngine(), Stats()
         plane = make_plane(engine=engine, stats=stats, mpi_optimal_path=False)
-        assert plane.plan(request(), Received(np.ones(1 << 16, np.uint8), False)) is None
+        assert planned(plane, request(), Received(np.ones(1 << 16, np.uint8), False)) is None
         assert engine.sends == [] and stats.snapshot()["grpc"]["fallbacks"] == 0
     run(main(), 20)
 
@@ -377,10 +424,10 @@ def test_endpoint_rank_outside_the_world_is_invalid_argument(rank):
         plane = make_plane(FakeWorld(size=4), engine)
         arr = np.ones(4096, np.uint8)
         with pytest.raises(InvalidArgument, match=f"rank {rank}"):
-            plane.plan(request(rank=rank), Received(arr, False))
+            planned(plane, request(rank=rank), Received(arr, False))
         assert engine.sends == []
         # no tag was taken for it
-        assert transfer_of(*first_frame(plane.plan(request(rank=3), Received(arr, False)))).tag == 1
+        assert transfer_of(*first_frame(planned(plane, request(rank=3), Received(arr, False)))).tag == 1
     run(main(), 20)
 
 
@@ -391,7 +438,7 @@ def test_unparseable_endpoint_is_invalid_argument_or_a_fallback():
         plane = make_plane(engine=engine)
         req = pb.RecvTensorRequest(transport_options=any_pb2.Any(type_url=ENDPOINT_URL, value=b"\x10\xff"))
         try:
-            got = plane.plan(req, Received(np.ones(4096, np.uint8), False))
+            got = planned(plane, req, Received(np.ones(4096, np.uint8), False))
         except InvalidArgument:
             got = None
         assert got is None and engine.sends == []
@@ -406,7 +453,7 @@ def test_plan_of_a_gpu_tensor_posts_a_pipeline(cuda_aware):
         plane = make_plane(FakeWorld(tag_ub=2), engine, stats, devices=Devices([fake]), cuda_aware=cuda_aware,
                            gpu_staging_chunk_bytes=8192, mpi_chunk_bytes=1 << 20)
         host = np.arange(4096, dtype=np.float32)
-        reply = plane.plan(request(), Received(fake.wrap(fake.array(host)), False))
+        reply = planned(plane, request(), Received(fake.wrap(fake.array(host)), False))
         assert engine.sends == [] and len(engine.pipelines) == 1
         t = transfer_of(*first_frame(reply))
         assert t.nbytes == host.nbytes and t.tag == 1
@@ -418,7 +465,7 @@ def test_plan_of_a_gpu_tensor_posts_a_pipeline(cuda_aware):
         small = np.ones(2048, np.uint8)
         others = fill(plane, small)  # TAG_UB=2: every other tag to rank 1 now in flight too
         await complete(engine.pipelines[0][1])
-        tag = transfer_of(*first_frame(plane.plan(request(), Received(small, False)))).tag
+        tag = transfer_of(*first_frame(planned(plane, request(), Received(small, False)))).tag
         assert tag not in others  # the pipeline's tag was given back
     run(main(), 20)
 
@@ -431,7 +478,7 @@ def test_receive_posts_a_receive_and_resolves_to_the_delivered_bytes():
         producer = make_plane(FakeWorld(rank=0), producer_engine, mpi_chunk_bytes=4096)
         consumer = make_plane(FakeWorld(rank=2), consumer_engine)
         arr = np.random.default_rng(3).standard_normal((64, 33)).astype(np.float64)
-        reply = producer.plan(request_from(consumer), Received(arr, False))
+        reply = planned(producer, request_from(consumer), Received(arr, False))
         buf, head = first_frame(reply)
         arrival = consumer.receive(buf, head, None)
         assert arrival.path is Path.MPI and arrival.placed and arrival.pending is not None
@@ -461,7 +508,9 @@ def test_a_groups_fusion_buffer_is_received_into_a_reused_buffer():
 
         async def one_group(start: int) -> list:
             lay = fused.layout(arrays)
-            options = producer.plan_group(request_from(consumer), arrays, lay)
+            carry = producer.plan_group(request_from(consumer), arrays, lay)
+            carry.start()
+            options = carry.options
             frame = fused.group_frame(list(range(start, start + len(arrays))), None, lay, 0, options)
             group = fused.parse_group(frame, *frames.parse_stream_frame(frame).group)
             landing = consumer.receive_group(frame, group)
@@ -491,14 +540,14 @@ def test_an_mpi_error_fails_that_receive_with_internal_and_the_next_one_works():
         producer = make_plane(FakeWorld(rank=0), producer_engine)
         consumer = make_plane(FakeWorld(rank=2), consumer_engine)
         arr = np.arange(4096, dtype=np.float32)
-        buf, head = first_frame(producer.plan(request_from(consumer), Received(arr, False)))
+        buf, head = first_frame(planned(producer, request_from(consumer), Received(arr, False)))
         got = asyncio.ensure_future(consumer.receive(buf, head, None).pending)
         recv = await consumer_engine.next_recv()
         await complete(recv.future, error=Internal("MPI error receiving from rank 0: MPI_ERR_TRUNCATE"))
         with pytest.raises(Internal, match="MPI_ERR_TRUNCATE"):
             await got
         # the plane goes on: the next transfer is received
-        buf, head = first_frame(producer.plan(request_from(consumer), Received(arr + 1, False)))
+        buf, head = first_frame(planned(producer, request_from(consumer), Received(arr + 1, False)))
         got = asyncio.ensure_future(consumer.receive(buf, head, None).pending)
         consumer_engine.recvs.clear()
         recv = await consumer_engine.next_recv()

@@ -105,6 +105,15 @@ async def _arrive(put: PlaneUnderTest, frames_out: list, call_id: int) -> tuple[
     return arrival.value, arrival
 
 
+def _handed(reply: Any, call_id: int) -> list:
+    """A reply's frames as its stream hands them over: a descriptor's transfer
+    (``carry``) starts as its first frame leaves."""
+    out = list(reply.stream_frames(call_id))
+    if reply.carry is not None:
+        reply.carry.start()
+    return out
+
+
 def _same(got: Any, want: np.ndarray) -> None:
     assert isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape, (got, want)
     if want.dtype == object:
@@ -129,7 +138,7 @@ async def check_data_plane(put: PlaneUnderTest) -> None:
         assert reply.committed == (reply.item is None)
         if reply.item is not None:
             assert reply.item is item  # what goes back to the table if the reply is never started
-        out = list(reply.stream_frames(7 + i))
+        out = _handed(reply, 7 + i)
         got, arrival = await _arrive(put, out, 7 + i)
         assert arrival.path == plane.path
         _same(got, value)
@@ -137,7 +146,7 @@ async def check_data_plane(put: PlaneUnderTest) -> None:
     carried = [v for v in TENSORS if put.carries(v)]
     batch = [np.full(int(v.size), n, v.dtype).reshape(v.shape) if v.dtype != object else v
              for n, v in enumerate(carried, 1)]
-    pending = [(call_id, list(plane.plan(_request(put), Received(v, False)).stream_frames(call_id)), v)
+    pending = [(call_id, _handed(plane.plan(_request(put), Received(v, False)), call_id), v)
                for call_id, v in enumerate(batch, 50)]
     for call_id, out, v in reversed(pending):
         got, _ = await _arrive(put, out, call_id)
@@ -145,11 +154,11 @@ async def check_data_plane(put: PlaneUnderTest) -> None:
     # 3. a reply nobody waits for is drained; the next transfer gets its own bytes
     big = next(v for v in carried if v.nbytes >= 4 << 20)
     first = plane.plan(_request(put), Received(np.full(big.shape, 0xAB, big.dtype), False))
-    out = _written(list(first.stream_frames(90)))
+    out = _written(_handed(first, 90))
     [head_frame] = list(frames.iter_stream_frames(out[0]))
     put.planes.drain(out[0], head_frame.head)
     second = np.full(big.shape, 0x11, big.dtype)
-    got, _ = await _arrive(put, list(plane.plan(_request(put), Received(second, False)).stream_frames(91)), 91)
+    got, _ = await _arrive(put, _handed(plane.plan(_request(put), Received(second, False)), 91), 91)
     _same(got, second)
     # 4. closing twice is fine
     plane.close()

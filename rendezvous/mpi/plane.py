@@ -6,9 +6,12 @@ Producer (:meth:`MpiPlane.plan`, asked by the server's planes for every reply):
 a tensor goes over MPI when the optimal path is on, its dtype is memcpy-able,
 it is at least the threshold, and the consumer is in the same MPI job (its
 request carries an :class:`MpiEndpoint` with our ``world_id``). Then a tag
-unique among the pair's transfers in flight is taken, a non-blocking send of
-the tensor's own buffer is posted (no copy), and the reply is a descriptor.
-Anything else returns None: the reply goes inline over gRPC.
+unique among the pair's transfers in flight is taken and the reply is a
+descriptor; the non-blocking send of the tensor's own buffer (no copy) is
+posted when the stream hands the descriptor over (``Reply.carry``), so a
+reply dropped unsent (cancelled, or its stream gone) leaves no send behind
+that no receive will ever match. Anything else returns None: the reply goes
+inline over gRPC.
 
 Consumer (:meth:`MpiPlane.receive`): allocate the destination from the
 descriptor's dtype and shape, post the receive for (source rank, tag), await
@@ -36,7 +39,7 @@ from rendezvous.stats import Stats
 from rendezvous.table import Received
 from rendezvous.dtypes import is_memcpyable
 from rendezvous.tensors import TensorMeta, decode_meta
-from rendezvous.transport import Arrival, DataPlane, Path, Reply
+from rendezvous.transport import Arrival, Carry, DataPlane, Path, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .engine import ProgressEngine
@@ -58,6 +61,10 @@ _FIRST_TAG = 1
 
 def _string_bytes(arr: np.ndarray) -> int:
     return sum(len(v) for v in arr.flat if isinstance(v, (bytes, bytearray)))
+
+
+def _no_unary() -> bytes:
+    raise Internal("an MPI descriptor reply is sent on a stream, which starts its transfer; never unary")
 
 
 def _pack(message: Any) -> bytes:
@@ -123,7 +130,8 @@ class MpiPlane(DataPlane):
     # -- producer -----------------------------------------------------------
 
     def plan(self, req: pb.RecvTensorRequest, item: Received) -> Reply | None:
-        """A committed descriptor reply with the MPI send posted, or None: inline."""
+        """A descriptor reply whose MPI send starts as the stream hands it over
+        (its ``carry``), or None: inline."""
         arr = item.value
         on_device = isinstance(arr, DeviceTensor)
         if not self.config.mpi_optimal_path or not (on_device or isinstance(arr, np.ndarray)):
@@ -154,16 +162,23 @@ class MpiPlane(DataPlane):
             pool = self.devices.pool(arr.backend, chunk, self.config.gpu_staging_depth)
             post = lambda t: self.engine.pipeline(  # noqa: E731
                 lambda comm, MPI: StagedSend(comm, MPI, arr, rank, t, chunk, pool))
-        tag = self._post_send(rank, post, req.request_id if arr.nbytes >= DELIVERED_BYTES else 0)
-        if on_device:
-            self.stats.gpu("direct_sends" if self.cuda_aware else "staged_sends")
-            if not self.cuda_aware:
-                self.stats.gpu("staged_bytes", arr.nbytes)
-        transfer = self._transfer_any(tag, arr.nbytes, chunk)
-        response = frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), transfer)
-        # committed (no item): the send is posted, the descriptor is always delivered
+        nbytes = arr.nbytes
+        stats = self.stats
+
+        def counted(tag: int) -> asyncio.Future:
+            done = post(tag)
+            if on_device:
+                stats.gpu("direct_sends" if self.cuda_aware else "staged_sends")
+                if not self.cuda_aware:
+                    stats.gpu("staged_bytes", nbytes)
+            return done
+
+        carry = self._plan_send(rank, counted if on_device else post, nbytes, chunk,
+                                req.request_id if nbytes >= DELIVERED_BYTES else 0)
+        response = frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), carry.options)
+        # the send starts as the stream hands the descriptor over (Carry)
         return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
-                     lambda: response, None)
+                     _no_unary, item, carry=carry)
 
     def _endpoint(self, req: Any) -> pb.MpiEndpoint | None:
         """The consumer's MPI endpoint from its request, or None (counted as a
@@ -184,11 +199,12 @@ class MpiPlane(DataPlane):
             raise InvalidArgument(f"MPI rank {endpoint.rank} is outside this world of {self.world.size}")
         return endpoint
 
-    def plan_group(self, req: Any, arrays: Any, layout: Any) -> bytes | None:
+    def plan_group(self, req: Any, arrays: Any, layout: Any) -> Carry | None:
         """The fusion buffer: a group's tensors copied into one buffer and sent
-        as one MPI message (posted before this returns), when the optimal path
-        is on, the group is at least the threshold and the consumer is in this
-        MPI job and does not want it inside the reply (asked over MPI)."""
+        as one MPI message (when the group frame is handed over), when the
+        optimal path is on, the group is at least the threshold and the
+        consumer is in this MPI job and does not want it inside the reply
+        (asked over MPI)."""
         nbytes = layout.nbytes
         if not self.config.mpi_optimal_path or nbytes < self.config.mpi_threshold:
             return None
@@ -198,25 +214,42 @@ class MpiPlane(DataPlane):
         buf = np.empty(nbytes, np.uint8)
         fused.fill(buf, layout)
         chunk = self._chunk(endpoint)
-        tag = self._post_send(endpoint.rank, lambda t: self.engine.isend(buf, endpoint.rank, t, chunk))
-        return self._transfer_any(tag, nbytes, chunk)
+        rank = endpoint.rank
+        return self._plan_send(rank, lambda t: self.engine.isend(buf, rank, t, chunk), nbytes, chunk)
 
     def _chunk(self, endpoint: pb.MpiEndpoint) -> int:
         """Bytes per MPI message to this consumer (it may ask for smaller ones)."""
         chunk = self.config.mpi_chunk_bytes
         return min(chunk, endpoint.max_chunk_bytes) if endpoint.max_chunk_bytes > 0 else chunk
 
-    def _post_send(self, rank: int, post: Callable[[int], asyncio.Future], request_id: int = 0) -> int:
-        """Take a tag to ``rank`` and post a send on it (``post(tag)``); the tag
-        is given back when the send completes (see _sent)."""
+    def _plan_send(self, rank: int, post: Callable[[int], asyncio.Future], nbytes: int, chunk: int,
+                   request_id: int = 0) -> Carry:
+        """Take a tag to ``rank`` for a send that ``post(tag)`` posts once the
+        descriptor leaves (``Carry.start``); the tag is given back when the
+        send completes (see _sent), or at once if the send is never started
+        (``Carry.release``)."""
         tag = self._tags.take(rank)
-        try:
-            done = post(tag)
-        except BaseException:
-            self._tags.give_back(rank, tag)
-            raise
-        done.add_done_callback(lambda f: self._sent(f, rank, tag, request_id))
-        return tag
+        settled = False
+
+        def start() -> None:
+            nonlocal settled
+            if settled:
+                raise Internal(f"MPI send on tag {tag} to rank {rank} started twice")
+            settled = True
+            try:
+                done = post(tag)
+            except BaseException:
+                self._tags.give_back(rank, tag)
+                raise
+            done.add_done_callback(lambda f: self._sent(f, rank, tag, request_id))
+
+        def release() -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                self._tags.give_back(rank, tag)
+
+        return Carry(self._transfer_any(tag, nbytes, chunk), start, release)
 
     def _transfer_any(self, tag: int, nbytes: int, chunk: int) -> bytes:
         """The ``Any`` a descriptor carries: an MpiTransfer of ours on ``tag``."""

@@ -208,9 +208,11 @@ class PeerClient:
         self._next_request_id = secrets.randbits(62) + 1
         self._connected_once = False
         self._closed = False
-        #: (step_id, key) -> request_id of recvs that ended without the producer's
-        #: answer while their stream broke (see unsettled)
-        self._unsettled: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
+        #: (step_id, key) -> request_ids of recvs that ended without the producer's
+        #: answer while their stream broke, oldest first (see unsettled)
+        self._unsettled: collections.OrderedDict[tuple[int, str], collections.deque[int]] = \
+            collections.OrderedDict()
+        self._unsettled_ids = 0  # request_ids in _unsettled, all keys together
 
     def describe(self) -> str:
         return f"task {self.task} at {self.address}"
@@ -235,11 +237,35 @@ class PeerClient:
         The next recv of the same key and step asks again with the same
         request_id, so the producer answers it from its retry cache (or, if it
         put the tensor back, from its table): the tensor is neither lost nor
-        taken twice. Remembered for the last ``_UNSETTLED`` such recvs."""
-        self._unsettled[(step_id, key)] = request_id
-        self._unsettled.move_to_end((step_id, key))
-        while len(self._unsettled) > _UNSETTLED:
-            self._unsettled.popitem(last=False)
+        taken twice. Several recvs of one key can be in that state at once (a
+        recv that gave up, then the one that asked again, both cut off): each
+        id is kept, and the next recvs ask with them oldest first, the order
+        the producer took their tensors in. Remembered for the last
+        ``_UNSETTLED`` such recvs."""
+        ids = self._unsettled.get((step_id, key))
+        if ids is None:
+            ids = self._unsettled[(step_id, key)] = collections.deque()
+        elif request_id in ids:
+            return
+        else:
+            self._unsettled.move_to_end((step_id, key))
+        ids.append(request_id)
+        self._unsettled_ids += 1
+        while self._unsettled_ids > _UNSETTLED:
+            oldest = next(iter(self._unsettled))
+            self._settled_id(*oldest)
+
+    def _settled_id(self, step_id: int, key: str) -> int | None:
+        """The oldest request_id left unsettled for ``key`` (a new recv of it asks
+        with that id), or None."""
+        ids = self._unsettled.get((step_id, key))
+        if ids is None:
+            return None
+        request_id = ids.popleft()
+        self._unsettled_ids -= 1
+        if not ids:
+            del self._unsettled[(step_id, key)]
+        return request_id
 
     def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived for a recv that had given up."""
@@ -262,9 +288,13 @@ class PeerClient:
         key_bytes = key.encode()
         # A recv of this key that ended unanswered on a broken stream asked with
         # this id: ask again with it (see unsettled).
-        request_id = self._unsettled.pop((step_id, key), None) or self._take_request_ids(1)
+        unsettled = self._settled_id(step_id, key) if self._unsettled else None
+        request_id = unsettled or self._take_request_ids(1)
         attempts = 0
-        asked = False  # sent, and not answered by the producer (a tensor or its error)
+        # sent (now, or by the recv whose id this is), and not answered by the
+        # producer (a tensor or its error): an id still in doubt stays so even
+        # if this recv gives up before it could ask
+        asked = unsettled is not None
         orphaned = False  # given up with its cancel on a live stream: the stream settles it
         try:
             async with asyncio.timeout_at(deadline):
@@ -343,7 +373,7 @@ class PeerClient:
         try:
             for a, b in bounds:
                 part = [Pending(_Slot(batch), keys[i], step_id, placement,  # type: ignore[arg-type]
-                                (unsettled.pop((step_id, keys[i]), None) if unsettled else None) or rid + i)
+                                (self._settled_id(step_id, keys[i]) if unsettled else None) or rid + i)
                         for i in range(a, b)]
                 pendings += part
                 if stream.alive:

@@ -16,19 +16,21 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from rendezvous import frames, fused, wire
-from rendezvous.errors import Cancelled, RendezvousError
+from rendezvous.errors import Cancelled, RendezvousError, Unavailable
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
-from rendezvous.transport import Reply
+from rendezvous.transport import Carry, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
+
+from .retry import Handed
 
 if TYPE_CHECKING:
     from .servicer import RecvTensorServicer
@@ -61,13 +63,17 @@ class _Outgoing:
     """A reply being written: its next frame is made one step ahead, so the
     writer knows when a reply ends without an extra turn. ``item`` goes back to
     the table if the call is cancelled before the first frame is written; a
-    ``committed`` reply (its bytes already on their way) is written anyway."""
+    ``committed`` reply (its bytes already on their way) is written anyway.
+    A descriptor's transfer (``carry``) starts as its frame is handed over,
+    and commits the reply; a reply dropped before that releases it."""
 
-    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack", "members")
+    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack", "members",
+                 "carry", "remake", "resent")
 
     def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
                  item: Received | None, committed: bool = False, ack: bool = False,
-                 members: list[tuple[Any, str, Received]] | None = None) -> None:
+                 members: list[tuple[int, Any, str, Received]] | None = None, carry: Carry | None = None,
+                 remake: Callable[[list[int]], Iterator[Any]] | None = None, resent: Handed | None = None) -> None:
         self.frames = frames_
         self.next_frame: bytes | None = next(frames_, None)
         self.req = req
@@ -76,17 +82,28 @@ class _Outgoing:
         self.started = False
         self.committed = committed
         self.ack = ack  # only the CANCELLED answer to a cancel
-        #: a group reply's (request, key, item) of each call it answers
+        #: a group reply's (call_id, request, key, item) of each call it answers
         self.members = members
+        self.carry = carry
+        #: a descriptor reply's frames made again for other call ids (one per
+        #: member), to answer a retry with the same transfer (see Handed)
+        self.remake = remake
+        #: what a reply re-sending a handed-over descriptor re-sends
+        self.resent = resent
 
-    def give_back(self, servicer: RecvTensorServicer) -> None:
-        """Its tensors go back to the table: it was never written to its end."""
+    def give_back(self, servicer: RecvTensorServicer, stream: ProducerStream) -> None:
+        """Its tensors go back to the table: it was never written to its end
+        (a descriptor's transfer never started)."""
         if self.committed:
+            if self.carry is not None and not self.started:
+                self.carry.release()  # a re-sent descriptor never handed over: the next retry gets it
             return
+        if self.carry is not None and not self.started:
+            self.carry.release()
         if self.item is not None:
-            servicer.put_back(self.req, self.key, self.item)
-        for req, key, item in self.members or ():
-            servicer.put_back(req, key, item)
+            servicer.put_back(self.req, self.key, self.item, stream)
+        for _, req, key, item in self.members or ():
+            servicer.put_back(req, key, item, stream)
 
 
 # Frames up to this size are packed together into one message (a `batch`);
@@ -97,6 +114,10 @@ _BATCH_BYTES = 1 << 20
 
 #: keys of a batch taken between two turns of the writer (when replies wait to be written)
 _YIELD_EVERY = 8
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _writer_turn() -> None:
@@ -164,10 +185,10 @@ class ProducerStream:
             # with its request_id and the retry cache answers. Committed replies'
             # bytes travel another way and were delivered by their one frame.
             for reply in self.replies.values():
-                reply.give_back(self.s)
+                reply.give_back(self.s, self)
             self.replies.clear()
             for _, req, item, key in self._late:  # taken, their group not made yet
-                self.s.put_back(req, key, item)
+                self.s.put_back(req, key, item, self)
             self._late.clear()
             self.flushing.clear()
 
@@ -273,7 +294,7 @@ class ProducerStream:
         rids = list(rids)
         # The keys whose tensors are here are taken at once, in key order; the
         # rest go one by one (they wait, or their error is answered).
-        taken = self.s.take_ready_many(step, keys, rids)
+        taken = self.s.take_ready_many(step, keys, rids, self)
         group: list[tuple[int, Any, Received, str]] = []
         try:
             for i in range(n):
@@ -294,7 +315,7 @@ class ProducerStream:
             rest = [(0, KeyRequest(step, keys[j], rids[j], opts), got.item, got.key)
                     for j, got in enumerate(taken) if got is not None]
             for _, req, item, key in reversed(group + rest):
-                self.s.put_back(req, key, item)
+                self.s.put_back(req, key, item, self)
             raise
         if group:
             self._reply_groups(group, many)
@@ -325,7 +346,7 @@ class ProducerStream:
         if call_id in self.waiting or call_id in self.replies:
             raise _BadStream(f"call_id {call_id} is already in use on this stream")
         try:
-            taken = self.s.take_now(req)
+            taken = self.s.take_now(req, self)
         except Exception as exc:
             self._reply_error(call_id, req, exc)
             return
@@ -370,13 +391,17 @@ class ProducerStream:
     def _reply_group(self, members: list[tuple[int, Any, Received, str]], request: Any) -> None:
         arrays = [item.value for _, _, item, _ in members]
         call_ids = [m[0] for m in members]
+        carry = None
         try:
             lay = fused.layout(arrays)
-            path, options = self.s.planes.plan_group(request, arrays, lay)
+            path, carry = self.s.planes.plan_group(request, arrays, lay)
+            options = carry.options if carry is not None else None
             # the payload inside (no options): a large one is joined by the writer, one copy
             frame = wire.frame(fused.group_parts(call_ids, None if options else arrays, lay, _now_micros(), options),
                                0 if options else lay.nbytes)
         except Exception as exc:  # answered one by one instead
+            if carry is not None:
+                carry.release()
             log.debug("group reply of %d tensors failed (%r); answering them one by one", len(members), exc)
             for call_id, req, item, key in members:
                 self._reply(call_id, req, item, key)
@@ -384,9 +409,13 @@ class ProducerStream:
         self.s.stats.served(self._path(path), lay.nbytes, len(members), fused=True)
         group_id = self._group_ids
         self._group_ids -= 1
+        remake = None
+        if carry is not None:
+            def remake(ids: list[int], lay: fused.Layout = lay, options: bytes = carry.options) -> Iterator[Any]:
+                return iter((wire.frame(fused.group_parts(ids, None, lay, _now_micros(), options), 0),))
         self._ready(group_id, _Outgoing(iter((frame,)), None, "", None,  # type: ignore[arg-type]
-                                        committed=options is not None,
-                                        members=[(req, key, item) for _, req, item, key in members]))
+                                        members=[(call_id, req, key, item) for call_id, req, item, key in members],
+                                        carry=carry, remake=remake))
 
     def _cancel(self, call_id: int) -> None:
         """The consumer gave up on ``call_id``. What was not sent goes back to the
@@ -404,7 +433,7 @@ class ProducerStream:
         if reply is None or reply.committed or reply.started:
             return
         del self.replies[call_id]
-        reply.give_back(self.s)
+        reply.give_back(self.s, self)
         self._ack_cancel(call_id)
 
     def _ack_cancel(self, call_id: int) -> None:
@@ -419,7 +448,7 @@ class ProducerStream:
 
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:
-            item, key = await self.s.take(req)
+            item, key = await self.s.take(req, self)
         except asyncio.CancelledError:
             self.s.reclaim(req)  # a tensor handed over just as the call was cancelled goes back
             raise
@@ -428,6 +457,11 @@ class ProducerStream:
             return
         finally:
             self._done_waiting(call_id)
+        if req.request_id:
+            handed = self.s.retry.take_resend(req.request_id)
+            if handed is not None:  # a retry of a descriptor lost with its connection
+                self._resend(call_id, req, key, handed)
+                return
         if self._packs(req, item):
             # A batch's key produced while it waited: the tensors produced
             # together (a send_many, a step's gradients) answer in one group
@@ -470,7 +504,7 @@ class ProducerStream:
             outgoing = self._outgoing(call_id, req, key, plan)
         except asyncio.CancelledError:
             if item is not None:
-                self.s.put_back(req, key, item)  # nothing was sent: the tensor stays for a later recv
+                self.s.put_back(req, key, item, self)  # nothing was sent: the tensor stays for a later recv
             raise
         except Exception as exc:
             self._reply_error(call_id, req, exc)
@@ -485,7 +519,59 @@ class ProducerStream:
 
     @staticmethod
     def _outgoing(call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> _Outgoing:
-        return _Outgoing(plan.stream_frames(call_id), req, key, plan.item, plan.committed)
+        carry = plan.carry
+        if carry is None:
+            return _Outgoing(plan.stream_frames(call_id), req, key, plan.item, plan.committed)
+        make = plan.stream_frames
+        return _Outgoing(make(call_id), req, key, plan.item, plan.committed, carry=carry,
+                         remake=lambda ids: make(ids[0]))
+
+    def _hand_over(self, reply: _Outgoing) -> None:
+        """A descriptor leaves and its transfer is posted: a retry of its request
+        ids (the connection died under it) is answered with it again."""
+        handed = reply.resent
+        if handed is None:
+            if reply.remake is None:
+                return
+            if reply.members is not None:
+                rids = [req.request_id for _, req, _, _ in reply.members]
+            elif reply.req is not None and reply.req.request_id:
+                rids = [reply.req.request_id]
+            else:
+                return
+            handed = Handed(reply.remake, rids)
+        self.s.retry.hand_over(handed)
+
+    def _resend(self, call_id: int, req: Any, key: str, handed: Handed) -> None:
+        """Answer a retry with the descriptor handed over for its request id: its
+        consumer never got it, and its transfer waits for that receive. A group
+        answers only this call now (the others' positions answer no call:
+        their retries are answered afresh)."""
+        rid = req.request_id
+        at = handed.rids.index(rid)
+        ids = [fused.NO_CALL + i for i in range(len(handed.rids))]
+        ids[at] = call_id
+        again = Handed(handed.make, [rid if i == at else 0 for i in range(len(handed.rids))])
+        retry = self.s.retry
+        self._ready(call_id, _Outgoing(handed.make(ids), req, key, None, committed=True,
+                                       carry=Carry(b"", _nothing, lambda: retry.restore(rid, again)),
+                                       resent=again))
+
+    def _carry_failed(self, call_id: int, reply: _Outgoing, exc: Exception) -> None:
+        """A descriptor's transfer could not start (the MPI engine is stopping):
+        its tensors go back to the table, and its calls are answered with the
+        error instead."""
+        log.warning("a reply's transfer could not start: %s", exc)
+        error = exc if isinstance(exc, RendezvousError) else Unavailable(f"transfer could not start: {exc}")
+        if reply.item is not None:
+            self.s.put_back(reply.req, reply.key, reply.item, self)
+        calls = [(m[0], m[1]) for m in reply.members] if reply.members else []
+        for _, req, key, item in reply.members or ():
+            self.s.put_back(req, key, item, self)
+        if reply.req is not None:
+            calls.append((call_id, reply.req))
+        for call_id, req in calls:
+            self._reply_error(call_id, req, error)
 
     def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
         if not isinstance(exc, RendezvousError):
@@ -513,6 +599,17 @@ class ProducerStream:
             if batch and len(frame) > _SMALL_FRAME:
                 break  # goes alone, next time
             self.ready.popleft()
+            if not reply.started and reply.carry is not None:
+                # its descriptor leaves now: its transfer starts (never earlier, so a
+                # reply dropped unsent leaves no transfer that nothing will receive)
+                try:
+                    reply.carry.start()
+                except Exception as exc:
+                    del self.replies[call_id]
+                    self._carry_failed(call_id, reply, exc)
+                    continue
+                reply.committed = True
+                self._hand_over(reply)
             reply.started = True
             reply.next_frame = next(reply.frames, None)
             if reply.next_frame is None:

@@ -16,13 +16,14 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
 from rendezvous.table import Received
 
-__all__ = ["RetryCache"]
+__all__ = ["RetryCache", "Handed"]
 
 
 class _Ready:
@@ -49,11 +50,28 @@ class _Ready:
         return self._item
 
 
+class Handed:
+    """A reply whose descriptor was handed to its stream, its transfer posted
+    (an MPI send): if the connection died under it, its consumer never saw it,
+    and the send waits for a receive nobody will post. A retry of one of its
+    ``rids`` (by position: a group reply answers several) is answered with it
+    again (``make(call_ids)``, one call id per position), so the consumer
+    receives that very transfer: a second transfer would leave the first
+    unmatched forever."""
+
+    __slots__ = ("make", "rids")
+
+    def __init__(self, make: Callable[[list[int]], Any], rids: list[int]) -> None:
+        self.make = make
+        self.rids = rids  # 0 where a position answers no retry any more
+
+
 class _Entry:
-    __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn")
+    __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn", "owner",
+                 "resend")
 
     def __init__(self, step_id: int, key: str, task: asyncio.Task | _Ready, handed: int = 0,
-                 done_at: float | None = None, nbytes: int = 0) -> None:
+                 done_at: float | None = None, nbytes: int = 0, owner: object = None) -> None:
         self.step_id = step_id
         self.key = key
         self.withdrawn: RendezvousError | None = None  # why a waiting take was withdrawn
@@ -62,6 +80,10 @@ class _Entry:
         self.handed = handed  # calls the answer was given to (a retry on another stream is one more)
         self.done_at = done_at
         self.nbytes = nbytes
+        #: the stream the answer was last handed to (see cut_off); None: not said
+        self.owner = owner
+        #: a descriptor handed over for this id whose transfer was posted (see hand_over)
+        self.resend: Handed | None = None
 
 
 class RetryCache:
@@ -75,16 +97,20 @@ class RetryCache:
         self._done: OrderedDict[int, _Entry] = OrderedDict()  # completed, oldest first
         self._done_bytes = 0
         self._answered: OrderedDict[int, None] = OrderedDict()  # ids whose answers were released
+        #: ids whose answer went back to the table (cut_off): a reply on an older
+        #: stream cut off later must not put it back a second time
+        self._requeued: OrderedDict[int, None] = OrderedDict()
         self._timer: asyncio.TimerHandle | None = None  # releases answers when their window ends
 
     def __len__(self) -> int:
         return len(self._entries)
 
     async def run(self, step_id: int, request_id: int,
-                  take: Callable[[], Awaitable[Received]], key: str = "") -> Received:
-        """The answer for ``request_id``, taking a tensor only the first time. The
-        same id for another step or key is INVALID_ARGUMENT (a retry asks for
-        the same tensor)."""
+                  take: Callable[[], Awaitable[Received]], key: str = "", owner: object = None) -> Received:
+        """The answer for ``request_id``, taking a tensor only the first time,
+        for a reply on the stream ``owner`` (see :meth:`cut_off`). The same id
+        for another step or key is INVALID_ARGUMENT (a retry asks for the same
+        tensor)."""
         self._expire(time.monotonic())
         entry = self._entries.get(request_id)
         if entry is None:
@@ -95,6 +121,8 @@ class RetryCache:
             entry = _Entry(step_id, key, asyncio.ensure_future(take()))
             entry.task.add_done_callback(lambda t, rid=request_id: self._completed(rid, t))
             self._entries[request_id] = entry
+            if self._requeued:
+                self._requeued.pop(request_id, None)
         elif entry.step_id != step_id:
             raise InvalidArgument(
                 f"request_id {request_id} was first used for step {entry.step_id}, now for step {step_id}")
@@ -106,6 +134,8 @@ class RetryCache:
             task = entry.task
             answer = task.result() if type(task) is _Ready else await asyncio.shield(task)
             entry.handed += 1
+            if owner is not None:
+                entry.owner = owner
             return answer
         except asyncio.CancelledError:
             current = asyncio.current_task()
@@ -129,10 +159,14 @@ class RetryCache:
         """Held, in flight, or answered and released: a retry, not a new request."""
         return request_id in self._entries or request_id in self._answered
 
-    def record(self, step_id: int, request_id: int, item: Received, key: str = "") -> None:
-        """Note an answer taken without waiting (the tensor was already there): no
-        future, no callback (a batch records thousands)."""
-        entry = self._entries[request_id] = _Entry(step_id, key, _Ready(item))  # type: ignore[arg-type]
+    def record(self, step_id: int, request_id: int, item: Received, key: str = "", owner: object = None) -> None:
+        """Note an answer taken without waiting (the tensor was already there), for
+        a reply on the stream ``owner``: no future, no callback (a batch records
+        thousands)."""
+        entry = self._entries[request_id] = _Entry(step_id, key, _Ready(item),  # type: ignore[arg-type]
+                                                   owner=owner)
+        if self._requeued:
+            self._requeued.pop(request_id, None)
         entry.handed = 1
         done_at = entry.done_at = time.monotonic()
         entry.nbytes = int(getattr(item.value, "nbytes", 0) or 0)
@@ -142,7 +176,7 @@ class RetryCache:
         if self._timer is None:
             self._arm()
 
-    def record_many(self, step_id: int, answers: list[tuple[int, Received, str]]) -> None:
+    def record_many(self, step_id: int, answers: list[tuple[int, Received, str]], owner: object = None) -> None:
         """:meth:`record` for a batch's answers, ``(request_id, item, key)``:
         one clock reading and one release check for all of them."""
         if not answers:
@@ -155,8 +189,11 @@ class RetryCache:
         for request_id, item, key in answers:
             value = item.value
             nbytes = value.nbytes if type(value) is ndarray else int(getattr(value, "nbytes", 0) or 0)
-            entries[request_id] = done[request_id] = _Entry(step_id, key, _Ready(item), 1, done_at, nbytes)
+            entries[request_id] = done[request_id] = _Entry(step_id, key, _Ready(item), 1, done_at, nbytes, owner)
             added += nbytes
+        if self._requeued:
+            for request_id, _, _ in answers:
+                self._requeued.pop(request_id, None)
         self._done_bytes += added
         self._expire(done_at)
         if self._timer is None:
@@ -184,16 +221,67 @@ class RetryCache:
         if entry is not None and request_id in self._done and not entry.waiters:
             self._release(request_id)
 
-    def cut_off(self, request_id: int) -> bool:
-        """A reply carrying this id's answer was not sent to its end (a cancel came
-        first, or its stream broke). True when no other call was given the answer
-        (a retry of the same id on another stream): the id is forgotten and the
-        caller puts the tensor back. False when another reply carries it."""
+    def hand_over(self, handed: Handed) -> None:
+        """The descriptor ``handed`` left for its request ids: a retry of one of
+        them is answered with it (:meth:`take_resend`) while the answer is held."""
+        entries = self._entries
+        for rid in handed.rids:
+            if rid:
+                entry = entries.get(rid)
+                if entry is not None:
+                    entry.resend = handed
+
+    def take_resend(self, request_id: int) -> Handed | None:
+        """The descriptor handed over for ``request_id`` (a retry: its consumer
+        never got it), claimed for this retry: one reply carries a transfer to
+        its end. The other ids it answers are no longer carried by it (their
+        retries are answered afresh, from the answer held). None if there is
+        none."""
         entry = self._entries.get(request_id)
-        if entry is not None and entry.handed > 1:
+        if entry is None or entry.resend is None:
+            return None
+        handed = entry.resend
+        for rid in handed.rids:
+            other = self._entries.get(rid) if rid else None
+            if other is not None and other.resend is handed:
+                other.resend = None
+        return handed
+
+    def restore(self, request_id: int, handed: Handed) -> None:
+        """A reply re-sending ``handed`` for ``request_id`` was dropped unsent
+        (its stream ended first): the next retry of the id gets it again."""
+        entry = self._entries.get(request_id)
+        if entry is not None and entry.resend is None:
+            entry.resend = handed
+
+    def cut_off(self, request_id: int, owner: object = None) -> bool:
+        """A reply carrying this id's answer, on the stream ``owner``, was not
+        sent to its end (a cancel came first, or its stream broke). True when
+        the caller puts the tensor back: the id is forgotten (a later retry
+        takes afresh). False when another reply carries it.
+
+        Only the newest reply decides. A retry reaches a producer on a new
+        stream only once its consumer's old stream broke, so a reply on an
+        older stream can no longer deliver, cut off or written: a reply on an
+        older stream cut off after a retry was handed the answer puts nothing
+        back (the retry's reply carries it), and once the newest reply is cut
+        off and the tensor is back, an older one cut off later puts nothing
+        back a second time. Streams not said (``owner`` None): the answer
+        stays while another call was handed it."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return request_id not in self._requeued
+        if owner is not None and entry.owner is not None:
+            if entry.owner is not owner:
+                entry.handed -= 1
+                return False
+        elif entry.handed > 1:
             entry.handed -= 1
             return False
         self.forget(request_id)
+        self._requeued[request_id] = None
+        while len(self._requeued) > self.max_ids:
+            self._requeued.popitem(last=False)
         return True
 
     def forget(self, request_id: int) -> None:

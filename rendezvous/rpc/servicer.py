@@ -115,8 +115,9 @@ class RecvTensorServicer:
 
     # -- taking a tensor ----------------------------------------------------
 
-    async def take(self, req: pb.RecvTensorRequest) -> Taken:
-        """Wait for the tensor ``req`` asks for.
+    async def take(self, req: pb.RecvTensorRequest, owner: object = None) -> Taken:
+        """Wait for the tensor ``req`` asks for, for a reply on the stream
+        ``owner`` (see :meth:`put_back`).
 
         While draining, only tensors already produced (or answers already
         given, by request_id) are served; a recv that would wait gets
@@ -125,32 +126,33 @@ class RecvTensorServicer:
         step = req.step_id
         if self.draining:
             if req.request_id and self.retry.has(req.request_id):
-                return Taken(await self.retry.run(step, req.request_id, self._never, canonical), canonical)
+                return Taken(await self.retry.run(step, req.request_id, self._never, canonical, owner), canonical)
             item = self.table.try_take(step, canonical)
             if item is None:
                 raise Unavailable(f"server {self.task} is draining; not accepting new recvs")
             return Taken(item, canonical)
         if req.request_id:
-            item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical), canonical)
+            item = await self.retry.run(step, req.request_id, lambda: self.table.recv(step, canonical), canonical,
+                                        owner)
         else:
             item = await self.table.recv(step, canonical)
         return Taken(item, canonical)
 
-    async def _take_traced(self, req: pb.RecvTensorRequest) -> Taken:
+    async def _take_traced(self, req: pb.RecvTensorRequest, owner: object = None) -> Taken:
         """:meth:`take`, its wait written to the timeline (the reply's planning ends
         the span: :class:`rendezvous.timeline.TracedPlanes`)."""
         timeline = self.timeline
         assert timeline is not None
         start = now()
         try:
-            taken = await RecvTensorServicer.take(self, req)
+            taken = await RecvTensorServicer.take(self, req, owner)
         except BaseException as exc:
             timeline.serve_failed(req, start, exc)
             raise
         timeline.taken(req, taken.key, taken.item, start)
         return taken
 
-    def take_now(self, req: pb.RecvTensorRequest) -> Taken | None:
+    def take_now(self, req: pb.RecvTensorRequest, owner: object = None) -> Taken | None:
         """The tensor if it is already produced, else None (then use
         :meth:`take`). Retries of a known request_id always go through take."""
         if self.draining:
@@ -163,13 +165,13 @@ class RecvTensorServicer:
         if item is None:
             return None
         if rid:
-            self.retry.record(req.step_id, rid, item, key)
+            self.retry.record(req.step_id, rid, item, key, owner)
         if self.timeline is not None:
             self.timeline.taken(req, key, item, None)
         return Taken(item, key)
 
     def take_ready_many(self, step_id: int, raws: Sequence[str],
-                        request_ids: Sequence[int]) -> list[Taken | None]:
+                        request_ids: Sequence[int], owner: object = None) -> list[Taken | None]:
         """:meth:`take_now` for a batch's keys at once: each key's tensor if it is
         already produced, taken (in key order) and recorded for its request_id.
         None where the key goes through :meth:`take_now` or :meth:`take` on its
@@ -209,7 +211,7 @@ class RecvTensorServicer:
                 out[i] = new(Taken, (item, key))
                 if request_ids[i]:
                     answers.append((request_ids[i], item, key))  # type: ignore[arg-type]
-        self.retry.record_many(step_id, answers)
+        self.retry.record_many(step_id, answers, owner)
         return out
 
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
@@ -245,11 +247,12 @@ class RecvTensorServicer:
             if item is not None:
                 self.put_back(req, self._check_key(req), item)
 
-    def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received) -> None:
-        """Return an item whose reply was not sent to its end (the consumer
-        cancelled, or the stream broke) to the table, unless a retry of the same
-        request_id on another stream was given it too: that reply carries it."""
-        if req.request_id and not self.retry.cut_off(req.request_id):
+    def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received, owner: object = None) -> None:
+        """Return an item whose reply (on the stream ``owner``) was not sent to
+        its end (the consumer cancelled, or the stream broke) to the table,
+        unless a retry of the same request_id on another stream was given it
+        since: that reply carries it (see RetryCache.cut_off)."""
+        if req.request_id and not self.retry.cut_off(req.request_id, owner):
             return
         try:
             self.table.requeue(req.step_id, key, item)

@@ -35,7 +35,7 @@ from rendezvous.errors import Internal
 from rendezvous.paths import Path
 from rendezvous.table import Received
 
-__all__ = ["Path", "Reply", "Arrival", "Fetched", "DataPlane", "Planes", "descriptor_type"]
+__all__ = ["Path", "Reply", "Carry", "Arrival", "Fetched", "DataPlane", "Planes", "descriptor_type"]
 
 
 @dataclass(slots=True)
@@ -49,17 +49,38 @@ class Reply:
     table if the reply is dropped before its first frame is written; a
     *committed* reply (its bytes already on their way) has none and is always
     delivered. ``prepare``, when set, must be awaited first: it returns the
-    reply to send (a GPU tensor copied to the host, for instance)."""
+    reply to send (a GPU tensor copied to the host, for instance).
+
+    ``carry``, when set, is the transfer a descriptor announces: started by
+    the stream as it hands the descriptor over (never before: a descriptor
+    that never leaves must not leave its bytes waiting in the network for a
+    receive nobody will post), or released, with ``item`` put back, if the
+    reply is dropped first. A stream-less caller (``unary``) must not use
+    such a reply."""
 
     path: Path
     stream_frames: Callable[[int], Iterator[Any]]
     unary: Callable[[], bytes]
     item: Received | None
     prepare: Callable[[], Awaitable["Reply"]] | None = None
+    carry: "Carry | None" = None
 
     @property
     def committed(self) -> bool:
         return self.item is None
+
+
+class Carry(NamedTuple):
+    """A transfer a descriptor announces, planned but not started: ``start()``
+    once the descriptor is handed to its stream (it may raise: then nothing
+    was started, and the reply is answered with that error), or
+    ``release()`` if the reply is dropped unsent. Exactly one of them is
+    called, once. ``options``: the ``Any`` that announces it (a group
+    frame's ``transport_options``)."""
+
+    options: bytes
+    start: Callable[[], None]
+    release: Callable[[], None]
 
 
 class Arrival(NamedTuple):
@@ -104,7 +125,8 @@ class DataPlane(ABC):
     def plan(self, request: Any, item: Received) -> Reply | None:
         """A reply carrying ``item`` to the consumer that sent ``request``, or
         None if this plane cannot carry it. A committed reply's transfer is
-        posted before this returns."""
+        posted before this returns; a reply with a ``carry`` is started by
+        the stream that hands it over."""
 
     @abstractmethod
     def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
@@ -115,10 +137,10 @@ class DataPlane(ABC):
         """A reply for a recv that no longer waits: take its bytes and drop them.
         Nothing to do where the bytes travel in the reply itself."""
 
-    def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> bytes | None:
+    def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> Carry | None:
         """Carry the payload of a group reply (:mod:`rendezvous.fused`: ``arrays``
-        packed by ``layout``) for the consumer that sent ``request``: post the
-        transfer and return the ``Any`` the group frame announces it with, or
+        packed by ``layout``) for the consumer that sent ``request``: the
+        transfer, planned (started when the group frame is handed over), or
         None (the payload travels inside the frame)."""
         return None
 
@@ -180,13 +202,13 @@ class Planes:
         assert reply is not None, "the inline plane carries every tensor"
         return reply
 
-    def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> tuple[Path, bytes | None]:
-        """How a group reply's payload travels: the first plane that posts it
-        (its path, and the ``Any`` the frame carries), else inside the frame."""
+    def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> tuple[Path, Carry | None]:
+        """How a group reply's payload travels: the first plane that carries it
+        (its path, and the planned transfer), else inside the frame."""
         for plane in self.planes[:-1]:
-            options = plane.plan_group(request, arrays, layout)
-            if options is not None:
-                return plane.path, options
+            carry = plane.plan_group(request, arrays, layout)
+            if carry is not None:
+                return plane.path, carry
         return self.inline.path, None
 
     def receive_group(self, reply: bytes, group: Any) -> Awaitable[Any]:
