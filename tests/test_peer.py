@@ -689,6 +689,49 @@ def test_an_orphan_whose_cancel_never_got_an_answer_keeps_its_request_id_when_th
     run(main(), 20)
 
 
+def test_every_request_id_left_in_doubt_for_a_key_is_asked_again_oldest_first():
+    """Two recvs of one key cut off by one broken stream (one gave up and was
+    waiting for its cancel's answer, the other had asked after it): the
+    producer may have taken a tensor for each, so both ids stay in doubt, and
+    the next recvs of the key ask with them in the order they were taken (one
+    id per key lost the older one: its tensor, taken and never delivered,
+    was lost). A recv that gives up before it could ask with its id (no
+    stream yet) leaves it in doubt as well."""
+    async def main():
+        async with scripted(reconnect_attempts=0) as (peer, client):
+            side = await connected(peer, client)
+            orphan = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=0.2))
+            (req1,) = await side.recvs(1)
+            with pytest.raises(DeadlineExceeded):
+                await orphan
+            assert (await side.next()).WhichOneof("kind") == "cancel"
+            later = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+            (req2,) = await side.recvs(1)
+            side.abort(grpc.StatusCode.UNAVAILABLE, "the cable")
+            with pytest.raises(PeerUnavailable):
+                await later
+            asked = []
+            for value in (1, 2):
+                r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+                again = side if asked else await peer.stream()
+                side = again
+                (req,) = await again.recvs(1)
+                asked.append(req.recv.request_id)
+                again.write(*reply(req.call_id, np.array([value])))
+                assert (await r).item.value.tolist() == [value]
+            assert asked == [req1.recv.request_id, req2.recv.request_id]
+            assert not client._unsettled
+            # in doubt, and given up before a stream was there to ask on: still in doubt
+            client.unsettled(2, K2, 4242)
+            await peer.server.stop(0)
+            side.abort(grpc.StatusCode.UNAVAILABLE, "gone")
+            await until(lambda: not client.live_stream(), what="the client to see the stream end")
+            with pytest.raises((PeerUnavailable, DeadlineExceeded)):
+                await client.recv(K2, step_id=2, timeout=0.5)
+            assert list(client._unsettled[(2, K2)]) == [4242]
+    run(main(), 20)
+
+
 def test_a_recv_the_producer_answered_with_an_error_does_not_keep_its_id():
     async def main():
         async with scripted() as (peer, client):

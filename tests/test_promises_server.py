@@ -81,9 +81,9 @@ def _record_request_ids(server: aio.Server) -> list[int]:
     seen: list[int] = []
     take_now = server.servicer.take_now
 
-    def recording(req):
+    def recording(req, owner=None):
         seen.append(req.request_id)
-        return take_now(req)
+        return take_now(req, owner)
 
     server.servicer.take_now = recording
     return seen

@@ -9,7 +9,7 @@ import pytest
 
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument
 from rendezvous.table import WaitingTable
-from rendezvous.rpc.retry import RetryCache
+from rendezvous.rpc.retry import Handed, RetryCache
 
 from conftest import run
 
@@ -153,6 +153,77 @@ def test_a_cut_off_reply_goes_back_only_when_no_retry_of_its_id_carries_the_tens
         cache.close()
 
     run(main())
+
+
+def test_only_the_newest_reply_of_an_id_decides_whether_its_tensor_goes_back():
+    """Replies on streams (``owner``): a retry reaches the producer on a new
+    stream only once its consumer's old one broke, so the old stream's reply
+    can deliver no more. The retry's reply cut off (its consumer cancelled)
+    puts the tensor back even though the old reply was handed the answer
+    first (it was kept: the tensor was lost); the old reply cut off after the
+    retry was handed the answer puts nothing back; and once the tensor is
+    back, an old reply cut off later does not put it back a second time."""
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        old, new, newer = object(), object(), object()
+        item = (await _taken(table, "k"))
+        cache.record(1, 5, item, "k", old)  # written into a connection that died
+        assert await cache.run(1, 5, _never, "k", new) is item  # the retry, on a new stream
+        assert cache.cut_off(5, new)  # the retry's reply cancelled unsent: back to the table
+        assert not cache.known(5)
+        assert not cache.cut_off(5, old)  # the dead stream's reply cut off later: back once only
+        # the old reply cut off while the retry's reply carries the tensor: nothing goes back
+        cache.record(1, 6, item, "k", old)
+        assert await cache.run(1, 6, _never, "k", new) is item
+        assert not cache.cut_off(6, old) and cache.known(6)
+        # a retry of a retry: only the newest decides
+        assert await cache.run(1, 6, _never, "k", newer) is item
+        assert not cache.cut_off(6, new)
+        assert cache.cut_off(6, newer) and not cache.known(6)
+        # the id asked afresh after it went back: its new answer is cut off as usual
+        cache.record(1, 5, item, "k", newer)
+        assert cache.cut_off(5, newer)
+        cache.close()
+
+    run(main())
+
+
+def test_a_retry_of_a_handed_over_descriptor_gets_it_once_per_hand_over():
+    """A descriptor handed over for ids 11, 12, 13 (a group): a retry of any of
+    them (the connection died under it) claims it, and the others no longer
+    get it (their retries are answered afresh); a re-send dropped unsent is
+    restored for its own id only; the descriptor goes with its answer."""
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        item = await _taken(table, "k")
+        for rid in (11, 12, 13):
+            cache.record(1, rid, item, "k")
+        group = Handed(lambda ids: ids, [11, 12, 13])
+        cache.hand_over(group)
+        assert cache.take_resend(12) is group
+        assert cache.take_resend(11) is None and cache.take_resend(13) is None and cache.take_resend(12) is None
+        again = Handed(group.make, [0, 12, 0])
+        cache.restore(12, again)  # the re-send never left: the next retry of 12 gets it
+        assert cache.take_resend(11) is None and cache.take_resend(12) is again
+        cache.hand_over(Handed(group.make, [99]))  # an id with no answer held: nothing to re-send
+        assert cache.take_resend(99) is None
+        cache.hand_over(again)
+        cache.cut_off(12)  # its answer went back to the table: nothing to re-send either
+        assert cache.take_resend(12) is None
+        cache.close()
+
+    run(main())
+
+
+async def _taken(table: WaitingTable, key: str):
+    table.send(1, key, np.arange(3), False)
+    return await table.recv(1, key)
+
+
+async def _never():
+    raise AssertionError("a retry takes nothing")
 
 
 def test_a_request_id_asks_for_one_tensor_only():

@@ -25,7 +25,7 @@ from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
 from rendezvous.table import Received, WaitingTable
 from rendezvous.tensors import TensorMeta
-from rendezvous.transport import DataPlane, Path, Planes, Reply
+from rendezvous.transport import Carry, DataPlane, Path, Planes, Reply
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -50,21 +50,38 @@ def K(name: str) -> str:
 
 
 class CommittedPlane(DataPlane):
-    """A descriptor plane that takes every live tensor: its replies are committed
-    (no item), as an MPI plane's are once the send is posted."""
+    """A descriptor plane that takes every live tensor, as an MPI plane does: each
+    reply announces a transfer of its own (numbered in its descriptor) that the
+    stream starts as it hands the descriptor over (``started``), or releases
+    if it drops the reply first (``released``). With ``groups``, a group's
+    payload travels that way too."""
 
     path = Path.MPI
     descriptor_url = "type.googleapis.com/test.Committed"
 
-    def __init__(self) -> None:
+    def __init__(self, groups: bool = False) -> None:
         self.planned: list[Received] = []
+        self.started: list[int] = []
+        self.released: list[int] = []
+        self.groups = groups
+
+    def _carry(self) -> Carry:
+        number = len(self.planned) - 1  # the plan this transfer belongs to
+        options = any_pb2.Any(type_url=self.descriptor_url, value=bytes([8, number])).SerializeToString()
+        return Carry(options, lambda: self.started.append(number), lambda: self.released.append(number))
 
     def plan(self, request, item):
         self.planned.append(item)
-        options = any_pb2.Any(type_url=self.descriptor_url, value=b"\x08\x07").SerializeToString()
-        response = frames.descriptor_response(TensorMeta(item.value.dtype, item.value.shape), options)
+        carry = self._carry()
+        response = frames.descriptor_response(TensorMeta(item.value.dtype, item.value.shape), carry.options)
         return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
-                     lambda: response, None)
+                     lambda: response, item, carry=carry)
+
+    def plan_group(self, request, arrays, layout):
+        if not self.groups:
+            return None
+        self.planned.append(Received(list(arrays), False))
+        return self._carry()
 
     def receive(self, reply, head, placement):
         raise AssertionError("the producer never receives")
@@ -88,12 +105,12 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def serving(*, chunk_bytes: int = 1 << 20, descriptor: bool = False,
+async def serving(*, chunk_bytes: int = 1 << 20, descriptor: bool = False, groups: bool = False,
                   devices: Devices | None = None, fusion: tuple[int, int] = (4096, 1 << 20)) -> AsyncIterator[Harness]:
     table, stats = WaitingTable(), Stats()
     inline = InlinePlane(chunk_bytes=chunk_bytes, buffers=RecvBuffers(), devices=devices or Devices([]),
                          staging=(4096, 2), stats=stats)
-    planes = Planes([CommittedPlane(), inline] if descriptor else [inline])
+    planes = Planes([CommittedPlane(groups), inline] if descriptor else [inline])
     servicer = RecvTensorServicer(table, ME, stats=stats, planes=planes, retry=RetryCache(30, 1 << 30),
                                   fusion=fusion)
     server = grpc.aio.server()
@@ -123,6 +140,7 @@ class RawStream:
         self.done: dict[int, object] = {}
         self.order: list[int] = []  # call ids in the order their replies completed
         self.groups: list[list[int]] = []  # the call ids of each group reply, in order
+        self.options: dict[int, bytes] = {}  # each descriptor's transport_options, by call id
         self._assembling: dict[int, frames.Assembly] = {}
         self.code: grpc.StatusCode | None = None
         self.details = ""
@@ -154,8 +172,10 @@ class RawStream:
                 group = fused.parse_group(buf, *frame.group)
                 self.groups.append(group.call_ids)
                 if group.payload is None:
+                    a, b = group.transport_options
                     for c in group.call_ids:
                         self._complete(c, ("group descriptor", group))
+                        self.options[c] = bytes(buf[a:b])
                 else:
                     for c, v in zip(group.call_ids, fused.views(group, buf, group.payload[0])):
                         self._complete(c, v)
@@ -167,6 +187,8 @@ class RawStream:
                     self._complete(cid, DEAD)
                 elif head.transport_options is not None:
                     self._complete(cid, ("descriptor", head))
+                    a, b = head.transport_options
+                    self.options[cid] = bytes(buf[a:b])
                 else:
                     value = frames.decode_inline(buf, head.tensor)
                     if isinstance(value, frames.Assembly):
@@ -325,23 +347,120 @@ def test_cancel_of_a_reply_not_started_puts_the_tensor_back():
     run(main(), 20)
 
 
-def test_committed_reply_is_written_even_after_its_cancel():
+def test_a_descriptors_transfer_starts_as_it_is_handed_over_and_a_cancel_before_puts_it_back():
+    """A descriptor's transfer (an MPI send) starts only when the stream hands the
+    descriptor over: a cancel that comes first puts the tensor back and
+    releases the transfer, so no send waits for a receive nobody will post.
+    Once handed over, the reply is committed: a cancel then is not answered
+    (the consumer receives the bytes and keeps them)."""
     async def main():
         async with serving(descriptor=True) as h:
             s = h.stream()
+            plane = h.servicer.planes.planes[0]
             value = np.ones((4, 8), np.float32)
             h.table.send(1, K("m"), value)
-            await s.send(recv(1, K("m")), frames.cancel_request(1))
-            kind, head = await s.result(1)
+            # one message: planned, then cancelled before the writer ever runs
+            await s.send(recv(1, K("m"), request_id=31), frames.cancel_request(1))
+            assert isinstance(await s.result(1), errors.Cancelled)
+            assert plane.started == [] and plane.released == [0]
+            assert _tensors(h.table) == {K("m"): 1}  # back, as if never asked
+            await s.send(recv(2, K("m"), request_id=31))
+            kind, head = await s.result(2)
             assert kind == "descriptor" and head.tensor is not None
-            plane = h.servicer.planes.planes[0]
-            assert len(plane.planned) == 1 and plane.planned[0].value is value
-            assert len(h.table) == 0  # its bytes are on their way: nothing goes back
-            assert h.stats.snapshot()["mpi"]["served"] == 1
+            assert len(plane.planned) == 2 and plane.planned[1].value is value and plane.started == [1]
+            await s.send(frames.cancel_request(2))  # handed over: committed, the cancel changes nothing
+            assert len(h.table) == 0
+            assert h.stats.snapshot()["mpi"]["served"] == 2
             # dead tensors still go inline
             h.table.send(1, K("dead"), None, is_dead=True)
-            await s.send(recv(2, K("dead")))
-            assert await s.result(2) == DEAD and len(plane.planned) == 1
+            await s.send(recv(3, K("dead")))
+            assert await s.result(3) == DEAD and len(plane.planned) == 2
+    run(main(), 20)
+
+
+def test_a_descriptor_never_handed_over_goes_back_when_its_stream_ends():
+    """The stream ends while a descriptor waits behind a write that never
+    returns: its tensor goes back to the table and its transfer is released,
+    never started."""
+    async def main():
+        table, stats = WaitingTable(), Stats()
+        inline = InlinePlane(chunk_bytes=1 << 20, buffers=RecvBuffers(), devices=Devices([]),
+                             staging=(4096, 2), stats=stats)
+        plane = CommittedPlane()
+        servicer = RecvTensorServicer(table, ME, stats=stats, planes=Planes([plane, inline]),
+                                      retry=RetryCache(30, 1 << 30))
+        context = _HeldContext()  # the first write never returns
+        incoming: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def requests():
+            while True:
+                yield await incoming.get()
+
+        table.send(1, K("first"), np.zeros(4))
+        table.send(1, K("second"), np.ones(4))
+        handler = asyncio.ensure_future(servicer.serve_stream(requests(), context))
+        incoming.put_nowait(recv(1, K("first"), request_id=5))
+        await asyncio.wait_for(context.holding.wait(), 10)
+        incoming.put_nowait(recv(2, K("second"), request_id=6))
+        await until(lambda: len(plane.planned) == 2, what="the second descriptor to be planned")
+        handler.cancel()
+        await asyncio.gather(handler, return_exceptions=True)
+        assert plane.started == [0] and plane.released == [1]
+        assert _tensors(table) == {K("second"): 1}
+        servicer.retry.close()
+    run(main(), 20)
+
+
+def test_a_retry_of_a_handed_over_descriptor_gets_that_descriptor_again():
+    """A descriptor handed over into a connection that died: its consumer asks
+    again with the request_id on a new stream, and gets the same descriptor
+    (its transfer, started once, waits for that receive), not a second
+    transfer of the tensor, again if that one is lost too."""
+    async def main():
+        async with serving(descriptor=True) as h:
+            plane = h.servicer.planes.planes[0]
+            h.table.send(1, K("d"), np.arange(6, dtype=np.float32))
+            first = h.stream()
+            await first.send(recv(1, K("d"), request_id=21))
+            assert (await first.result(1))[0] == "descriptor"
+            retry = h.stream()
+            await retry.send(recv(4, K("d"), request_id=21))
+            assert (await retry.result(4))[0] == "descriptor"
+            assert plane.started == [0] and len(plane.planned) == 1  # no second transfer
+            assert retry.options[4] == first.options[1]
+            third = h.stream()
+            await third.send(recv(9, K("d"), request_id=21))
+            assert (await third.result(9))[0] == "descriptor"
+            assert third.options[9] == first.options[1] and plane.started == [0]
+            assert len(h.table) == 0
+    run(main(), 20)
+
+
+def test_a_retry_of_one_call_of_a_handed_over_group_gets_the_group_for_it_alone():
+    """A group whose payload travels as one transfer, handed over into a dead
+    connection: the first retry of one of its calls gets the same group
+    frame, answering only that call (the others' positions answer no call),
+    so the consumer receives the transfer; a retry of another of its calls is
+    answered afresh, with a transfer of its own. Each tensor is taken once."""
+    async def main():
+        async with serving(descriptor=True, groups=True) as h:
+            plane = h.servicer.planes.planes[0]
+            for i in range(3):
+                h.table.send(1, K(f"g{i}"), np.full(4, i, np.float32))
+            first = h.stream()
+            await first.send(recv_many(1, [K("g0"), K("g1"), K("g2")], request_ids=[11, 12, 13]))
+            await first.result(1)
+            assert first.groups == [[1, 2, 3]] and plane.started == [0]
+            retry = h.stream()
+            await retry.send(recv(7, K("g1"), request_id=12))
+            kind, group = await retry.result(7)
+            assert kind == "group descriptor" and retry.options[7] == first.options[2]
+            assert retry.groups == [[fused.NO_CALL, 7, fused.NO_CALL + 2]]
+            assert plane.started == [0] and len(plane.planned) == 1  # the same transfer
+            await retry.send(recv(8, K("g0"), request_id=11))
+            kind, _ = await retry.result(8)
+            assert kind == "descriptor" and plane.started == [0, 1]  # a transfer of its own
+            assert len(h.table) == 0
     run(main(), 20)
 
 

@@ -182,8 +182,10 @@ class ProducerStream:
             # its consumer may well have it (and have closed the stream for that
             # very reason), so it is not put back (that made a ghost the next recv
             # took again); if the connection died with it, the consumer asks again
-            # with its request_id and the retry cache answers. Committed replies'
-            # bytes travel another way and were delivered by their one frame.
+            # with its request_id and the retry cache answers. A descriptor never
+            # handed over releases its transfer (never started) and goes back
+            # too; one handed over is committed (its transfer waits for the
+            # consumer's receive), and a retry of its id gets it again (Handed).
             for reply in self.replies.values():
                 reply.give_back(self.s, self)
             self.replies.clear()
