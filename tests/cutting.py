@@ -5,7 +5,8 @@ alive and asking again.
 ``Relay(target)`` listens on an OS-chosen loopback port and forwards every
 connection to ``target``; :meth:`Relay.cut` resets every connection open now
 (both sides see the connection die mid-stream, with whatever was in flight
-lost), and new connections are relayed again at once.
+lost), and new connections are relayed again at once. ``cuts`` counts the
+resets that found a connection open, ``connections`` those relayed.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class Relay:
                 _reset(w)
 
     def cut(self) -> int:
-        """Reset every connection open now; how many there were."""
+        """Reset every connection open now; how many there were (``cuts``
+        counts the calls that found one open)."""
         open_now = list(self._open)
         for w in open_now:
             _reset(w)
         self._open.difference_update(open_now)
-        self.cuts += 1
+        if open_now:
+            self.cuts += 1
         return len(open_now) // 2
 
     async def close(self) -> None:

@@ -354,15 +354,20 @@ def exactly_once(count: str = "1000", api: str = "aio", cuts: str = "0") -> None
     rank, _ = launcher_rank() or (0, 1)
     blocking = api == "blocking"
 
+    # a recv cut off more often than reconnect_attempts (3) fails with UNAVAILABLE;
+    # one whose deadline has grown long sees several cuts: it is re-sent each time
+    settings = {"reconnect_attempts": 1000} if cut_left else {}
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         pool = concurrent.futures.ThreadPoolExecutor(16)
         if blocking:
-            sync = rendezvous.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi")
+            sync = rendezvous.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi",
+                                     **settings)
             await loop.run_in_executor(pool, sync.start)
             server = sync.aio  # what is left is read on its loop (below)
         else:
-            server = aio.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi")
+            server = aio.Server({"worker": ["127.0.0.1:0"] * 2}, "worker", rank, protocol="grpc+mpi", **settings)
             await server.start()
 
         async def on_server(fn):  # run fn() (a function or a coroutine function) on the server's loop
@@ -400,9 +405,8 @@ def exactly_once(count: str = "1000", api: str = "aio", cuts: str = "0") -> None
             nonlocal arrived, cut_left
             got = await receiving
             arrived += 1
-            if cut_left and arrived % every == 0:
-                cut_left -= 1
-                relay.cut()
+            if cut_left and arrived % every == 0 and relay.cut():
+                cut_left -= 1  # (a tensor kept here may arrive while no connection is open)
             return got
 
         if rank == 1:
