@@ -248,8 +248,7 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once(path, api):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("path,api", [("grpc-requests-optimal", "aio"), ("grpc-requests-optimal", "batch"),
-                                      ("grpc-requests-default", "aio"), ("mpi-disabled", "aio")])
+@pytest.mark.parametrize("path,api", [("grpc-requests-optimal", "aio"), ("grpc-requests-optimal", "batch")])
 def test_connections_cut_mid_race_deliver_every_tensor_exactly_once(path, api):
     """The race above with the consumer's connection to the producer reset
     eight times while tensors are in flight (tests/cutting.py): replies and
