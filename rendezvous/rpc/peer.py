@@ -253,9 +253,9 @@ class PeerClient:
         self._unsettled_ids += 1
         while self._unsettled_ids > _UNSETTLED:
             oldest = next(iter(self._unsettled))
-            self._settled_id(*oldest)
+            self._take_unsettled(*oldest)
 
-    def _settled_id(self, step_id: int, key: str) -> int | None:
+    def _take_unsettled(self, step_id: int, key: str) -> int | None:
         """The oldest request_id left unsettled for ``key`` (a new recv of it asks
         with that id), or None."""
         ids = self._unsettled.get((step_id, key))
@@ -288,7 +288,7 @@ class PeerClient:
         key_bytes = key.encode()
         # A recv of this key that ended unanswered on a broken stream asked with
         # this id: ask again with it (see unsettled).
-        unsettled = self._settled_id(step_id, key) if self._unsettled else None
+        unsettled = self._take_unsettled(step_id, key) if self._unsettled else None
         request_id = unsettled or self._take_request_ids(1)
         attempts = 0
         # sent (now, or by the recv whose id this is), and not answered by the
@@ -373,7 +373,7 @@ class PeerClient:
         try:
             for a, b in bounds:
                 part = [Pending(_Slot(batch), keys[i], step_id, placement,  # type: ignore[arg-type]
-                                (self._settled_id(step_id, keys[i]) if unsettled else None) or rid + i)
+                                (self._take_unsettled(step_id, keys[i]) if unsettled else None) or rid + i)
                         for i in range(a, b)]
                 pendings += part
                 if stream.alive:

@@ -565,15 +565,10 @@ class ProducerStream:
         error instead."""
         log.warning("a reply's transfer could not start: %s", exc)
         error = exc if isinstance(exc, RendezvousError) else Unavailable(f"transfer could not start: {exc}")
-        if reply.item is not None:
-            self.s.put_back(reply.req, reply.key, reply.item, self)
-        calls = [(m[0], m[1]) for m in reply.members] if reply.members else []
-        for _, req, key, item in reply.members or ():
-            self.s.put_back(req, key, item, self)
-        if reply.req is not None:
-            calls.append((call_id, reply.req))
-        for call_id, req in calls:
-            self._reply_error(call_id, req, error)
+        calls = reply.members or [(call_id, reply.req, reply.key, reply.item)]
+        for member_id, req, key, item in calls:
+            self.s.put_back(req, key, item, self)  # type: ignore[arg-type]
+            self._reply_error(member_id, req, error)
 
     def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
         if not isinstance(exc, RendezvousError):
