@@ -464,6 +464,53 @@ def test_a_retry_of_one_call_of_a_handed_over_group_gets_the_group_for_it_alone(
     run(main(), 20)
 
 
+def test_a_retry_cancelled_as_it_arrives_puts_the_answer_held_for_its_id_back():
+    """A reply lost in a dead connection, its request_id asked again on a new
+    stream and cancelled in the same message (the consumer's recv took
+    another copy of the key meanwhile): the cancel is answered CANCELLED,
+    nothing sent, so the consumer counts the id as settled. The answer held
+    for the id must go back to the table then (it stayed in the retry cache,
+    where no recv would ever ask for it again: the tensor was lost)."""
+    async def main():
+        async with serving() as h:
+            h.table.send(1, K("lost"), np.array([7.0]))
+            first = h.stream()
+            await first.send(recv(1, K("lost"), request_id=31))
+            await until(lambda: h.servicer.retry.has(31), what="the first reply to take the tensor")
+            again = h.stream()
+            await again.send(recv(2, K("lost"), request_id=31), frames.cancel_request(2))
+            assert isinstance(await again.result(2), errors.Cancelled)
+            assert _tensors(h.table) == {K("lost"): 1}, "the answer held for the cancelled retry was lost"
+            assert not h.servicer.retry.has(31)
+            await again.send(recv(3, K("lost"), request_id=32))
+            assert (await again.value(3))[0] == 7.0
+            first.call.cancel()  # its reply was handed over whole: nothing more goes back
+            await until(lambda: h.servicer.open_streams() == 1, what="the first stream to end")
+            assert len(h.table) == 0
+    run(main(), 20)
+
+
+def test_a_retry_cancelled_as_it_arrives_still_gets_its_handed_over_descriptor():
+    """As above with a descriptor handed over: its transfer was started and
+    waits for this consumer's receive, so the cancelled retry is answered
+    with that descriptor (the consumer keeps what arrives for a call it gave
+    up), never CANCELLED: that would leave the transfer unmatched and the
+    tensor lost."""
+    async def main():
+        async with serving(descriptor=True) as h:
+            plane = h.servicer.planes.planes[0]
+            h.table.send(1, K("d"), np.arange(3, dtype=np.float32))
+            first = h.stream()
+            await first.send(recv(1, K("d"), request_id=51))
+            assert (await first.result(1))[0] == "descriptor"
+            again = h.stream()
+            await again.send(recv(2, K("d"), request_id=51), frames.cancel_request(2))
+            assert (await again.result(2))[0] == "descriptor"
+            assert again.options[2] == first.options[1] and plane.started == [0]
+            assert len(h.table) == 0
+    run(main(), 20)
+
+
 def test_request_id_retry_gets_the_same_answer_and_consumes_one_tensor():
     async def main():
         async with serving() as h:

@@ -142,6 +142,9 @@ class ProducerStream:
         #: front: MPI); else a large frame's pieces are joined here (gRPC wants bytes)
         self.gathers = bool(getattr(context, "gathers", False))
         self.waiting: dict[int, asyncio.Task] = {}
+        #: waiting calls that ask again with a request_id the retry cache knows
+        #: (see _cancel_retry)
+        self.retried: dict[int, Any] = {}
         self.replies: dict[int, _Outgoing] = {}
         self.flushing: dict[int, _Outgoing] = {}  # replies whose last frame is being written
         self.ready: collections.deque[int] = collections.deque()
@@ -174,6 +177,7 @@ class ProducerStream:
             reader.cancel()
             for task in self.waiting.values():
                 task.cancel()
+            self.retried.clear()
             # Replies whose last frame was not handed over (never started, or cut
             # off by the stream's end) go back to the table, and their request ids
             # are forgotten, so a re-sent request takes the tensor once: nothing
@@ -359,6 +363,8 @@ class ProducerStream:
                 self._reply_error(call_id, req, exc)
                 return
             self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
+            if req.request_id and self.s.retry.known(req.request_id):
+                self.retried[call_id] = req
         elif group is not None and self._packs(req, taken.item):
             group.append((call_id, req, taken.item, taken.key))
         else:  # produced already: answered without a task
@@ -427,6 +433,10 @@ class ProducerStream:
         task = self.waiting.pop(call_id, None)
         if task is not None:
             task.cancel()  # its tensor, if handed over meanwhile, goes back (see _serve)
+            if self.retried:
+                req = self.retried.pop(call_id, None)
+                if req is not None and self._cancel_retry(call_id, req):
+                    return
             self._ack_cancel(call_id)
             return
         # A call answered by a group reply is not found here: the group is written
@@ -438,6 +448,22 @@ class ProducerStream:
         reply.give_back(self.s, self)
         self._ack_cancel(call_id)
 
+    def _cancel_retry(self, call_id: int, req: Any) -> bool:
+        """A call asking again with a known request_id is cancelled, possibly
+        before its task ever ran (its cancel came in the same message). The
+        answer held for the id was handed to a stream that broke: the consumer
+        never got it. A descriptor handed over is answered anyway (its transfer
+        waits for this consumer's receive; the consumer keeps what a call it
+        gave up brings), True. Else the answer goes back to the table (the
+        consumer is told nothing was sent and counts the id as settled: held
+        here, the tensor would be lost), False."""
+        handed = self.s.retry.take_resend(req.request_id)
+        if handed is not None:
+            self._resend(call_id, req, self.s._check_key(req), handed)
+            return True
+        self.s.reclaim(req)
+        return False
+
     def _ack_cancel(self, call_id: int) -> None:
         frame = frames.error_frame(call_id, Cancelled(f"call {call_id} cancelled by the consumer; nothing sent"))
         self._ready(call_id, _Outgoing(iter((frame,)), None, "", None, ack=True))  # type: ignore[arg-type]
@@ -447,6 +473,8 @@ class ProducerStream:
         # new call reused its id.
         if self.waiting.get(call_id) is asyncio.current_task():
             del self.waiting[call_id]
+            if self.retried:
+                self.retried.pop(call_id, None)
 
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:

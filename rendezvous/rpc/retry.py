@@ -203,13 +203,15 @@ class RetryCache:
         """An answer that was taken for ``request_id`` but that no caller waits for
         any more (its only caller was cancelled just as the tensor arrived). The id
         is forgotten and the answer returned, for the caller to put back: nothing
-        was delivered, so nothing may be consumed. None when there is no such
-        answer (still waiting, failed, or another caller still wants it)."""
+        was delivered, so nothing may be consumed (and a reply of the id on an
+        older stream cut off later puts nothing back, see :meth:`cut_off`).
+        None when there is no such answer (still waiting, failed, or another
+        caller still wants it)."""
         entry = self._entries.get(request_id)
         if entry is None or entry.waiters or not entry.task.done() or entry.task.cancelled() \
                 or entry.task.exception() is not None:
             return None
-        self.forget(request_id)
+        self._put_back(request_id)
         return entry.task.result()
 
     def delivered(self, request_id: int) -> None:
@@ -278,11 +280,16 @@ class RetryCache:
         elif entry.handed > 1:
             entry.handed -= 1
             return False
+        self._put_back(request_id)
+        return True
+
+    def _put_back(self, request_id: int) -> None:
+        """The id's answer goes back to the table: forgotten, and remembered as
+        put back (once)."""
         self.forget(request_id)
         self._requeued[request_id] = None
         while len(self._requeued) > self.max_ids:
             self._requeued.popitem(last=False)
-        return True
 
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""

@@ -243,9 +243,9 @@ class RecvTensorServicer:
         """A call was cancelled while waiting: if the table handed its tensor over at
         that moment (to the retry cache's task), put the tensor back."""
         if req.request_id:
-            item = self.retry.unclaimed(req.request_id)
+            item = self.retry.unclaimed(req.request_id)  # forgotten, and remembered as put back
             if item is not None:
-                self.put_back(req, self._check_key(req), item)
+                self._requeue(req.step_id, self._check_key(req), item)
 
     def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received, owner: object = None) -> None:
         """Return an item whose reply (on the stream ``owner``) was not sent to
@@ -254,8 +254,11 @@ class RecvTensorServicer:
         since: that reply carries it (see RetryCache.cut_off)."""
         if req.request_id and not self.retry.cut_off(req.request_id, owner):
             return
+        self._requeue(req.step_id, key, item)
+
+    def _requeue(self, step_id: int, key: str, item: Received) -> None:
         try:
-            self.table.requeue(req.step_id, key, item)
+            self.table.requeue(step_id, key, item)
         except RendezvousError:
             pass  # the step was aborted meanwhile: its tensors are dropped anyway
 
