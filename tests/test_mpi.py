@@ -248,7 +248,8 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once(path, api):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("path,api", [("grpc-requests-optimal", "aio"), ("grpc-requests-optimal", "batch")])
+@pytest.mark.parametrize("path,api", [("grpc-requests-optimal", "aio"), ("grpc-requests-optimal", "batch"),
+                                      ("grpc-requests-default", "aio"), ("mpi-disabled", "batch")])
 def test_connections_cut_mid_race_deliver_every_tensor_exactly_once(path, api):
     """The race above with the consumer's connection to the producer reset
     eight times while tensors are in flight (tests/cutting.py): replies and
@@ -269,6 +270,8 @@ def test_connections_cut_mid_race_deliver_every_tensor_exactly_once(path, api):
     assert producer["left"] == 0, producer
     if path == "grpc-requests-optimal":
         assert consumer["mpi"] > 0
+    else:
+        assert consumer["mpi"] == 0
 
 
 @pytest.mark.timeout(120)
