@@ -45,6 +45,7 @@ __all__ = [
     "iter_stream_frames",
     "recv_request",
     "recv_many_request",
+    "many_keys_field",
     "cancel_request",
     "batch_requests",
     "batch_responses",
@@ -213,15 +214,24 @@ def recv_request(call_id: int, step_id: int, key: bytes, request_id: int,
                      wire.len_field_header(F.STREAM_REQUEST_RECV, len(req)), req])
 
 
-def recv_many_request(call_id: int, step_id: int, keys: list[bytes], request_ids: list[int],
-                      transport_options: bytes | None = None) -> bytes:
-    """A StreamRequest asking for ``keys`` at once (a ``RecvMany``): the calls
-    ``call_id`` .. ``call_id + len(keys) - 1``, one per key, in order."""
-    parts = [wire.varint_field(F.MANY_STEP_ID, step_id)]
+def many_keys_field(keys: list[bytes]) -> bytes:
+    """A ``RecvMany``'s ``rendezvous_keys``, encoded: what :func:`recv_many_request`
+    takes instead of the keys, for a consumer that asks the same keys every step."""
+    parts: list[bytes] = []
     key_tag = wire.tag(F.MANY_KEYS, wire.LEN)
     encode = wire.encode_varint
     for key in keys:
         parts += (key_tag, encode(len(key)), key)
+    return b"".join(parts)
+
+
+def recv_many_request(call_id: int, step_id: int, keys: list[bytes] | bytes, request_ids: list[int],
+                      transport_options: bytes | None = None) -> bytes:
+    """A StreamRequest asking for ``keys`` at once (a ``RecvMany``): the calls
+    ``call_id`` .. ``call_id + len(keys) - 1``, one per key, in order.
+    ``keys`` may come encoded already (:func:`many_keys_field`)."""
+    parts = [wire.varint_field(F.MANY_STEP_ID, step_id),
+             keys if type(keys) is bytes else many_keys_field(keys)]  # type: ignore[arg-type]
     ids = np.array(request_ids, "<u8").tobytes()
     parts += (wire.len_field_header(F.MANY_REQUEST_IDS, len(ids)), ids)
     if transport_options:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .paths import Path
 
 __all__ = ["Stats", "PATHS", "COUNTERS", "GPU_COUNTERS", "payload_nbytes"]
@@ -60,5 +62,7 @@ class Stats:
 
 def payload_nbytes(value: Any) -> int:
     """Bytes a transfer of ``value`` carries (0 for dead tensors and strings)."""
+    if type(value) is np.ndarray:  # the usual case, counted per tensor: no dtype built to compare
+        return 0 if value.dtype.char == "O" else value.nbytes
     nbytes = getattr(value, "nbytes", 0)
     return int(nbytes) if getattr(value, "dtype", None) != object else 0

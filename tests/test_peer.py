@@ -953,6 +953,37 @@ def test_a_large_batch_sends_its_first_request_before_making_the_rest():
     run(main(), 20)
 
 
+def test_a_key_tuple_asked_again_is_sent_from_its_remembered_encoding_and_a_list_never_is():
+    """A rank server asks the same key tuple every step: its RecvMany parts are
+    encoded once and reused (the same bytes objects), and every request still
+    names exactly the keys asked, in order. A list could change under its
+    identity, so it is encoded afresh each time."""
+    async def main():
+        async with scripted() as (peer, client):
+            side = await connected(peer, client)
+            asked = tuple(LONG)
+            seen: list[list[str]] = []
+            for step, keys in enumerate([asked, asked, list(LONG)], start=2):
+                r = asyncio.ensure_future(client.recv_batch(keys, step_id=step))
+                reqs = await side.recvs(4)
+                seen.append([q.recv.rendezvous_key for q in reqs])
+                assert {q.recv.step_id for q in reqs} == {step}
+                for i, q in enumerate(reqs):
+                    side.write(*reply(q.call_id, np.array([i])))
+                assert [f.item.value.tolist() for f in await r] == [[0], [1], [2], [3]]
+                if step == 2:
+                    first = client._key_parts(asked)
+            assert seen == [LONG] * 3
+            assert client._key_parts(asked) is first and [(a, b) for a, b, _ in first] == [(0, 3), (3, 4)]
+            assert list(client._parts) == [id(asked)]  # the list was not kept
+            mutable = list(LONG)
+            client._key_parts(mutable)
+            mutable.reverse()
+            assert [frames.many_keys_field([k.encode() for k in mutable[a:b]])
+                    for a, b, _ in client._key_parts(mutable)] == [e for _, _, e in client._key_parts(mutable)]
+    run(main(), 20)
+
+
 class _FakeCall:
     """A stream another way than gRPC (as the MPI request path opens them): what
     it is sent is kept; ``answer`` replies to each recv request it sees."""

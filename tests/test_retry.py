@@ -243,3 +243,85 @@ def test_a_request_id_asks_for_one_tensor_only():
         assert table.stats()["tensors"] == 2  # b of step 1 and a of step 2: untouched
         cache.close()
     run(main())
+
+
+# -- answers recorded together (record_many): one group, ids split off as needed ------
+
+def _batch(cache: RetryCache, step: int, rids: list[int], owner: object = None) -> list:
+    from rendezvous.table import Received
+
+    items = [Received(np.full(256, rid, np.float32), False) for rid in rids]  # 1 KiB each
+    cache.record_many(step, list(rids), list(items), [f"k{rid}" for rid in rids], owner)  # lists it keeps
+    return items
+
+
+def test_a_batch_recorded_together_answers_each_id_as_if_recorded_alone():
+    """A retry of one id of a batch gets that id's answer and consumes nothing;
+    the id is checked against its own step and key; the others stay held;
+    the held count and byte limit count answers, not groups; a released id is
+    refused, never answered with another tensor."""
+    async def main():
+        cache = RetryCache(window=60, max_bytes=1 << 30, max_entries=5)
+        items = _batch(cache, 1, [11, 12, 13])
+        never = lambda: pytest.fail("a retry of a recorded id took a tensor")  # noqa: E731
+        assert cache.held() == 3 and len(cache) == 3
+        assert await cache.run(1, 12, never, "k12") is items[1]
+        assert await cache.run(1, 12, never, "k12") is items[1]  # split off once, still the same answer
+        with pytest.raises(InvalidArgument, match="step 1"):
+            await cache.run(2, 13, never, "k13")
+        with pytest.raises(InvalidArgument, match="key"):
+            await cache.run(1, 13, never, "other")
+        assert cache.held() == 3
+        _batch(cache, 1, [21, 22, 23])  # six held, limit five: the oldest answers go first
+        assert cache.held() == 5 and not cache.has(11) and cache.has(12) and cache.has(21)
+        with pytest.raises(FailedPrecondition, match="already answered"):
+            await cache.run(1, 11, never, "k11")
+        cache.delivered(22)  # one id of a group released on its own
+        assert not cache.has(22) and cache.known(22) and cache.held() == 4
+        cache.drop_step(1)
+        assert cache.held() == 0 and len(cache) == 0
+        for rid in (12, 13, 21, 23):
+            with pytest.raises(FailedPrecondition, match="already answered"):
+                await cache.run(1, rid, never, f"k{rid}")
+        cache.close()
+
+    run(main())
+
+
+def test_an_id_of_a_batch_cut_off_or_unclaimed_goes_back_once():
+    """The newest reply decides for an id recorded with a batch too: a reply on
+    the stream the batch was answered on that is cut off puts the answer back
+    (once), one on an older stream does not; an unclaimed answer is handed
+    back and its id forgotten; the rest of the batch stays held."""
+    async def main():
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        old, new = object(), object()
+        items = _batch(cache, 1, [31, 32, 33], new)
+        assert not cache.cut_off(31, old)  # a reply on an older stream: the newest carries it
+        assert cache.has(31)
+        assert cache.cut_off(32, new)  # the newest reply, cut off: back to the table
+        assert not cache.has(32) and not cache.cut_off(32, old)  # and only once
+        assert cache.unclaimed(33) is items[2] and not cache.has(33)
+        assert cache.held() == 1 and cache.has(31)
+        cache.close()
+        assert cache.held() == 0 and cache.known(31)
+
+    run(main())
+
+
+def test_descriptors_handed_over_for_a_batchs_ids_are_resent_once_each():
+    async def main():
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        _batch(cache, 1, [41, 42, 43])
+        handed = Handed(lambda ids: ids, [41, 42, 43])
+        cache.hand_over(handed)
+        assert cache.take_resend(42) is handed
+        # claimed for 42: the others' retries are answered afresh, 42's again only once restored
+        assert cache.take_resend(41) is None and cache.take_resend(42) is None
+        again = Handed(lambda ids: ids, [0, 42, 0])
+        cache.restore(42, again)
+        assert cache.take_resend(42) is again
+        assert cache.held() == 3
+        cache.close()
+
+    run(main())

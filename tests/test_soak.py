@@ -115,7 +115,7 @@ def test_soak_every_tensor_arrives_once_and_memory_stays_bounded(tmp_path):
             gc.collect()
             # every segment back: none held by a client; on the producer's node only
             # the answers kept for retries (a window of retry_cache_bytes) stay
-            retained = len(d0.server._retry._done)
+            retained = d0.server._retry.held()
             for d, kept in ((d0, retained), (d1, 0)):
                 await until(lambda d=d, kept=kept: d.pool.stats()["held"] == 0 and d.pool.stats()["in_table"] <= kept,
                             what=f"the pool's segments free again ({d.pool.stats()})")

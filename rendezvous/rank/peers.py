@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from rendezvous.errors import RendezvousError
@@ -66,7 +66,7 @@ class Peers:
         step meanwhile raises the step's error."""
         return await self._for_step(step_id, self.get(task).recv(key, step_id, timeout, placement))
 
-    async def recv_batch(self, task: TaskName, keys: list[str], step_id: int, placement: Any,
+    async def recv_batch(self, task: TaskName, keys: Sequence[str], step_id: int, placement: Any,
                          arrived: set[int] | None = None) -> list[Fetched]:
         """``keys`` of ``step_id`` from ``task``'s server, asked at once
         (:meth:`PeerClient.recv_batch`); an abort or cleanup of the step meanwhile

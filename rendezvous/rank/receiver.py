@@ -20,6 +20,8 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
 from rendezvous.errors import (DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable,
                                batch_failure)
@@ -65,7 +67,8 @@ class _Plan:
                 self.local.append(i)
         canonical = self.canonical
         #: per producer: its task, the key positions, the keys, the first key's dst device
-        self.groups = [(src, idx, [canonical[i] for i in idx], parse_key(canonical[idx[0]]).dst)
+        # the keys as a tuple: a peer remembers how it encoded them by identity
+        self.groups = [(src, idx, tuple(canonical[i] for i in idx), parse_key(canonical[idx[0]]).dst)
                        for src, idx in by_src.items()]
 
 
@@ -351,7 +354,7 @@ class Receiver:
     async def _fetch_one(self, key: str, step_id: int, device: str | Placement | None) -> list[Fetched]:
         return [await self.fetch(key, step_id, None, device)]
 
-    async def _fetch_group(self, src: TaskName, keys: list[str], step_id: int, target: Placement,
+    async def _fetch_group(self, src: TaskName, keys: Sequence[str], step_id: int, target: Placement,
                            arrived: set[int]) -> list[Fetched]:
         """``keys`` from producer ``src``, asked at once; landed where ``target``
         says. On a failure what had arrived is kept, and BatchFailed says which."""
@@ -371,20 +374,30 @@ class Receiver:
         received = self._stats.received
         if not target.is_gpu:
             # A host array received for the host stays as it is: nothing to place,
-            # and the counters move once per path.
-            tally: dict[Path, list[int]] = {}
-            for fetched in got:
-                value = fetched.item.value
-                if isinstance(value, DeviceTensor) and not fetched.placed:
+            # and the counters move once per run of one path (a batch's tensors
+            # mostly came one way).
+            tally: list[tuple[Path, int, int]] = []
+            last: Path | None = None
+            n = nbytes = 0
+            ndarray = np.ndarray
+            for (value, _), fetched_path, placed in got:
+                if type(value) is ndarray:
+                    size = 0 if value.dtype.char == "O" else value.nbytes
+                elif isinstance(value, DeviceTensor) and not placed:
                     break  # a GPU tensor for the host: placed one by one below
-                counts = tally.get(fetched.path)
-                if counts is None:
-                    counts = tally[fetched.path] = [0, 0]
-                counts[0] += 1
-                counts[1] += payload_nbytes(value)
+                else:
+                    size = payload_nbytes(value)
+                if fetched_path is not last:
+                    if last is not None:
+                        tally.append((last, n, nbytes))
+                    last, n, nbytes = fetched_path, 0, 0
+                n += 1
+                nbytes += size
             else:
-                for p, (n, nbytes) in tally.items():
-                    received(p, nbytes, n)
+                if last is not None:
+                    tally.append((last, n, nbytes))
+                for p, count, total in tally:
+                    received(p, total, count)
                 return got
         out = []
         needs_copy = self.devices.needs_copy if target.is_gpu else _never

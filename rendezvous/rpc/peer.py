@@ -41,7 +41,7 @@ import collections
 import itertools
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -62,6 +62,8 @@ log = logging.getLogger("rendezvous.client")
 
 #: recvs per peer whose request_id is kept after they ended unanswered on a broken stream
 _UNSETTLED = 4096
+#: key lists per peer whose encoded RecvMany parts are remembered (see PeerClient._key_parts)
+_KEY_PARTS = 32
 
 
 class BatchFailed(Exception):
@@ -213,6 +215,9 @@ class PeerClient:
         self._unsettled: collections.OrderedDict[tuple[int, str], collections.deque[int]] = \
             collections.OrderedDict()
         self._unsettled_ids = 0  # request_ids in _unsettled, all keys together
+        #: id(key tuple) -> (the tuple, its parts encoded, its length), see _key_parts
+        self._parts: collections.OrderedDict[int, tuple[Any, list[tuple[int, int, bytes]], int]] = \
+            collections.OrderedDict()
 
     def describe(self) -> str:
         return f"task {self.task} at {self.address}"
@@ -335,7 +340,7 @@ class PeerClient:
                 ) from None
             raise
 
-    async def recv_batch(self, keys: list[str], step_id: int, placement: Any = None,
+    async def recv_batch(self, keys: Sequence[str], step_id: int, placement: Any = None,
                          arrived: set[int] | None = None) -> list[Fetched]:
         """Fetch ``keys`` of ``step_id`` from the peer, all asked at once on one
         stream: one future for the batch (each call's outcome is a
@@ -358,27 +363,16 @@ class PeerClient:
         rid = self._take_request_ids(n)
         unsettled = self._unsettled
         batch = _Batch(loop, n)
-        # One RecvMany per up to MANY_REQUEST_BYTES of keys: a request every
-        # producer accepts (max_request_bytes is at least 64 KiB).
-        encoded = [key.encode() for key in keys]
-        bounds: list[tuple[int, int]] = []
-        start = 0
-        size = 0
-        for i, key in enumerate(encoded):
-            size += len(key) + 12
-            if size >= MANY_REQUEST_BYTES or i == n - 1:
-                bounds.append((start, i + 1))
-                start, size = i + 1, 0
         pendings: list[Pending] = []
         try:
-            for a, b in bounds:
+            for a, b, encoded in self._key_parts(keys):
                 part = [Pending(_Slot(batch), keys[i], step_id, placement,  # type: ignore[arg-type]
                                 (self._take_unsettled(step_id, keys[i]) if unsettled else None) or rid + i)
                         for i in range(a, b)]
                 pendings += part
                 if stream.alive:
                     stream.submit_many(first + a, part, frames.recv_many_request(
-                        first + a, step_id, encoded[a:b], [p.request_id for p in part], options))
+                        first + a, step_id, encoded, [p.request_id for p in part], options))
                 else:  # it broke while the first request left: these are asked again below
                     broken = Broken(PeerUnavailable(f"stream to {self.describe()} closed"))
                     for p in part:
@@ -424,6 +418,32 @@ class PeerClient:
                 raise BatchFailed({i: exc for i in range(len(keys)) if out[i] is None}, len(done)) from None
             raise
         return out  # type: ignore[return-value]
+
+    def _key_parts(self, keys: Sequence[str]) -> list[tuple[int, int, bytes]]:
+        """``keys`` in parts of up to MANY_REQUEST_BYTES (a RecvMany every
+        producer accepts: max_request_bytes is at least 64 KiB), each
+        ``(start, end, the keys encoded)``. Remembered for the last few key
+        tuples by identity (a rank server asks the same tuple, the routing it
+        remembers, every step): a step re-encodes nothing."""
+        cached = self._parts.get(id(keys))
+        if cached is not None and cached[0] is keys:
+            self._parts.move_to_end(id(keys))
+            return cached[1]
+        parts: list[tuple[int, int, bytes]] = []
+        start = 0
+        size = 0
+        n = len(keys)
+        encoded = [key.encode() for key in keys]
+        for i, key in enumerate(encoded):
+            size += len(key) + 12
+            if size >= MANY_REQUEST_BYTES or i == n - 1:
+                parts.append((start, i + 1, frames.many_keys_field(encoded[start:i + 1])))
+                start, size = i + 1, 0
+        if type(keys) is tuple:  # kept only for what cannot change under its id
+            self._parts[id(keys)] = (keys, parts, n)
+            if len(self._parts) > _KEY_PARTS:
+                self._parts.popitem(last=False)
+        return parts
 
     def _take_ids(self, n: int) -> int:
         """The first of ``n`` new consecutive call ids."""

@@ -72,7 +72,7 @@ class _Outgoing:
 
     def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
                  item: Received | None, committed: bool = False, ack: bool = False,
-                 members: list[tuple[int, Any, str, Received]] | None = None, carry: Carry | None = None,
+                 members: list[tuple[int, Any, Received, str]] | None = None, carry: Carry | None = None,
                  remake: Callable[[list[int]], Iterator[Any]] | None = None, resent: Handed | None = None) -> None:
         self.frames = frames_
         self.next_frame: bytes | None = next(frames_, None)
@@ -82,7 +82,7 @@ class _Outgoing:
         self.started = False
         self.committed = committed
         self.ack = ack  # only the CANCELLED answer to a cancel
-        #: a group reply's (call_id, request, key, item) of each call it answers
+        #: a group reply's (call_id, request, item, key) of each call it answers
         self.members = members
         self.carry = carry
         #: a descriptor reply's frames made again for other call ids (one per
@@ -102,7 +102,7 @@ class _Outgoing:
             self.carry.release()
         if self.item is not None:
             servicer.put_back(self.req, self.key, self.item, stream)
-        for _, req, key, item in self.members or ():
+        for _, req, item, key in self.members or ():
             servicer.put_back(req, key, item, stream)
 
 
@@ -300,8 +300,14 @@ class ProducerStream:
         rids = list(rids)
         # The keys whose tensors are here are taken at once, in key order; the
         # rest go one by one (they wait, or their error is answered).
-        taken = self.s.take_ready_many(step, keys, rids, self)
+        s = self.s
+        taken = s.take_ready_many(step, keys, rids, self)
         group: list[tuple[int, Any, Received, str]] = []
+        # what _packs checks, hoisted: this loop runs once per key of the batch
+        threshold = s.fusion_threshold
+        timeline = s.timeline
+        fusable = fused.fusable
+        ready = self.ready
         try:
             for i in range(n):
                 req = KeyRequest(step, keys[i], rids[i], opts)
@@ -310,11 +316,14 @@ class ProducerStream:
                     self._ask(first + i, req, group)
                 else:
                     taken[i] = None  # answered from here on (or put back with the group)
-                    if self._packs(req, got.item):
-                        group.append((first + i, req, got.item, got.key))
+                    item, key = got
+                    if threshold and not item[1] and fusable(item[0], threshold):
+                        if timeline is not None:
+                            timeline.served(req, self.inline_path)
+                        group.append((first + i, req, item, key))
                     else:
-                        self._reply(first + i, req, *got)
-                if i % _YIELD_EVERY == _YIELD_EVERY - 1 and self.ready:
+                        self._reply(first + i, req, item, key)
+                if i % _YIELD_EVERY == _YIELD_EVERY - 1 and ready:
                     await _writer_turn()
         except BaseException:
             # taken, their replies not made: back, the last taken first
@@ -397,7 +406,8 @@ class ProducerStream:
         self._reply_group(members[start:], request)
 
     def _reply_group(self, members: list[tuple[int, Any, Received, str]], request: Any) -> None:
-        arrays = [item.value for _, _, item, _ in members]
+        """One group reply answering ``members``, which it keeps (a fresh list)."""
+        arrays = [m[2][0] for m in members]
         call_ids = [m[0] for m in members]
         carry = None
         try:
@@ -422,8 +432,7 @@ class ProducerStream:
             def remake(ids: list[int], lay: fused.Layout = lay, options: bytes = carry.options) -> Iterator[Any]:
                 return iter((wire.frame(fused.group_parts(ids, None, lay, _now_micros(), options), 0),))
         self._ready(group_id, _Outgoing(iter((frame,)), None, "", None,  # type: ignore[arg-type]
-                                        members=[(call_id, req, key, item) for call_id, req, item, key in members],
-                                        carry=carry, remake=remake))
+                                        members=members, carry=carry, remake=remake))
 
     def _cancel(self, call_id: int) -> None:
         """The consumer gave up on ``call_id``. What was not sent goes back to the
@@ -593,8 +602,8 @@ class ProducerStream:
         error instead."""
         log.warning("a reply's transfer could not start: %s", exc)
         error = exc if isinstance(exc, RendezvousError) else Unavailable(f"transfer could not start: {exc}")
-        calls = reply.members or [(call_id, reply.req, reply.key, reply.item)]
-        for member_id, req, key, item in calls:
+        calls = reply.members or [(call_id, reply.req, reply.item, reply.key)]
+        for member_id, req, item, key in calls:
             self.s.put_back(req, key, item, self)  # type: ignore[arg-type]
             self._reply_error(member_id, req, error)
 

@@ -16,6 +16,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,71 @@ class _Entry:
         self.resend: Handed | None = None
 
 
+def _nbytes(value: Any) -> int:
+    return value.nbytes if type(value) is np.ndarray else int(getattr(value, "nbytes", 0) or 0)
+
+
+class _Group:
+    """Answers taken together and recorded at once (:meth:`RetryCache.record_many`):
+    one object for a batch's ids, not an entry each (a step's thousands of
+    small tensors). An id that needs an entry of its own (asked again, cut
+    off, taken back) is split off into an :class:`_Entry`; released ids leave
+    it too (``items[i]`` None). Descriptors handed over for its ids are kept
+    by id (``resend``)."""
+
+    __slots__ = ("step_id", "rids", "items", "keys", "done_at", "nbytes", "owner", "left", "resend", "serial",
+                 "_at")
+
+    def __init__(self, step_id: int, rids: list[int], items: list[Received], keys: list[str], done_at: float,
+                 nbytes: int, owner: object, serial: int) -> None:
+        self.step_id = step_id
+        self.rids = rids
+        self.items: list[Received | None] = items  # type: ignore[assignment]
+        self.keys = keys
+        self.done_at = done_at
+        self.nbytes = nbytes  # of the answers still here
+        self.owner = owner
+        self.left = len(rids)  # answers still here
+        self.resend: dict[int, Handed] | None = None
+        self.serial = serial  # its key in RetryCache._done (negative: never a request_id)
+        self._at: dict[int, int] | None = None
+
+    def position(self, request_id: int) -> int:
+        at = self._at
+        if at is None:  # built the first time an id leaves on its own (rare)
+            at = self._at = {rid: i for i, rid in enumerate(self.rids)}
+        return at[request_id]
+
+    def take(self, request_id: int) -> tuple[int, Received]:
+        """Remove the answer of ``request_id``: its position and item."""
+        i = self.position(request_id)
+        item = self.items[i]
+        assert item is not None, "an id left its group twice"
+        self.items[i] = None
+        self.left -= 1
+        self.nbytes -= _nbytes(item.value)
+        return i, item
+
+
+def _resend_of(entry: "_Entry | _Group", request_id: int) -> Handed | None:
+    if type(entry) is _Group:
+        return entry.resend.get(request_id) if entry.resend else None
+    return entry.resend  # type: ignore[union-attr]
+
+
+def _set_resend(entry: "_Entry | _Group", request_id: int, handed: Handed | None) -> None:
+    if type(entry) is _Group:
+        if handed is None:
+            if entry.resend:
+                entry.resend.pop(request_id, None)
+        else:
+            if entry.resend is None:
+                entry.resend = {}
+            entry.resend[request_id] = handed
+    else:
+        entry.resend = handed  # type: ignore[union-attr]
+
+
 class RetryCache:
     def __init__(self, window: float, max_bytes: int, max_entries: int = 1 << 16,
                  max_ids: int = 1 << 17) -> None:
@@ -93,9 +159,13 @@ class RetryCache:
         self.max_bytes = max_bytes
         self.max_entries = max_entries  # answers held at once
         self.max_ids = max_ids          # released ids remembered (about 100 bytes each)
-        self._entries: dict[int, _Entry] = {}
-        self._done: OrderedDict[int, _Entry] = OrderedDict()  # completed, oldest first
+        #: request_id -> its entry, or the group it was recorded in
+        self._entries: dict[int, _Entry | _Group] = {}
+        #: completed, oldest first: entries by request_id, groups by their (negative) serial
+        self._done: OrderedDict[int, _Entry | _Group] = OrderedDict()
         self._done_bytes = 0
+        self._done_count = 0  # answers in _done (a group counts its answers)
+        self._serial = 0  # the last group's serial
         self._answered: OrderedDict[int, None] = OrderedDict()  # ids whose answers were released
         #: ids whose answer went back to the table (cut_off): a reply on an older
         #: stream cut off later must not put it back a second time
@@ -113,6 +183,8 @@ class RetryCache:
         tensor)."""
         self._expire(time.monotonic())
         entry = self._entries.get(request_id)
+        if type(entry) is _Group:
+            entry = self._split(request_id, entry)
         if entry is None:
             if request_id in self._answered:
                 raise FailedPrecondition(
@@ -152,12 +224,25 @@ class RetryCache:
         finally:
             entry.waiters -= 1
 
+    def held(self) -> int:
+        """Answers held now (completed, kept for retries)."""
+        return self._done_count
+
     def has(self, request_id: int) -> bool:
         return request_id in self._entries
 
     def known(self, request_id: int) -> bool:
         """Held, in flight, or answered and released: a retry, not a new request."""
         return request_id in self._entries or request_id in self._answered
+
+    def known_of(self, request_ids: AbstractSet[int]) -> AbstractSet[int]:
+        """Those of ``request_ids`` that are :meth:`known` (a batch's retries),
+        found with set operations (a dict's keys view against a set looks up
+        the set's members, never walking the dict): usually none."""
+        known = self._entries.keys() & request_ids
+        if self._answered:
+            known |= self._answered.keys() & request_ids
+        return known
 
     def record(self, step_id: int, request_id: int, item: Received, key: str = "", owner: object = None) -> None:
         """Note an answer taken without waiting (the tensor was already there), for
@@ -172,32 +257,51 @@ class RetryCache:
         entry.nbytes = int(getattr(item.value, "nbytes", 0) or 0)
         self._done[request_id] = entry
         self._done_bytes += entry.nbytes
+        self._done_count += 1
         self._expire(done_at)
         if self._timer is None:
             self._arm()
 
-    def record_many(self, step_id: int, answers: list[tuple[int, Received, str]], owner: object = None) -> None:
-        """:meth:`record` for a batch's answers, ``(request_id, item, key)``:
-        one clock reading and one release check for all of them."""
-        if not answers:
+    def record_many(self, step_id: int, request_ids: list[int], items: list[Received], keys: list[str],
+                    owner: object = None) -> None:
+        """:meth:`record` for a batch's answers (new request ids, each once), in
+        one :class:`_Group`: one clock reading, one object and one release
+        check for all of them. The lists are kept (the caller's fresh ones)."""
+        if not request_ids:
             return
         done_at = time.monotonic()
-        entries = self._entries
-        done = self._done
-        added = 0
         ndarray = np.ndarray
-        for request_id, item, key in answers:
-            value = item.value
-            nbytes = value.nbytes if type(value) is ndarray else int(getattr(value, "nbytes", 0) or 0)
-            entries[request_id] = done[request_id] = _Entry(step_id, key, _Ready(item), 1, done_at, nbytes, owner)
-            added += nbytes
+        nbytes = 0
+        for item in items:
+            value = item[0]
+            nbytes += value.nbytes if type(value) is ndarray else _nbytes(value)
+        self._serial -= 1
+        group = _Group(step_id, request_ids, items, keys, done_at, nbytes, owner, self._serial)
+        self._entries.update(dict.fromkeys(request_ids, group))
+        self._done[group.serial] = group
         if self._requeued:
-            for request_id, _, _ in answers:
+            for request_id in request_ids:
                 self._requeued.pop(request_id, None)
-        self._done_bytes += added
+        self._done_bytes += nbytes
+        self._done_count += group.left
         self._expire(done_at)
         if self._timer is None:
             self._arm()
+
+    def _split(self, request_id: int, group: _Group) -> _Entry:
+        """``request_id``'s answer out of its group into an entry of its own,
+        kept as long as its group would be at least (queued after the newer
+        answers: released no earlier than its window)."""
+        i, item = group.take(request_id)
+        nbytes = _nbytes(item.value)
+        entry = _Entry(group.step_id, group.keys[i], _Ready(item), 1, group.done_at, nbytes, group.owner)
+        if group.resend:
+            entry.resend = group.resend.pop(request_id, None)
+        self._entries[request_id] = entry
+        self._done[request_id] = entry  # its bytes and count move with it: the totals stay
+        if not group.left:
+            del self._done[group.serial]
+        return entry
 
     def unclaimed(self, request_id: int) -> Received | None:
         """An answer that was taken for ``request_id`` but that no caller waits for
@@ -208,6 +312,8 @@ class RetryCache:
         None when there is no such answer (still waiting, failed, or another
         caller still wants it)."""
         entry = self._entries.get(request_id)
+        if type(entry) is _Group:
+            entry = self._split(request_id, entry)
         if entry is None or entry.waiters or not entry.task.done() or entry.task.cancelled() \
                 or entry.task.exception() is not None:
             return None
@@ -220,7 +326,7 @@ class RetryCache:
         stays remembered (a late retry is refused, not answered with another
         tensor)."""
         entry = self._entries.get(request_id)
-        if entry is not None and request_id in self._done and not entry.waiters:
+        if type(entry) is _Group or (entry is not None and request_id in self._done and not entry.waiters):
             self._release(request_id)
 
     def hand_over(self, handed: Handed) -> None:
@@ -231,7 +337,7 @@ class RetryCache:
             if rid:
                 entry = entries.get(rid)
                 if entry is not None:
-                    entry.resend = handed
+                    _set_resend(entry, rid, handed)
 
     def take_resend(self, request_id: int) -> Handed | None:
         """The descriptor handed over for ``request_id`` (a retry: its consumer
@@ -240,21 +346,21 @@ class RetryCache:
         retries are answered afresh, from the answer held). None if there is
         none."""
         entry = self._entries.get(request_id)
-        if entry is None or entry.resend is None:
+        handed = _resend_of(entry, request_id) if entry is not None else None
+        if handed is None:
             return None
-        handed = entry.resend
         for rid in handed.rids:
             other = self._entries.get(rid) if rid else None
-            if other is not None and other.resend is handed:
-                other.resend = None
+            if other is not None and _resend_of(other, rid) is handed:
+                _set_resend(other, rid, None)
         return handed
 
     def restore(self, request_id: int, handed: Handed) -> None:
         """A reply re-sending ``handed`` for ``request_id`` was dropped unsent
         (its stream ended first): the next retry of the id gets it again."""
         entry = self._entries.get(request_id)
-        if entry is not None and entry.resend is None:
-            entry.resend = handed
+        if entry is not None and _resend_of(entry, request_id) is None:
+            _set_resend(entry, request_id, handed)
 
     def cut_off(self, request_id: int, owner: object = None) -> bool:
         """A reply carrying this id's answer, on the stream ``owner``, was not
@@ -271,6 +377,8 @@ class RetryCache:
         back a second time. Streams not said (``owner`` None): the answer
         stays while another call was handed it."""
         entry = self._entries.get(request_id)
+        if type(entry) is _Group:
+            entry = self._split(request_id, entry)
         if entry is None:
             return request_id not in self._requeued
         if owner is not None and entry.owner is not None:
@@ -294,14 +402,22 @@ class RetryCache:
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""
         entry = self._entries.pop(request_id, None)
-        if entry is not None and self._done.pop(request_id, None) is not None:
+        if type(entry) is _Group:
+            self._leave_group(request_id, entry)
+        elif entry is not None and self._done.pop(request_id, None) is not None:
             self._done_bytes -= entry.nbytes
+            self._done_count -= 1
 
     def drop_step(self, step_id: int, error: RendezvousError | None = None) -> None:
         """Forget a step's answers; a take still waiting is withdrawn, and its
         callers get ``error`` (default ABORTED "step N cleaned up")."""
         for rid in [r for r, e in self._entries.items() if e.step_id == step_id]:
-            entry = self._entries[rid]
+            entry = self._entries.get(rid)
+            if entry is None:
+                continue  # released with its group
+            if type(entry) is _Group:
+                self._release_group(entry)
+                continue
             if not entry.task.done():
                 entry.withdrawn = error if error is not None else Aborted(f"step {step_id} cleaned up")
             self._release(rid)
@@ -319,6 +435,7 @@ class RetryCache:
             entry.nbytes = int(getattr(value, "nbytes", 0) or 0)
         self._done[request_id] = entry
         self._done_bytes += entry.nbytes
+        self._done_count += 1
         self._expire(entry.done_at)
         self._arm()
 
@@ -342,25 +459,67 @@ class RetryCache:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for rid in list(self._done):
-            self._release(rid)
+        for rid, entry in list(self._done.items()):
+            if type(entry) is _Group:
+                self._release_group(entry)
+            else:
+                self._release(rid)
 
     def _expire(self, now: float) -> None:
         while self._done:
             rid, entry = next(iter(self._done.items()))
             if (now - entry.done_at < self.window  # type: ignore[operator]
-                    and self._done_bytes <= self.max_bytes and len(self._done) <= self.max_entries):
+                    and self._done_bytes <= self.max_bytes and self._done_count <= self.max_entries):
                 break
-            self._release(rid)
+            if type(entry) is _Group:
+                self._release_group(entry)
+            else:
+                self._release(rid)
 
     def _release(self, request_id: int) -> None:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
-        if self._done.pop(request_id, None) is not None:
-            self._done_bytes -= entry.nbytes
+        if type(entry) is _Group:
+            self._leave_group(request_id, entry)
             self._answered[request_id] = None
-            while len(self._answered) > self.max_ids:
-                self._answered.popitem(last=False)
+            self._trim_answered()
+        elif self._done.pop(request_id, None) is not None:
+            self._done_bytes -= entry.nbytes
+            self._done_count -= 1
+            self._answered[request_id] = None
+            self._trim_answered()
         elif not entry.task.done():
             entry.task.cancel()
+
+    def _trim_answered(self) -> None:
+        while len(self._answered) > self.max_ids:
+            self._answered.popitem(last=False)
+
+    def _leave_group(self, request_id: int, group: _Group) -> None:
+        """``request_id`` (no longer in _entries) leaves its group."""
+        before = group.nbytes
+        group.take(request_id)
+        self._done_bytes -= before - group.nbytes
+        self._done_count -= 1
+        if group.resend:
+            group.resend.pop(request_id, None)
+        if not group.left:
+            self._done.pop(group.serial, None)
+
+    def _release_group(self, group: _Group) -> None:
+        """Every answer still in ``group`` goes; its ids are remembered as answered."""
+        entries = self._entries
+        answered = self._answered
+        for rid, item in zip(group.rids, group.items):
+            if item is not None and entries.get(rid) is group:
+                del entries[rid]
+                answered[rid] = None
+        self._done.pop(group.serial, None)
+        self._done_bytes -= group.nbytes
+        self._done_count -= group.left
+        group.items = [None] * len(group.rids)
+        group.left = 0
+        group.nbytes = 0
+        group.resend = None
+        self._trim_answered()

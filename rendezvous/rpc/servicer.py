@@ -182,36 +182,43 @@ class RecvTensorServicer:
         if self.draining or self.timeline is not None:
             return [None] * n
         canonical_of = self._canonical.get
-        known = self.retry.known
-        seen: set[int] = set()
-        keys: list[str | None] = []
-        for raw, rid in zip(raws, request_ids):
-            key = canonical_of(raw)
-            if key is None:
-                try:
-                    key = self._canonical_key(raw)
-                except RendezvousError:
-                    keys.append(None)
-                    continue
-            if rid:
-                if rid in seen or known(rid):
-                    key = None
-                seen.add(rid)
-            keys.append(key)
+        keys: list[str | None] = [canonical_of(raw) for raw in raws]  # as asked before, usually
+        if None in keys:
+            for i, key in enumerate(keys):
+                if key is None:
+                    try:
+                        keys[i] = self._canonical_key(raws[i])
+                    except RendezvousError:
+                        pass
+        # Retries (a request_id known) and ids twice in the batch go one by one.
+        ids = set(request_ids)
+        known = self.retry.known_of(ids)
+        if known or len(ids) != n:
+            seen: set[int] = set()
+            for i, rid in enumerate(request_ids):
+                if rid:
+                    if rid in seen or rid in known:
+                        keys[i] = None
+                    seen.add(rid)
         try:
             items = self.table.try_take_many(step_id, keys)
         except RendezvousError:
             return [None] * n
         out: list[Taken | None] = [None] * n
-        answers: list[tuple[int, Received, str]] = []
+        rids: list[int] = []
+        answers: list[Received] = []
+        answered: list[str] = []
         new = tuple.__new__  # Taken(item, key), without the named tuple's argument handling
         for i, item in enumerate(items):
             if item is not None:
                 key = keys[i]
                 out[i] = new(Taken, (item, key))
-                if request_ids[i]:
-                    answers.append((request_ids[i], item, key))  # type: ignore[arg-type]
-        self.retry.record_many(step_id, answers, owner)
+                rid = request_ids[i]
+                if rid:
+                    rids.append(rid)
+                    answers.append(item)
+                    answered.append(key)  # type: ignore[arg-type]
+        self.retry.record_many(step_id, rids, answers, answered, owner)
         return out
 
     def _check_key(self, req: pb.RecvTensorRequest) -> str:
