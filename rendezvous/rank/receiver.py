@@ -53,7 +53,7 @@ class _Plan:
     which are this rank's own and which each producer is asked for, with the
     destination device of each producer's first key."""
 
-    __slots__ = ("canonical", "srcs", "local", "groups")
+    __slots__ = ("canonical", "srcs", "local", "groups", "one_producer")
 
     def __init__(self, keys: Sequence[Key | str], task: TaskName) -> None:
         self.canonical = [canonical_key(k) for k in keys]  # malformed keys: refused before anything is asked
@@ -70,6 +70,8 @@ class _Plan:
         # the keys as a tuple: a peer remembers how it encoded them by identity
         self.groups = [(src, idx, tuple(canonical[i] for i in idx), parse_key(canonical[idx[0]]).dst)
                        for src, idx in by_src.items()]
+        #: every key from one producer: its batch's tensors come back in key order as they are
+        self.one_producer = not self.local and len(self.groups) == 1
 
 
 def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int, ready: dict[int, Fetched]) -> list[Fetched]:
@@ -270,6 +272,8 @@ class Receiver:
         except BaseException as exc:  # the caller cancelled (or the loop is going)
             interrupted = exc
         if interrupted is None and not timed_out and all(t.done() and t.exception() is None for t in tasks):
+            if plan.one_producer and len(units) == 1 and not ready:
+                return units[0][1].result()  # one producer's keys in key order: already in order
             return _in_order(units, len(canonical), ready)
         pending = [t for t in tasks if not t.done()]
         for t in pending:
