@@ -256,16 +256,22 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
     ids = call_ids.tolist()
     if len(set(ids)) != n:
         raise InvalidArgument("group answers a call twice")
-    dts = [_dtype(c) for c in codes.tolist()]
+    known = _DTYPES.get
+    dts = [known(c) or _dtype(c) for c in codes.tolist()]
     dim_list = dims.tolist()
     shapes: list[tuple[int, ...]] = []
     prod = math.prod
     pos = 0
     prev = 0
     for i, r in enumerate(ranks.tolist()):
-        shape = tuple(dim_list[pos:pos + r])
+        if r == 1:  # the usual case, spelled out
+            d = dim_list[pos]
+            shape: tuple[int, ...] = (d,)
+            nbytes = d * dts[i].itemsize
+        else:
+            shape = tuple(dim_list[pos:pos + r])
+            nbytes = prod(shape) * dts[i].itemsize
         pos += r
-        nbytes = prod(shape) * dts[i].itemsize
         o = offs[i]
         if o < prev or o % ALIGN or o + nbytes > offs[i + 1]:
             raise InvalidArgument(f"group's tensor {i} ({nbytes} bytes at offset {o}) does not fit its payload")

@@ -330,16 +330,19 @@ class ConsumerStream:
                 planes.answered([p.placement for p in map(pending.get, group.call_ids)
                                  if p is not None and not p.orphan], False)
             pop = pending.pop
+            new = _new_tuple
             for call_id, value in zip(group.call_ids, values):
                 p = pop(call_id, None)
                 if p is None:
                     continue
                 future = p.future
+                # _landed(value, path), inlined: once per tensor
+                fetched = new(Fetched, (new(Received, (value, False)), path, False))
                 if not p.orphan and not future.done():  # _deliver's common case, inlined
                     p.settled = True
-                    future.set_result(_landed(value, path))
+                    future.set_result(fetched)
                 else:
-                    self._deliver(p, _landed(value, path))
+                    self._deliver(p, fetched)
             return
         landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
         moving: list[tuple[int, int, Pending]] = []
