@@ -369,3 +369,25 @@ def test_batched_stream_messages_with_the_generated_stub():
             assert got == {100 + i: i for i in range(50)}
             assert b.pending() == []
     run(main())
+
+
+def test_a_key_sent_again_is_checked_and_made_canonical_as_the_first_time():
+    """A producer remembers the keys it sent (a training loop sends the same
+    ones every step): a key in another spelling still lands under its
+    canonical form every time, and a key of another task is refused every
+    time, never remembered as this task's."""
+    async def main():
+        async with cluster(2) as (a, b):
+            canonical = key(1, 0, "again")
+            spelled = canonical.replace(";0000000000001234;", ";1234;")  # the incarnation unpadded
+            assert spelled != canonical
+            for i in range(3):
+                b.send(spelled, np.full(2, i, np.int32), step_id=3)
+            assert [(p.key, p.kind, p.count) for p in b.pending()] == [(canonical, "tensor", 3)]
+            theirs = key(0, 1, "theirs")
+            for _ in range(2):
+                with pytest.raises(errors.FailedPrecondition, match="can only send its own"):
+                    b.send(theirs, np.ones(1), step_id=3)
+            got = [await a.recv(canonical, step_id=3, timeout=10) for _ in range(3)]
+            assert [int(g[0]) for g in got] == [0, 1, 2]
+    run(main())
