@@ -116,8 +116,18 @@ def check_sendable(arr: np.ndarray) -> None:
     encoded: a dtype with no TensorFlow DataType (numpy unicode, structured,
     datetime), or an object array holding anything but bytes. Called by
     ``send`` so that the producer, not the consumer, hears of it."""
-    if dtype_to_proto(arr.dtype) == DT_STRING and arr.dtype == OBJECT:
-        _string_items(arr)
+    dtype = arr.dtype
+    if dtype in _FIXED_SENDABLE:  # a dtype seen sendable before: nothing else to check
+        return
+    if dtype_to_proto(dtype) == DT_STRING:
+        if dtype == OBJECT:
+            _string_items(arr)
+    elif len(_FIXED_SENDABLE) < 256:  # bounded: dtypes are few
+        _FIXED_SENDABLE.add(dtype)
+
+
+#: fixed-size dtypes found sendable by check_sendable (what is checked per send)
+_FIXED_SENDABLE: set[np.dtype] = set()
 
 
 def encode_header(arr: np.ndarray) -> tuple[bytes, memoryview | None]:
