@@ -100,18 +100,22 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
     offsets: list[int] = []
     raws: list = []
     codes_of = _CODES.get
+    add_code, add_rank, add_offset, add_raw = codes.append, ranks.append, offsets.append, raws.append
     end = 0
     for a in arrays:
         dtype = a.dtype
         code = codes_of(dtype)
-        codes.append(code if code is not None else _code(dtype))
+        add_code(code if code is not None else _code(dtype))
         shape = a.shape
-        ranks.append(len(shape))
+        add_rank(len(shape))
         dims += shape
         start = (end + ALIGN - 1) & ~(ALIGN - 1)
-        offsets.append(start)
-        raw = _raw(a)
-        raws.append(raw)
+        add_offset(start)
+        try:  # _raw(a), inlined for the usual contiguous array
+            raw = memoryview(a).cast("B")
+        except (TypeError, ValueError):
+            raw = _raw(a)
+        add_raw(raw)
         end = start + len(raw)
     offsets.append(end)
     return Layout(bytes(codes), np.array(ranks, _U32).tobytes(), np.array(dims, _U64).tobytes(), offsets, raws)
