@@ -207,3 +207,35 @@ def test_the_world_names_no_rank_remote_on_one_node():
     finally:
         world.control.Free()
         world.comm.Free()
+
+
+def test_a_large_transfer_stalled_in_flight_is_polled_without_pauses(comm):
+    """Without a single-copy path a large message moves only as it is polled:
+    while one is in flight and nothing has moved for a while the MPI thread
+    stops pausing; a small one, a large one that just moved, or an idle
+    engine back off as before. The count of large transfers in flight
+    returns to zero as they complete."""
+    async def main():
+        engine = ProgressEngine(comm, poll_min_us=10, poll_max_us=50)
+        engine.start()
+        try:
+            now = 1000.0
+            engine._last_activity = now - 1.0  # nothing moved for a second
+            assert engine._pause_after(20e-6, False, now) == 40e-6  # nothing large: backing off
+            engine._large = 1
+            assert engine._pause_after(20e-6, False, now) == 0.0  # large and stalled: no pause
+            assert engine._pause_after(20e-6, True, now) == engine.idle_poll  # idle is idle
+            engine._last_activity = now  # it just moved: back off as usual
+            assert engine._pause_after(20e-6, False, now) == 40e-6
+            engine._large = 0
+            big = np.arange(1 << 20, dtype=np.uint8)
+            small = np.arange(100, dtype=np.uint8)
+            got_big, got_small = np.empty_like(big), np.empty_like(small)
+            recvs = [engine.irecv(got_big, 0, 21, 1 << 18), engine.irecv(got_small, 0, 22, 1 << 18)]
+            await until(lambda: engine._large == 1, what="the large receive (not the small one) to count")
+            await asyncio.gather(engine.isend(small, 0, 22, 1 << 18), engine.isend(big, 0, 21, 1 << 18), *recvs)
+            assert np.array_equal(got_big, big) and np.array_equal(got_small, small)
+            assert engine._large == 0 and engine.in_flight == 0
+        finally:
+            engine.stop()
+    run(main())

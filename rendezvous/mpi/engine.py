@@ -15,7 +15,10 @@ Polling: with requests over MPI, while a transfer is in flight and for
 itself polls, every turn, without pausing (:meth:`ProgressEngine._loop_poll`).
 Otherwise the MPI thread polls, each empty poll doubling its pause from
 ``poll_min_us`` up to ``poll_max_us``, and a new submission or an arrival
-wakes it (an arrival hands polling back to the loop). With nothing in flight
+wakes it (an arrival hands polling back to the loop); while a large send or
+receive is in flight and nothing has moved for half a millisecond, it polls
+without pausing (:meth:`ProgressEngine._pause_after`: without a single-copy
+path such a message moves only as it is polled). With nothing in flight
 and nobody listening it sleeps on a condition variable and uses no CPU; with
 a listener (requests over MPI) it probes every ``poll_max_us``, and every
 ``idle_poll_ms`` once nothing has moved for ``idle_after_s`` and no reply is
@@ -53,6 +56,13 @@ __all__ = ["ProgressEngine", "OpKind"]
 
 log = logging.getLogger("rendezvous.mpi")
 
+#: bytes from which a send or receive counts as large: past MPICH's eager
+#: size within a node, such a message moves in pieces, each poll moving a few
+_LARGE = 64 << 10
+#: seconds with nothing moving, a large message in flight, after which the MPI
+#: thread polls without pausing (see _run)
+_STALLED = 0.0005
+
 
 class ProgressEngine:
     """Owns ``comm`` (an mpi4py communicator) on a thread of its own. ``comm``
@@ -67,6 +77,7 @@ class ProgressEngine:
         self.comm = comm
         self.poll_min = poll_min_us / 1e6
         self.poll_max = poll_max_us / 1e6
+        self._large = 0  # large sends and receives in flight (under _plock)
         self.hot = hot_ms / 1e3
         self.idle_poll = max(idle_poll_ms / 1e3, self.poll_max)
         self.idle_after = idle_after_s
@@ -153,6 +164,7 @@ class ProgressEngine:
                     self._owners.extend([op] * len(reqs))
                     op.remaining = len(reqs)
                     self.in_flight += 1
+                    self._large += op.large
                 self._poll_on_loop()
                 return op.future
             op.posted = reqs
@@ -271,6 +283,7 @@ class ProgressEngine:
         op.remaining = len(posted)
         if posted:
             self.in_flight += 1
+            self._large += op.large
         else:
             op.loop.call_soon_threadsafe(resolve, op.future, op.error, None)
 
@@ -280,6 +293,7 @@ class ProgressEngine:
         MPI = self._MPI
         view = memoryview(op.buf).cast("B")
         n = len(view)
+        op.large = n >= _LARGE
         starts = range(0, n, op.chunk) if n else [0]
         comm = op.comm if op.comm is not None else self.comm
         try:
@@ -298,6 +312,7 @@ class ProgressEngine:
         op.remaining -= 1
         if op.remaining == 0:
             self.in_flight -= 1
+            self._large -= op.large
             if op.kind is OpKind.TAKE:
                 listener: Listener = op.fn  # type: ignore[assignment]
                 listener.received(op.peer)
@@ -442,7 +457,7 @@ class ProgressEngine:
                 idle = (not self._reqs and not self._pipes and now - self._last_activity > self.idle_after
                         and not any(w() for w in self._waiting))
                 self._idle = idle
-                pause = self.idle_poll if idle else min(self.poll_max, max(self.poll_min, pause * 2))
+                pause = self._pause_after(pause, idle, now)
             if stopping:
                 if self._listeners and not self._reqs and not self._pipes:
                     return
@@ -451,6 +466,22 @@ class ProgressEngine:
                         self._cancel_all(self._reqs, self._owners)
                         collected = self._collect()
                     self._hand_over(collected)
+
+    def _pause_after(self, pause: float, idle: bool, now: float) -> float:
+        """The MPI thread's next pause after a poll that moved nothing.
+
+        A large message in flight and nothing moved for ``_STALLED``: without
+        a single-copy path (CMA), MPICH moves such a message through
+        shared-memory cells, a few per poll on each side, so it moves only as
+        fast as it is polled (an 8 MiB tensor took 190 ms at the usual pauses
+        against 10-14 ms polled without them). No pause then (any sleep lasts
+        at least the timer's slack, about 50 µs) until something moves. With a
+        single copy such a message is done at once, and this never spins.
+        Otherwise each empty poll doubles the pause up to ``poll_max``, or
+        the idle pace."""
+        if self._large and not idle and now - self._last_activity > _STALLED:
+            return 0.0
+        return self.idle_poll if idle else min(self.poll_max, max(self.poll_min, pause * 2))
 
     def _fail_one(self, reqs: list, owners: list[Op], exc: Any) -> list[int]:
         """Testsome reported an error: find the failing requests, fail only their ops."""

@@ -39,7 +39,7 @@ class OpKind(Enum):
 
 class Op:
     __slots__ = ("kind", "buf", "pipeline", "peer", "tag", "chunk", "future", "loop", "fn", "remaining",
-                 "error", "comm", "posted")
+                 "error", "comm", "posted", "large")
 
     def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future | None,
                  buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
@@ -57,6 +57,9 @@ class Op:
         self.remaining = 0
         self.error: BaseException | None = None
         self.posted: list | None = None  # requests already posted by the submitting thread
+        #: a send or receive past MPI's eager size: it moves while both sides poll
+        #: (see ProgressEngine._run)
+        self.large = False
 
 
 class Listener:
