@@ -28,7 +28,7 @@ import numpy as np
 
 from rendezvous import fused
 from rendezvous.errors import ResourceExhausted, Unavailable, batch_failure
-from rendezvous.keys import Key, as_key
+from rendezvous.keys import Key, as_key, canonical_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
 from rendezvous.local.frames import Kind, frame
@@ -169,7 +169,7 @@ class ClientCore:
                 continue
             if size + arr.nbytes > SEND_MANY_BYTES:
                 flush()
-            keys.append(as_key(key).format())
+            keys.append(canonical_key(key))
             arrays.append(arr)
             size += arr.nbytes
             packed += 1
@@ -183,7 +183,7 @@ class ClientCore:
         """The RECV of ``key``. The daemon enforces ``timeout`` (DEADLINE_EXCEEDED
         naming the key); the client's own deadline, 10 s later, only guards
         against a daemon that never answers."""
-        canonical = as_key(key).format()
+        canonical = canonical_key(key)
         guard = None if timeout is None else timeout + 10.0
         return Op(Kind.RECV, messages.recv_request(canonical, step_id, timeout), guard, canonical, step_id)
 
@@ -199,7 +199,7 @@ class ClientCore:
     def recv_many_op(keys: Sequence[Key | str], step_id: int, timeout: float | None) -> Op:
         """The RECV_MANY of ``keys``: one operation, one deadline (the daemon's;
         the client's guard is 10 s later, as for :meth:`recv_op`)."""
-        canonical = tuple(as_key(k).format() for k in keys)  # a malformed key: refused before anything is sent
+        canonical = tuple(canonical_key(k) for k in keys)  # a malformed key: refused before anything is sent
         guard = None if timeout is None else timeout + 10.0
         return Op(Kind.RECV_MANY, messages.recv_many_request(list(canonical), step_id, timeout), guard,
                   step_id=step_id, keys=canonical)

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from rendezvous import fields as F
 from rendezvous import frames, fused, wire
 from rendezvous.errors import InvalidArgument, RendezvousError, from_status
-from rendezvous.keys import Key, as_key
+from rendezvous.keys import Key, canonical_key
 from rendezvous.paths import Hop, Path
 from rendezvous.table import Received
 from rendezvous.dtypes import as_array, is_memcpyable
@@ -82,7 +82,7 @@ def to_pending(raw: bytes | memoryview) -> PendingList:
 
 def send_head(key: Key | str, step_id: int) -> bytes:
     """A SendRequest's step and key, the part every send begins with."""
-    k = as_key(key).format().encode()
+    k = canonical_key(key).encode()
     return wire.varint_field(F.SEND_STEP_ID, step_id) + wire.len_field_header(F.SEND_KEY, len(k)) + k
 
 
@@ -214,7 +214,7 @@ def _text(buf: bytes | memoryview, a: int, b: int, what: str) -> str:
 
 
 def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
-    return lpb.LocalRecvRequest(step_id=step_id, rendezvous_key=as_key(key).format(),
+    return lpb.LocalRecvRequest(step_id=step_id, rendezvous_key=canonical_key(key),
                                 timeout=timeout or 0.0).SerializeToString()
 
 

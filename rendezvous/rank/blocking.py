@@ -21,7 +21,7 @@ from rendezvous import interop
 from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, Unavailable
-from rendezvous.keys import Key, TaskName, as_key
+from rendezvous.keys import Key, TaskName, canonical_key
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
 from rendezvous.table import PendingEntry, Received
@@ -240,7 +240,7 @@ class Server:
         received and is not handed over (the caller interrupted, or no such
         form) is kept for the next recv of its key."""
         interop.check_framework(framework)  # before anything is taken
-        canonical = [as_key(k).format() for k in keys]
+        canonical = [canonical_key(k) for k in keys]  # cached: a step asks the same keys again
 
         def give_back(items: list[Received], why: str | None = None) -> None:
             self._aio.give_back(step_id, canonical, items, why)
