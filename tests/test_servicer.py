@@ -411,6 +411,17 @@ def test_a_descriptor_never_handed_over_goes_back_when_its_stream_ends():
     run(main(), 20)
 
 
+async def _handed_over(h: Harness, request_id: int) -> tuple[CommittedPlane, "RawStream"]:
+    """A tensor produced under ``K("d")`` and its descriptor handed over on a
+    first stream for ``request_id``: the plane and that stream."""
+    plane = h.servicer.planes.planes[0]
+    h.table.send(1, K("d"), np.arange(6, dtype=np.float32))
+    first = h.stream()
+    await first.send(recv(1, K("d"), request_id=request_id))
+    assert (await first.result(1))[0] == "descriptor"
+    return plane, first
+
+
 def test_a_retry_of_a_handed_over_descriptor_gets_that_descriptor_again():
     """A descriptor handed over into a connection that died: its consumer asks
     again with the request_id on a new stream, and gets the same descriptor
@@ -418,11 +429,7 @@ def test_a_retry_of_a_handed_over_descriptor_gets_that_descriptor_again():
     transfer of the tensor, again if that one is lost too."""
     async def main():
         async with serving(descriptor=True) as h:
-            plane = h.servicer.planes.planes[0]
-            h.table.send(1, K("d"), np.arange(6, dtype=np.float32))
-            first = h.stream()
-            await first.send(recv(1, K("d"), request_id=21))
-            assert (await first.result(1))[0] == "descriptor"
+            plane, first = await _handed_over(h, 21)
             retry = h.stream()
             await retry.send(recv(4, K("d"), request_id=21))
             assert (await retry.result(4))[0] == "descriptor"
@@ -498,11 +505,7 @@ def test_a_retry_cancelled_as_it_arrives_still_gets_its_handed_over_descriptor()
     tensor lost."""
     async def main():
         async with serving(descriptor=True) as h:
-            plane = h.servicer.planes.planes[0]
-            h.table.send(1, K("d"), np.arange(3, dtype=np.float32))
-            first = h.stream()
-            await first.send(recv(1, K("d"), request_id=51))
-            assert (await first.result(1))[0] == "descriptor"
+            plane, first = await _handed_over(h, 51)
             again = h.stream()
             await again.send(recv(2, K("d"), request_id=51), frames.cancel_request(2))
             assert (await again.result(2))[0] == "descriptor"
