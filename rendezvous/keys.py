@@ -34,7 +34,7 @@ import operator
 import re
 from dataclasses import dataclass
 
-from .errors import InvalidKey
+from .errors import FailedPrecondition, InvalidKey
 
 __all__ = [
     "TaskName",
@@ -44,6 +44,7 @@ __all__ = [
     "format_key",
     "make_key",
     "as_key",
+    "OwnKeys",
     "MAX_INCARNATION",
     "MAX_FRAME_ID",
     "MAX_ITER_ID",
@@ -443,6 +444,44 @@ def canonical_key(key: Key | str) -> str:
     if type(key) is str and len(key) <= _CACHEABLE:
         return _canonical_cached(key)
     return as_key(key).format()
+
+
+class OwnKeys:
+    """The canonical form of each key string given before, checked once as a
+    key ``task`` produces (``task`` None: any task's): a step sends and asks
+    for the same keys again. At most ``limit`` strings of at most
+    ``max_chars`` characters are remembered, all forgotten at once when full
+    (keys of old steps do not come again). A key of another task is
+    FAILED_PRECONDITION, saying ``refusal`` (a format of ``key``, ``src`` and
+    ``task``), and is never remembered."""
+
+    __slots__ = ("task", "refusal", "limit", "max_chars", "known")
+
+    def __init__(self, task: TaskName | None, refusal: str, limit: int = 1 << 13,
+                 max_chars: int = _CACHEABLE) -> None:
+        self.task = task
+        self.refusal = refusal
+        self.limit = limit
+        self.max_chars = max_chars
+        #: key string -> its canonical form, checked already
+        self.known: dict[str, str] = {}
+
+    def canonical(self, key: Key | str) -> str:
+        """The canonical form of ``key``, or InvalidKey, or FailedPrecondition."""
+        if type(key) is str:
+            known = self.known.get(key)
+            if known is not None:
+                return known
+        k = as_key(key)
+        src = k.src_task
+        canonical = k.format()
+        if src is not None and self.task is not None and src != self.task:
+            raise FailedPrecondition(self.refusal.format(key=canonical, src=src, task=self.task))
+        if type(key) is str and len(key) <= self.max_chars:
+            if len(self.known) >= self.limit:
+                self.known.clear()
+            self.known[key] = canonical
+        return canonical
 
 
 def format_key(key: Key) -> str:

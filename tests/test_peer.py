@@ -552,18 +552,26 @@ def test_a_reply_already_on_its_way_when_the_recv_gave_up_is_kept():
     run(main(), 20)
 
 
+async def _gave_up_then_asked_again(client: PeerClient, side: PeerSide):
+    """A recv of K1 (step 2) that timed out after asking, its cancel sent (an
+    orphan now), then a second recv of the key that asked too: the first
+    request, the second recv, its request."""
+    first = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=0.2))
+    (req1,) = await side.recvs(1)
+    with pytest.raises(DeadlineExceeded):
+        await first
+    assert (await side.next()).WhichOneof("kind") == "cancel"
+    second = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
+    (req2,) = await side.recvs(1)
+    return req1, second, req2
+
+
 def test_an_orphans_tensor_goes_to_a_recv_of_the_same_key_still_waiting():
     async def main():
         kept = []
         async with scripted(on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
             side = await connected(peer, client)
-            first = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=0.2))
-            (req1,) = await side.recvs(1)
-            with pytest.raises(DeadlineExceeded):
-                await first
-            assert (await side.next()).WhichOneof("kind") == "cancel"
-            second = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
-            (req2,) = await side.recvs(1)
+            req1, second, req2 = await _gave_up_then_asked_again(client, side)
             side.write(*reply(req1.call_id, np.array([5])))  # the first recv's tensor arrives
             got = await second
             assert got.item.value.tolist() == [5] and not kept
@@ -700,13 +708,7 @@ def test_every_request_id_left_in_doubt_for_a_key_is_asked_again_oldest_first():
     async def main():
         async with scripted(reconnect_attempts=0) as (peer, client):
             side = await connected(peer, client)
-            orphan = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=0.2))
-            (req1,) = await side.recvs(1)
-            with pytest.raises(DeadlineExceeded):
-                await orphan
-            assert (await side.next()).WhichOneof("kind") == "cancel"
-            later = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
-            (req2,) = await side.recvs(1)
+            req1, later, req2 = await _gave_up_then_asked_again(client, side)
             side.abort(grpc.StatusCode.UNAVAILABLE, "the cable")
             with pytest.raises(PeerUnavailable):
                 await later

@@ -37,7 +37,7 @@ from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
 from rendezvous.devices import Devices, Placement
 from rendezvous.errors import Aborted, FailedPrecondition, RendezvousError, Unavailable
-from rendezvous.keys import Key, TaskName, as_key
+from rendezvous.keys import Key, OwnKeys, TaskName, as_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.rpc.admin import Admin
@@ -63,10 +63,9 @@ from .setup import GrpcSetup, add_port
 __all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port", "Fetched"]
 
 log = logging.getLogger("rendezvous")
-#: keys sent remembered with their canonical form (see Server.prepare_send), at
-#: most this many of at most this length: about 24 MiB at worst
-_CACHED_KEYS = 1 << 15
-_CACHED_KEY_CHARS = 1024
+#: keys sent remembered with their canonical form (see Server.prepare_send):
+#: about 24 MiB at worst
+_SENT_KEYS = 1 << 15
 PROTOCOLS = tuple(p.value for p in Protocol)
 
 
@@ -100,9 +99,10 @@ class Server:
         self.cluster = ClusterSpec.from_any(cluster)
         self.task = TaskName(job_name, 0, int(task_index))
         self.bind_address = self.cluster.address(self.task)  # UnknownTask if absent
-        #: keys sent before (as given, a string) -> canonical form, checked as this
-        #: task's own: a training loop sends the same keys every step
-        self._sent_keys: dict[str, str] = {}
+        #: keys sent before, checked as this task's own: a training loop sends
+        #: the same keys every step
+        self._sent_keys = OwnKeys(self.task, "key {key!r} is produced by {src}; this server is {task} and can "
+                                  "only send its own", _SENT_KEYS)
         cfg = self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
         #: Whether this loop polls MPI itself while traffic is expected (the
         #: fastest for a program that is all asyncio): ``True``: with requests
@@ -370,18 +370,7 @@ class Server:
 
     def prepare_send(self, key: Key | str, tensor: Any, is_dead: bool = False) -> tuple[str, Any]:
         """Validate a send and return (canonical key, array); callable from any thread."""
-        canonical = self._sent_keys.get(key) if type(key) is str else None  # type: ignore[call-overload]
-        if canonical is None:
-            k = as_key(key)
-            src = k.src_task
-            if src is not None and src != self.task:
-                raise FailedPrecondition(
-                    f"key {k.format()!r} is produced by {src}; this server is {self.task} and can only send its own")
-            canonical = k.format()
-            if type(key) is str and len(key) <= _CACHED_KEY_CHARS:
-                if len(self._sent_keys) >= _CACHED_KEYS:
-                    self._sent_keys.clear()  # bounded: keys of old steps are not sent again
-                self._sent_keys[key] = canonical
+        canonical = self._sent_keys.canonical(key)
         if is_dead:
             return canonical, None
         # GPU tensors stay on their device (a DeviceTensor with a ready event on

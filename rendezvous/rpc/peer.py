@@ -218,8 +218,8 @@ class PeerClient:
         self._unsettled: collections.OrderedDict[tuple[int, str], collections.deque[int]] = \
             collections.OrderedDict()
         self._unsettled_ids = 0  # request_ids in _unsettled, all keys together
-        #: id(key tuple) -> (the tuple, its parts encoded, its length), see _key_parts
-        self._parts: collections.OrderedDict[int, tuple[Any, list[tuple[int, int, bytes]], int]] = \
+        #: id(key tuple) -> (the tuple, its parts encoded), see _key_parts
+        self._parts: collections.OrderedDict[int, tuple[Any, list[tuple[int, int, bytes]]]] = \
             collections.OrderedDict()
 
     def describe(self) -> str:
@@ -443,7 +443,7 @@ class PeerClient:
                 parts.append((start, i + 1, frames.many_keys_field(encoded[start:i + 1])))
                 start, size = i + 1, 0
         if type(keys) is tuple:  # kept only for what cannot change under its id
-            self._parts[id(keys)] = (keys, parts, n)
+            self._parts[id(keys)] = (keys, parts)
             if len(self._parts) > _KEY_PARTS:
                 self._parts.popitem(last=False)
         return parts

@@ -68,8 +68,7 @@ class Handed:
 
 
 class _Entry:
-    __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn", "owner",
-                 "resend")
+    __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn", "owner")
 
     def __init__(self, step_id: int, key: str, task: asyncio.Task | _Ready, handed: int = 0,
                  done_at: float | None = None, nbytes: int = 0, owner: object = None) -> None:
@@ -83,8 +82,6 @@ class _Entry:
         self.nbytes = nbytes
         #: the stream the answer was last handed to (see cut_off); None: not said
         self.owner = owner
-        #: a descriptor handed over for this id whose transfer was posted (see hand_over)
-        self.resend: Handed | None = None
 
 
 def _nbytes(value: Any) -> int:
@@ -96,11 +93,9 @@ class _Group:
     one object for a batch's ids, not an entry each (a step's thousands of
     small tensors). An id that needs an entry of its own (asked again, cut
     off, taken back) is split off into an :class:`_Entry`; released ids leave
-    it too (``items[i]`` None). Descriptors handed over for its ids are kept
-    by id (``resend``)."""
+    it too (``items[i]`` None)."""
 
-    __slots__ = ("step_id", "rids", "items", "keys", "done_at", "nbytes", "owner", "left", "resend", "serial",
-                 "_at")
+    __slots__ = ("step_id", "rids", "items", "keys", "done_at", "nbytes", "owner", "left", "serial", "_at")
 
     def __init__(self, step_id: int, rids: list[int], items: list[Received], keys: list[str], done_at: float,
                  nbytes: int, owner: object, serial: int) -> None:
@@ -112,7 +107,6 @@ class _Group:
         self.nbytes = nbytes  # of the answers still here
         self.owner = owner
         self.left = len(rids)  # answers still here
-        self.resend: dict[int, Handed] | None = None
         self.serial = serial  # its key in RetryCache._done (negative: never a request_id)
         self._at: dict[int, int] | None = None
 
@@ -133,25 +127,6 @@ class _Group:
         return i, item
 
 
-def _resend_of(entry: "_Entry | _Group", request_id: int) -> Handed | None:
-    if type(entry) is _Group:
-        return entry.resend.get(request_id) if entry.resend else None
-    return entry.resend  # type: ignore[union-attr]
-
-
-def _set_resend(entry: "_Entry | _Group", request_id: int, handed: Handed | None) -> None:
-    if type(entry) is _Group:
-        if handed is None:
-            if entry.resend:
-                entry.resend.pop(request_id, None)
-        else:
-            if entry.resend is None:
-                entry.resend = {}
-            entry.resend[request_id] = handed
-    else:
-        entry.resend = handed  # type: ignore[union-attr]
-
-
 class RetryCache:
     def __init__(self, window: float, max_bytes: int, max_entries: int = 1 << 16,
                  max_ids: int = 1 << 17) -> None:
@@ -170,6 +145,9 @@ class RetryCache:
         #: ids whose answer went back to the table (cut_off): a reply on an older
         #: stream cut off later must not put it back a second time
         self._requeued: OrderedDict[int, None] = OrderedDict()
+        #: held ids -> the descriptor handed over for them whose transfer was
+        #: posted (see hand_over); an id leaves with its answer
+        self._resends: dict[int, Handed] = {}
         self._timer: asyncio.TimerHandle | None = None  # releases answers when their window ends
 
     def __len__(self) -> int:
@@ -254,7 +232,7 @@ class RetryCache:
             self._requeued.pop(request_id, None)
         entry.handed = 1
         done_at = entry.done_at = time.monotonic()
-        entry.nbytes = int(getattr(item.value, "nbytes", 0) or 0)
+        entry.nbytes = _nbytes(item.value)
         self._done[request_id] = entry
         self._done_bytes += entry.nbytes
         self._done_count += 1
@@ -295,8 +273,6 @@ class RetryCache:
         i, item = group.take(request_id)
         nbytes = _nbytes(item.value)
         entry = _Entry(group.step_id, group.keys[i], _Ready(item), 1, group.done_at, nbytes, group.owner)
-        if group.resend:
-            entry.resend = group.resend.pop(request_id, None)
         self._entries[request_id] = entry
         self._done[request_id] = entry  # its bytes and count move with it: the totals stay
         if not group.left:
@@ -332,12 +308,10 @@ class RetryCache:
     def hand_over(self, handed: Handed) -> None:
         """The descriptor ``handed`` left for its request ids: a retry of one of
         them is answered with it (:meth:`take_resend`) while the answer is held."""
-        entries = self._entries
+        entries, resends = self._entries, self._resends
         for rid in handed.rids:
-            if rid:
-                entry = entries.get(rid)
-                if entry is not None:
-                    _set_resend(entry, rid, handed)
+            if rid and rid in entries:
+                resends[rid] = handed
 
     def take_resend(self, request_id: int) -> Handed | None:
         """The descriptor handed over for ``request_id`` (a retry: its consumer
@@ -345,22 +319,20 @@ class RetryCache:
         its end. The other ids it answers are no longer carried by it (their
         retries are answered afresh, from the answer held). None if there is
         none."""
-        entry = self._entries.get(request_id)
-        handed = _resend_of(entry, request_id) if entry is not None else None
+        resends = self._resends
+        handed = resends.get(request_id) if resends else None
         if handed is None:
             return None
         for rid in handed.rids:
-            other = self._entries.get(rid) if rid else None
-            if other is not None and _resend_of(other, rid) is handed:
-                _set_resend(other, rid, None)
+            if rid and resends.get(rid) is handed:
+                del resends[rid]
         return handed
 
     def restore(self, request_id: int, handed: Handed) -> None:
         """A reply re-sending ``handed`` for ``request_id`` was dropped unsent
         (its stream ended first): the next retry of the id gets it again."""
-        entry = self._entries.get(request_id)
-        if entry is not None and _resend_of(entry, request_id) is None:
-            _set_resend(entry, request_id, handed)
+        if request_id in self._entries and request_id not in self._resends:
+            self._resends[request_id] = handed
 
     def cut_off(self, request_id: int, owner: object = None) -> bool:
         """A reply carrying this id's answer, on the stream ``owner``, was not
@@ -402,6 +374,8 @@ class RetryCache:
     def forget(self, request_id: int) -> None:
         """Drop an answer that was put back unsent, as if never asked."""
         entry = self._entries.pop(request_id, None)
+        if self._resends:
+            self._resends.pop(request_id, None)
         if type(entry) is _Group:
             self._leave_group(request_id, entry)
         elif entry is not None and self._done.pop(request_id, None) is not None:
@@ -459,11 +433,8 @@ class RetryCache:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for rid, entry in list(self._done.items()):
-            if type(entry) is _Group:
-                self._release_group(entry)
-            else:
-                self._release(rid)
+        for key, entry in list(self._done.items()):
+            self._release_done(key, entry)
 
     def _expire(self, now: float) -> None:
         while self._done:
@@ -471,15 +442,14 @@ class RetryCache:
             if (now - entry.done_at < self.window  # type: ignore[operator]
                     and self._done_bytes <= self.max_bytes and self._done_count <= self.max_entries):
                 break
-            if type(entry) is _Group:
-                self._release_group(entry)
-            else:
-                self._release(rid)
+            self._release_done(rid, entry)
 
     def _release(self, request_id: int) -> None:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
+        if self._resends:
+            self._resends.pop(request_id, None)
         if type(entry) is _Group:
             self._leave_group(request_id, entry)
             self._answered[request_id] = None
@@ -492,6 +462,13 @@ class RetryCache:
         elif not entry.task.done():
             entry.task.cancel()
 
+    def _release_done(self, key: int, entry: _Entry | _Group) -> None:
+        """Let a completed answer go: an entry (by request_id) or a group (by serial)."""
+        if type(entry) is _Group:
+            self._release_group(entry)
+        else:
+            self._release(key)
+
     def _trim_answered(self) -> None:
         while len(self._answered) > self.max_ids:
             self._answered.popitem(last=False)
@@ -502,8 +479,6 @@ class RetryCache:
         group.take(request_id)
         self._done_bytes -= before - group.nbytes
         self._done_count -= 1
-        if group.resend:
-            group.resend.pop(request_id, None)
         if not group.left:
             self._done.pop(group.serial, None)
 
@@ -511,15 +486,17 @@ class RetryCache:
         """Every answer still in ``group`` goes; its ids are remembered as answered."""
         entries = self._entries
         answered = self._answered
+        resends = self._resends
         for rid, item in zip(group.rids, group.items):
             if item is not None and entries.get(rid) is group:
                 del entries[rid]
                 answered[rid] = None
+                if resends:
+                    resends.pop(rid, None)
         self._done.pop(group.serial, None)
         self._done_bytes -= group.nbytes
         self._done_count -= group.left
         group.items = [None] * len(group.rids)
         group.left = 0
         group.nbytes = 0
-        group.resend = None
         self._trim_answered()

@@ -31,13 +31,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from rendezvous.errors import (
-    FailedPrecondition,
     RendezvousError,
     ResourceExhausted,
     Unavailable,
     to_status,
 )
-from rendezvous.keys import TaskName, parse_key
+from rendezvous.keys import OwnKeys, TaskName
 from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
 from rendezvous.timeline import Timeline, now
@@ -85,7 +84,10 @@ class RecvTensorServicer:
         self.draining = False
         self._streams: set[ProducerStream] = set()
         self._unary_active = 0
-        self._canonical: dict[str, str] = {}  # request key -> canonical key, checked already
+        #: requested keys checked as this task's own, with their canonical forms
+        self._own = OwnKeys(task, "key {key!r} is produced by {src}, but this server is {task}",
+                            _CACHED_KEYS, _CACHED_KEY_CHARS)
+        self._canonical = self._own.known  # request key -> canonical key, checked already
 
     # -- registration -----------------------------------------------------
 
@@ -227,20 +229,7 @@ class RecvTensorServicer:
     def _canonical_key(self, raw: str) -> str:
         """The canonical form of a requested key (cached), or InvalidKey, or
         FailedPrecondition for a key another task produces."""
-        canonical = self._canonical.get(raw)
-        if canonical is not None:
-            return canonical
-        key = parse_key(raw)
-        src = key.src_task
-        if src is not None and self.task is not None and src != self.task:
-            raise FailedPrecondition(
-                f"key {raw!r} is produced by {src}, but this server is {self.task}")
-        canonical = key.format()
-        if len(raw) <= _CACHED_KEY_CHARS:
-            if len(self._canonical) >= _CACHED_KEYS:
-                self._canonical.clear()  # bounded: keys of old steps are not asked for again
-            self._canonical[raw] = canonical
-        return canonical
+        return self._own.canonical(raw)
 
     @staticmethod
     async def _never() -> Received:
