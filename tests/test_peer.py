@@ -1211,26 +1211,29 @@ def test_a_cancel_never_overtakes_the_request_it_cancels():
 
 
 def test_a_batch_waits_on_one_future_resolved_by_its_calls():
-    """recv_batch's calls settle slots, not futures: the batch's one future
-    resolves when all are answered, at the first failure, or (a stream broke
-    under some) once every call has settled."""
+    """recv_batch's calls are their own outcomes, not futures: the batch's one
+    future resolves when all are answered, at the first failure, or (a stream
+    broke under some) once every call has settled."""
     from rendezvous.errors import NotFound, PeerUnavailable
     from rendezvous.rpc.consumer_stream import Broken
-    from rendezvous.rpc.peer import _Batch, _Slot
+    from rendezvous.rpc.peer import _Batch, _Call
+
+    def calls(batch):
+        return (_Call(batch, f"k{i}", 1, None, i + 1) for i in range(3))
 
     async def main():
         loop = asyncio.get_running_loop()
         batch = _Batch(loop, 3)
-        a, b, c = (_Slot(batch) for _ in range(3))
+        a, b, c = calls(batch)
         a.set_result(1)
         b.set_result(2)
         assert not batch.waiter.done() and (a.result(), b.done(), c.done()) == (1, True, False)
         c.set_result(3)
-        assert batch.waiter.done()
+        assert batch.waiter.done() and c.future is c  # the stream sees one object per call
         with pytest.raises(asyncio.InvalidStateError):
             c.set_result(4)  # answered once
         batch = _Batch(loop, 3)
-        a, b, c = (_Slot(batch) for _ in range(3))
+        a, b, c = calls(batch)
         b.set_exception(NotFound("no"))
         assert batch.waiter.done() and isinstance(b.exception(), NotFound)
         with pytest.raises(NotFound):
@@ -1239,7 +1242,7 @@ def test_a_batch_waits_on_one_future_resolved_by_its_calls():
         with pytest.raises(asyncio.CancelledError):
             c.exception()
         batch = _Batch(loop, 3)
-        a, b, c = (_Slot(batch) for _ in range(3))
+        a, b, c = calls(batch)
         a.set_exception(Broken(PeerUnavailable("gone")))
         b.set_exception(NotFound("no"))
         assert not batch.waiter.done()  # a broken stream: every call settles first

@@ -89,9 +89,10 @@ class Pending:
     __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan", "request_id",
                  "settled")
 
-    def __init__(self, future: asyncio.Future, key: str, step_id: int, placement: Any = None,
+    def __init__(self, future: asyncio.Future | None, key: str, step_id: int, placement: Any = None,
                  request_id: int = 0) -> None:
-        self.future = future  # resolves to a Fetched
+        if future is not None:  # None: a subclass is its own future (a batch's call)
+            self.future = future  # resolves to a Fetched
         self.request_id = request_id
         self.assembly: Any = None  # a reply being assembled from chunk frames
         self.path = Path.GRPC
