@@ -581,6 +581,40 @@ def test_an_orphans_tensor_goes_to_a_recv_of_the_same_key_still_waiting():
     run(main(), 20)
 
 
+def test_a_timed_out_batchs_late_replies_go_to_the_batch_that_asked_again_in_order():
+    """A batch gave up with its requests out (its calls are orphans); a second
+    batch of the same keys asked, a key twice. Every late reply goes to the
+    oldest call of its key still waiting (each taker found from an index, not
+    a pass over every waiting call: see ConsumerStream._waiting_for), that
+    call's own request is cancelled, and nothing is left over or kept."""
+    keys = [key(1, 0, f"burst{i}") for i in range(200)]
+
+    async def main():
+        kept = []
+        async with scripted(on_unclaimed=lambda *a: kept.append(a)) as (peer, client):
+            side = await connected(peer, client)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.recv_batch(keys, step_id=3), 0.3)
+            first = await side.recvs(len(keys))
+            cancels = [await side.next() for _ in keys]
+            assert {c.WhichOneof("kind") for c in cancels} == {"cancel"}
+            again = keys + [keys[7]]  # the same keys, and key 7 a second time
+            second = asyncio.ensure_future(client.recv_batch(again, step_id=3))
+            asked = await side.recvs(len(again))
+            for i, q in enumerate(first):  # the producer had started them all
+                side.write(*reply(q.call_id, np.array([i])))
+            await until(lambda: side.pending_requests() >= len(keys), what="the second batch's cancels")
+            taken = [await side.next() for _ in keys]
+            assert [c.WhichOneof("kind") for c in taken] == ["cancel"] * len(keys)
+            # the oldest call of each key took it: key 7's first call, not its second
+            assert sorted(c.call_id for c in taken) == [q.call_id for q in asked[:len(keys)]]
+            side.write(*reply(asked[-1].call_id, np.array([1000])))  # key 7's second call, answered itself
+            got = await second
+            assert [f.item.value.tolist() for f in got] == [[i] for i in range(len(keys))] + [[1000]]
+            assert kept == []
+    run(main(), 30)
+
+
 def test_a_cancel_answered_with_cancelled_ends_the_orphan():
     async def main():
         kept = []

@@ -14,6 +14,7 @@ stream, or to the rank server to keep.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 from collections.abc import Iterator
@@ -121,6 +122,10 @@ class ConsumerStream:
         #: recvs (and cancels, as their frames) asked in this turn of the loop,
         #: not sent yet (see submit and _flush)
         self._coalescing: list[tuple[int, int, bytes, int, bytes | None] | bytes] = []
+        #: the waiting calls by (step_id, key), oldest first, for an orphan's
+        #: tensor to find its taker (see _waiting_for); None until one needs it,
+        #: and again once a call is added
+        self._by_key: dict[tuple[int, str], collections.deque[int]] | None = None
         self.alive = True
         #: the call's non-waiting write (MPI): a request with nothing queued
         #: before it is handed over at once, not on the writer's next turn
@@ -138,6 +143,7 @@ class ConsumerStream:
         together at its end, as RecvMany requests of consecutive calls: the
         producer answers the small tensors among them with group replies."""
         self.pending[call_id] = pending
+        self._by_key = None
         if not self._coalescing:
             asyncio.get_running_loop().call_soon(self._flush)
         self._coalescing.append((call_id, step_id, key, request_id, options))
@@ -146,6 +152,7 @@ class ConsumerStream:
         """The calls ``first`` .. ``first + len(pendings) - 1`` of one RecvMany."""
         self._flush()  # requests leave in the order they were made
         self.pending.update(zip(range(first, first + len(pendings)), pendings))
+        self._by_key = None
         self._send(request)
 
     def _send(self, message: bytes) -> None:
@@ -462,13 +469,39 @@ class ConsumerStream:
         # (After a break that is the client's new stream: the recv asked again.)
         kept = Fetched(fetched.item, fetched.path, placed=False)
         stream = self if self.alive else self.client.live_stream()
-        for call_id, other in (stream.pending.items() if stream is not None else ()):
-            if (not other.orphan and other.key == p.key and other.step_id == p.step_id
-                    and not other.future.done()):
-                other.future.set_result(kept)
-                stream.cancel(call_id, other)  # type: ignore[union-attr]
-                return
+        taker = stream._waiting_for(p.step_id, p.key) if stream is not None else None
+        if taker is not None:
+            call_id, other = taker
+            other.future.set_result(kept)
+            stream.cancel(call_id, other)  # type: ignore[union-attr]
+            return
         self.client.unclaimed(p.step_id, p.key, kept)
+
+    def _waiting_for(self, step_id: int, key: str) -> tuple[int, Pending] | None:
+        """The oldest call of ``key`` in ``step_id`` still waiting on this
+        stream, taken out of the index (it is about to be answered), or None.
+        The index is made from ``pending`` when first asked, and again once a
+        call was added; calls answered or given up since are skipped as they
+        come up. A timed-out batch whose thousands of replies come in as
+        orphans, its keys asked again meanwhile, finds each taker at once,
+        not by a pass over every waiting call."""
+        index = self._by_key
+        if index is None:
+            index = self._by_key = {}
+            for call_id, p in self.pending.items():
+                if not p.orphan and not p.future.done():
+                    queue = index.get((p.step_id, p.key))
+                    if queue is None:
+                        queue = index[(p.step_id, p.key)] = collections.deque()
+                    queue.append(call_id)
+        queue = index.get((step_id, key))
+        pending = self.pending
+        while queue:
+            call_id = queue.popleft()
+            p = pending.get(call_id)
+            if p is not None and not p.orphan and not p.future.done():
+                return call_id, p
+        return None
 
     def _settle(self, call_id: int, p: Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
         """A reply whose bytes came another way (a plane's pending transfer) is done."""
