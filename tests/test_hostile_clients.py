@@ -367,3 +367,33 @@ def test_a_session_holds_at_most_its_share_of_segments(sockdir):  # noqa: F811
             assert a.stats()["send_shm"] == 1 and d.pool.holds(sa.id) <= share
             np.testing.assert_array_equal(await b.recv(key(0, 0, "z"), step_id=1, timeout=10), small)
     run(main())
+
+
+# -- a recv cancelled in the frames that asked it -------------------------------------------------------
+
+
+def test_a_recv_cancelled_in_the_same_write_that_asked_it_is_answered_once(sockdir):  # noqa: F811
+    """A client's caller gave up at once: its RECV and the CANCEL for it reached
+    the daemon in one read, and the CANCEL cancelled the recv's task before it
+    ever ran. The client waits for exactly one frame per operation (its
+    cancelled recvs wait for their answer to give back any tensor in it), so
+    the daemon still answers: CANCELLED. Before, it wrote nothing, and the
+    client kept the operation forever (63 of 10,000 in a race through two
+    daemons, whose settling then never came)."""
+    async def main():
+        async with daemons(sockdir) as (d,):
+            loop = asyncio.get_running_loop()
+            sock = await session(d.sessions.path)
+            asked = b"".join(
+                localwire.frame(Kind.RECV, 200 + i, lpb.LocalRecvRequest(
+                    step_id=1, rendezvous_key=key(0, 0, f"gone{i}")).SerializeToString())
+                + localwire.frame(Kind.CANCEL, 200 + i) for i in range(20))
+            await loop.sock_sendall(sock, asked)
+            got = await replies(sock, 20)
+            assert sorted(op for _, op, _ in got) == [200 + i for i in range(20)]
+            for kind, _, body in got:
+                assert kind == Kind.ERROR and localwire.unpack_error(body)[0] == 1  # CANCELLED
+            await until(lambda: not d.local.waits and not any(s.recvs for s in d.sessions.sessions.values()),
+                        what="nothing left waiting")
+            sock.close()
+    run(main())

@@ -298,11 +298,17 @@ class Session:
         self.waiting += keys
         task = asyncio.get_running_loop().create_task(answer)
         self.recvs[op] = task
-        task.add_done_callback(lambda _: self._ended(op, keys))
+        task.add_done_callback(lambda t: self._ended(op, keys, t))
 
-    def _ended(self, op: int, keys: int) -> None:
+    def _ended(self, op: int, keys: int, task: asyncio.Task) -> None:
         self.recvs.pop(op, None)
         self.waiting -= keys
+        if task.cancelled():
+            # Cancelled before it ever ran (its CANCEL came in the same read as
+            # the RECV): its coroutine never reached the CANCELLED answer it
+            # writes itself, and it took nothing. The client waits for one
+            # frame for every operation, a cancelled one too.
+            self._error(op, Cancelled("the recv was cancelled before it started"))
 
     async def _recv(self, op: int, req: lpb.LocalRecvRequest) -> None:
         """Answer one RECV: exactly one frame for ``op``, RECV_REPLY or ERROR (CANCELLED
