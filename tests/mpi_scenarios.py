@@ -676,7 +676,8 @@ def network_peers(api: str = "aio") -> None:
     finish(server)
     engine = server.aio.mpi.engine
     result(rank=me, remote=sorted(server.aio.mpi.world.remote_ranks), loop_peers=sorted(engine.loop_peers),
-           home=engine.home is server.loop, mpi_transfers=server.stats()["mpi"]["transfers"])
+           home=engine.home is server.loop, mpi_transfers=server.stats()["mpi"]["transfers"],
+           attended=engine.attended)
     server.stop(5)
 
 

@@ -449,7 +449,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     done = _bench(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     doc = report.load(tmp_path / JSON_NAME)
-    names = {"mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "memcpy"}
+    names = {"mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "blocking_mr", "memcpy"}
     assert names <= set(doc["contenders"])
     assert ("gloo" in doc["contenders"]) != any("gloo not measured" in n for n in doc["notes"])
     cells = {(t["contender"], t["size"]): t for t in doc["transfers"]}
@@ -466,7 +466,8 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
         assert doc["rss"]["size"] == 65536 and len(doc["rss"]["results"][0]["ranks"]) == 2
     assert [r["rank"] for r in doc["idle"]] == [0, 1]
     ids = {t["id"] for t in doc["targets"]}
-    assert {"latency_1k_default", "rate_default", "idle_cpu", "latency_1k_optimal_mr", "rate_optimal_mr"} <= ids
+    assert {"latency_1k_default", "rate_default", "idle_cpu", "latency_1k_optimal_mr", "rate_optimal_mr",
+            "latency_1k_blocking_mr"} <= ids
     # the table, with ratios and targets, went to the terminal
     assert "raw grpc.aio unary" in done.stdout and "x mpi" in done.stdout and "Targets" in done.stdout
     assert "bench: 100%" in done.stderr  # progress, as plain lines when not on a terminal

@@ -138,12 +138,16 @@ def test_the_loop_polls_the_transfers_of_ranks_mpi_reaches_over_the_network(nolo
 @pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
 def test_the_blocking_servers_loop_polls_only_remote_transfers_whatever_the_requests(requests):
     """The blocking Server (whose loop thread must leave the GIL to the
-    caller's threads) polls on its loop only transfers with ranks MPI reaches
-    over the network, with requests over gRPC or MPI alike."""
+    caller's threads while they compute) polls on its loop only transfers
+    with ranks MPI reaches over the network, with requests over gRPC or MPI
+    alike; with requests over MPI it counts the callers waiting on a recv
+    (while one does, its loop polls every transfer), and none is left
+    counted once the recvs returned."""
     _, results, _ = launch(2, "network_peers", "blocking",
                            env={"MPIR_CVAR_NOLOCAL": "1", "RENDEZVOUS_MPI_REQUESTS": requests}, timeout=180)
     for r in results:
         assert r["remote"] == [1 - r["rank"]] and r["loop_peers"] == [1 - r["rank"]] and r["home"]
+        assert r["attended"] == (0 if requests == "1" else None)
         assert r["mpi_transfers"] == (3 if requests == "1" else 2)  # over MPI requests, the handshake too
 
 

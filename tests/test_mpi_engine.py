@@ -195,6 +195,42 @@ def test_the_home_loop_polls_only_transfers_with_its_loop_peers(comm, remote):
     run(main())
 
 
+def test_the_home_loop_polls_every_transfer_only_while_a_caller_attends(comm):
+    """With callers counted (the blocking Server): nobody waiting, a node-local
+    transfer is the MPI thread's; while a caller waits the loop polls it,
+    and a caller that stops waiting hands polling back within a turn even
+    with a transfer still in flight. Every transfer completes either way."""
+    async def main():
+        engine = ProgressEngine(comm)
+        engine.start(loop_polls=True, loop_peers=frozenset())
+        engine.attach(comm)
+        engine.attended = 0
+        try:
+            data = np.arange(4096, dtype=np.uint8)
+            got = np.empty_like(data)
+            received = engine.irecv(got, 0, 22, 1 << 20)
+            assert not engine._loop_polling  # nobody waits: the MPI thread's
+            await asyncio.gather(engine.isend(data, 0, 22, 1 << 20), received)
+            assert np.array_equal(got, data)
+
+            engine.attend(1)
+            assert engine._loop_polling  # a caller waits: the loop polls at once
+            got = np.empty_like(data)
+            received = engine.irecv(got, 0, 23, 1 << 20)
+            await asyncio.gather(engine.isend(data, 0, 23, 1 << 20), received)
+            assert np.array_equal(got, data) and engine._loop_polling
+
+            pending = engine.irecv(np.empty_like(data), 0, 24, 1 << 20)  # stays in flight
+            engine.attend(-1)
+            assert engine.attended == 0
+            await until(lambda: not engine._loop_polling, what="the loop handing polling back")
+            await asyncio.gather(engine.isend(data, 0, 24, 1 << 20), pending)  # the MPI thread completes it
+            assert engine.in_flight == 0 and not engine._loop_polling
+        finally:
+            engine.stop()
+    run(main())
+
+
 def test_the_world_names_no_rank_remote_on_one_node():
     """A singleton world (one node, shared memory): no rank is reached over the network."""
     from rendezvous.keys import TaskName

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1K,64K,1M,16M,128M,512M", metavar="LIST",
                    help="tensor sizes, comma-separated, binary units (default 1K,64K,1M,16M,128M,512M)")
     p.add_argument("--contenders", default="all", metavar="LIST",
-                   help="any of mpi,mpi_alloc,grpc,default,optimal,default_mr,optimal_mr,gloo,memcpy,gpu_staged,gpu_serial,d2h "
+                   help="any of mpi,mpi_alloc,grpc,default,optimal,default_mr,optimal_mr,blocking_mr,gloo,memcpy,gpu_staged,gpu_serial,d2h "
                         "(default all; gloo only if torch is installed, the gpu ones only with --gpu)")
     p.add_argument("--samples", type=int, metavar="N",
                    help="timed transfers per contender and size (default: enough to move 2 GiB, "

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Contender", "RawMpi", "RawGrpc", "Rendezvous", "Gloo", "Memcpy", "pattern", "check"]
+__all__ = ["Contender", "RawMpi", "RawGrpc", "Rendezvous", "BlockingRendezvous", "Gloo", "Memcpy", "pattern",
+           "check"]
 
 _RAW_METHOD = "/rendezvous.bench.Raw/Get"
 _TAG_DATA = 17
@@ -333,6 +334,51 @@ class Rendezvous(Contender):
     async def close(self) -> None:
         if self.server is not None:
             await self.server.stop(1.0)
+
+
+class BlockingRendezvous(Rendezvous):
+    """(f) ``server.recv(key, step)`` on the blocking ``rendezvous.Server`` (the
+    README's first example, its server on a loop thread of its own), requests
+    over MPI, default path: called from the bench's thread, as a training
+    script calls it."""
+
+    rate = False  # one caller thread: a blocking API has no outstanding recvs
+    rss = False
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx, optimal=False, mpi_requests=True)
+        self.name = "blocking_mr"
+        self.label = "(f) blocking rendezvous.Server, requests over MPI"
+        self.job = "blkmr"
+
+    async def setup(self) -> None:
+        import rendezvous
+
+        # Collective, as the aio servers' start: both ranks in the same order.
+        self.server = rendezvous.Server({self.job: ["127.0.0.1:0"] * 2}, self.job, self.ctx.rank,
+                                        protocol="grpc+mpi", mpi_optimal_path=False, mpi_disabled=False,
+                                        mpi_requests=True)
+        self.server.start()
+
+    async def consume(self, n: int, count: int, batch: int) -> list[int]:
+        recv, key = self.server.recv, self.key(n)
+        out = []
+        clock = time.perf_counter_ns
+        value = None
+        for _ in range(count):
+            t0 = clock()
+            value = recv(key, batch, 300)
+            out.append(clock() - t0)
+        check(value, n)
+        return out
+
+    def release(self) -> None:
+        if self.server is not None and self.server.loop is not None:
+            self.server.loop.call_soon_threadsafe(self.server.aio.buffers.clear)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(1.0)
 
 
 class Gloo(Contender):

@@ -279,7 +279,8 @@ _STYLE = {"memcpy": dict(linestyle="--", color="grey"), "mpi": dict(color="black
           "mpi_alloc": dict(color="black", linestyle=":"), "grpc": dict(color="tab:red"),
           "default": dict(color="tab:orange"), "optimal": dict(color="tab:blue"), "gloo": dict(color="tab:green"),
           "default_mr": dict(color="tab:orange", linestyle="-."),
-          "optimal_mr": dict(color="tab:blue", linestyle="-.")}
+          "optimal_mr": dict(color="tab:blue", linestyle="-."),
+          "blocking_mr": dict(color="tab:purple", linestyle="-.")}
 
 
 def write_plot(doc: Mapping[str, Any], path: Path) -> bool:

@@ -218,9 +218,15 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _mpi_request_targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Requests over MPI (``optimal_mr``): 1 KiB latency against raw unary and
-    gloo, bandwidth against raw MPI, the rate with many recvs outstanding."""
+    gloo, bandwidth against raw MPI, the rate with many recvs outstanding;
+    the blocking Server's 1 KiB latency (``blocking_mr``) against raw unary."""
     out = []
     sizes = doc["sizes"]
+    b, g = _cell(doc, "blocking_mr", 1024), _cell(doc, "grpc", 1024)
+    if b is not None:
+        out.append(_target("latency_1k_blocking_mr", "1 KiB round trip (median), blocking Server, requests over MPI, "
+                                                     "vs raw gRPC unary",
+                           ratio(b["median_us"], g and g["median_us"]), "<=", 0.5))
     if not any(t["contender"] == "optimal_mr" for t in doc["transfers"]):
         return out
     if 1024 in sizes:

@@ -31,15 +31,15 @@ from typing import Any
 import numpy as np
 
 from . import rss
-from .contenders import Contender, Gloo, Memcpy, RawGrpc, RawMpi, Rendezvous, pattern
+from .contenders import BlockingRendezvous, Contender, Gloo, Memcpy, RawGrpc, RawMpi, Rendezvous, pattern
 from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend
 from .stats import samples_for
 
 __all__ = ["Options", "run_rank", "CONTENDERS"]
 
 #: every contender, in the order tables and plots list them
-CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "gloo", "memcpy",
-              *GPU_CONTENDERS)
+CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "blocking_mr", "gloo",
+              "memcpy", *GPU_CONTENDERS)
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
 
 
@@ -149,6 +149,7 @@ def _build(ctx: Context, names: tuple[str, ...], gpu: Any = None) -> list[Conten
         "default": Rendezvous(ctx, optimal=False), "optimal": Rendezvous(ctx, optimal=True),
         "default_mr": Rendezvous(ctx, optimal=False, mpi_requests=True),
         "optimal_mr": Rendezvous(ctx, optimal=True, mpi_requests=True),
+        "blocking_mr": BlockingRendezvous(ctx),
         "gloo": Gloo(ctx), "memcpy": Memcpy(ctx),
     }
     if gpu is not None:

@@ -60,7 +60,7 @@ log = logging.getLogger("rendezvous.mpi")
 #: size within a node, such a message moves in pieces, each poll moving a few
 _LARGE = 64 << 10
 #: seconds with nothing moving, a large message in flight, after which the MPI
-#: thread polls without pausing (see _run)
+#: thread polls without pausing (see _pause_after)
 _STALLED = 0.0005
 
 
@@ -87,6 +87,9 @@ class ProgressEngine:
         self._waiting: list[Callable[[], bool]] = []  # see expect_while
         self.home: asyncio.AbstractEventLoop | None = None  # the loop that polls while hot (start)
         self.loop_peers: frozenset[int] | None = None  # ranks whose transfers it polls (None: all)
+        #: callers waiting on the home loop (see attend); None: not counted, the
+        #: loop polls as ``loop_peers`` says whoever waits
+        self.attended: int | None = None
         self._loop_polling = False  # a _loop_poll is scheduled on the home loop
         # Requests in flight and their operations, and everything else one poll
         # touches: one poller at a time (the MPI thread or the home loop).
@@ -148,6 +151,23 @@ class ProgressEngine:
             with self._cv:
                 self._cv.notify()
 
+    def attend(self, delta: int) -> None:
+        """A caller starts (+1) or stops (-1) waiting on a result (home loop
+        thread only; counted once ``attended`` is set). While one waits, the
+        home loop polls every transfer, as with ``loop_peers=None``; once none
+        does, only those of ``loop_peers`` again, and the MPI thread the rest.
+        The blocking Server counts its callers so: a caller blocked on its
+        answer leaves the GIL free, and a lone small recv completes at the
+        loop's pace, not at the MPI thread's hand-over; a caller computing
+        between calls keeps its GIL from a spinning loop."""
+        self.attended += delta  # type: ignore[operator]
+        if delta > 0 and self.attended == 1:
+            self._poll_on_loop()
+
+    def _loop_polls(self, peer: int) -> bool:
+        """Whether the home loop polls transfers with ``peer`` now."""
+        return self.loop_peers is None or bool(self.attended) or peer in self.loop_peers
+
     def _transfer(self, op: Op) -> asyncio.Future:
         """Post a send or receive here when MPI allows it (MULTIPLE), so its
         message leaves now. On the home loop its requests join those in flight
@@ -158,7 +178,7 @@ class ProgressEngine:
             if not reqs:  # posting failed: nothing to complete
                 resolve(op.future, op.error, None)
                 return op.future
-            if op.loop is self.home and (self.loop_peers is None or op.peer in self.loop_peers):
+            if op.loop is self.home and self._loop_polls(op.peer):
                 with self._plock:
                     self._reqs.extend(reqs)
                     self._owners.extend([op] * len(reqs))
@@ -379,7 +399,7 @@ class ProgressEngine:
                 listener.flush()
             else:
                 listener.loop.call_soon_threadsafe(listener.flush)
-        if taken and not on_loop and self.home is not None and self.loop_peers is None:
+        if taken and not on_loop and self.home is not None and (self.loop_peers is None or self.attended):
             # requests came in: their replies (and likely more requests) follow
             # (a loop that polls only some peers' transfers leaves this to the thread)
             self.home.call_soon_threadsafe(self._poll_on_loop)
@@ -389,7 +409,11 @@ class ProgressEngine:
         or out within the last ``hot`` seconds. A reply awaited longer than that
         (its tensor not produced yet) is polled for by the MPI thread, backing
         off: spinning through another rank's compute would take its core on a
-        machine with as many cores as ranks."""
+        machine with as many cores as ranks. With callers counted (see
+        :meth:`attend`) and none waiting, only a loop with peers of its own
+        polls on."""
+        if self.attended == 0 and not self.loop_peers:
+            return False
         return bool(self._reqs or self._pipes or now - self._last_activity < self.hot)
 
     def _poll(self, on_loop: bool) -> bool:

@@ -65,10 +65,14 @@ class MpiRank:
         # what the socket takes, so they move as fast as they are polled); the
         # MPI thread polls the rest, leaving the loop to gRPC (a loop spinning
         # beside gRPC's thread slows its replies on one node). With
-        # ``loop_polls="remote"`` (the blocking Server) it polls only those
-        # whatever the requests. See aio.Server.poll_on_loop.
-        remote_only = loop_polls == "remote" or not cfg.mpi_requests
+        # ``loop_polls="remote"`` it polls only those whatever the requests;
+        # with ``"attended"`` (the blocking Server) and requests over MPI, every
+        # transfer while a caller waits on the loop, else only those (see
+        # ProgressEngine.attend). See aio.Server.poll_on_loop.
+        remote_only = loop_polls in ("remote", "attended") or not cfg.mpi_requests
         engine.start(loop_polls=bool(loop_polls), loop_peers=frozenset() if remote_only else None)
+        if loop_polls == "attended" and cfg.mpi_requests:
+            engine.attended = 0
         self.engine = engine
         # mpi4py finalizes MPI at exit; atexit runs last-registered first, so
         # this stops the engine before that even if stop() is never called.

@@ -38,7 +38,8 @@ class Server:
                  **overrides: Any) -> None:
         self._aio = AsyncServer(cluster, job_name, task_index, protocol, config=config, devices=devices,
                                **overrides)
-        self._aio.poll_on_loop = "remote"  # the caller's threads need the GIL (see aio.Server.poll_on_loop)
+        # the caller's threads need the GIL while they compute (see aio.Server.poll_on_loop)
+        self._aio.poll_on_loop = "attended"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -55,18 +56,21 @@ class Server:
     # -- plumbing -----------------------------------------------------------
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
-              orphaned: Callable[[T], None] | None = None) -> T:
+              orphaned: Callable[[T], None] | None = None, attended: bool = False) -> T:
         """Run ``coro`` on the loop and wait for its result. Interrupted here
         (Ctrl-C, ``timeout``), the coroutine is cancelled; if it had finished
         already, its result goes to ``orphaned`` on the loop (a recv's tensor is
-        kept for the next recv of its key, never dropped)."""
+        kept for the next recv of its key, never dropped). ``attended``: the
+        loop polls MPI while this caller waits (see aio.Server.attending)."""
         self._check_running(coro)
         if threading.current_thread() is self._thread:
             coro.close()
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
+        runs = self._aio.attending(coro) if attended else coro
         try:
-            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            fut = asyncio.run_coroutine_threadsafe(runs, self._loop)
         except RuntimeError:  # the loop closed in between: the server stopped
+            runs.close()
             coro.close()
             raise self._stopped_error() from None
         try:
@@ -248,7 +252,7 @@ class Server:
         fetching = (_recv_one(self._aio, canonical[0], step_id, timeout, device) if one
                     else self._aio.recv_many_items(canonical, step_id, timeout, device))
         items = self._call(fetching, orphaned=lambda got: give_back(got, "was received after its caller was "
-                                                                         "interrupted"))
+                                                                         "interrupted"), attended=True)
         return interop.hand_over(items, framework, lambda back: self._call(_as_coro(give_back, back)))
 
     def abort(self, step_id: int, message: str = "aborted") -> None:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -59,6 +59,8 @@ from .launch import launcher_rank
 from .peers import Peers
 from .receiver import Receiver
 from .setup import GrpcSetup, add_port
+
+T = TypeVar("T")
 
 __all__ = ["Server", "PROTOCOLS", "GrpcSetup", "add_port", "Fetched"]
 
@@ -108,10 +110,14 @@ class Server:
         #: fastest for a program that is all asyncio): ``True``: with requests
         #: over MPI every transfer, with gRPC requests those with ranks MPI
         #: reaches over the network; ``"remote"``: only those, whatever the
-        #: requests; ``False``: never. The blocking Server says ``"remote"``: its
-        #: loop thread, spinning, would keep the GIL from the caller's threads, so
-        #: its MPI thread polls node-local transfers; a transfer across hosts
-        #: moves only as fast as it is polled (1.5 x faster steps polled here).
+        #: requests; ``"attended"``: as ``True`` while a caller waits on the loop
+        #: (counted with :meth:`attending`), else as ``"remote"``; ``False``:
+        #: never. The blocking Server says ``"attended"``: its loop thread,
+        #: spinning, would keep the GIL from the caller's threads while they
+        #: compute, so its MPI thread polls node-local transfers then; a caller
+        #: blocked on a recv needs no GIL, and its reply is taken at the loop's
+        #: pace; a transfer across hosts moves only as fast as it is polled
+        #: (1.5 x faster steps polled here).
         self.poll_on_loop: bool | str = True
         #: this rank's timeline (rendezvous.timeline; the ``timeline`` setting), or None: off
         self.timeline = Timeline.for_task(cfg.timeline, self.cluster, self.task) if cfg.timeline else None
@@ -414,6 +420,19 @@ class Server:
         interop.check_framework(framework)  # before anything is taken
         item = (await self.fetch(key, step_id, timeout, device)).item
         return interop.hand_over([item], framework, lambda items: self.give_back(step_id, [key], items))[0]
+
+    async def attending(self, waited: Awaitable[T]) -> T:
+        """``await waited`` for a caller blocked on its answer in another thread
+        (the blocking Server's recvs): with ``poll_on_loop="attended"`` the loop
+        polls every MPI transfer meanwhile (see ProgressEngine.attend)."""
+        engine = self.mpi.engine if self.mpi is not None else None
+        if engine is None or engine.attended is None:
+            return await waited
+        engine.attend(1)
+        try:
+            return await waited
+        finally:
+            engine.attend(-1)
 
     def give_back(self, step_id: int, keys: Sequence[Key | str], items: list[Received],
                   why: str | None = None) -> None:
