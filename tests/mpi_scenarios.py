@@ -635,8 +635,8 @@ def stopped_producer(folder: str) -> None:
 def network_peers(api: str = "aio") -> None:
     """The aio server with gRPC requests, or the blocking Server with either:
     which ranks MPI reaches over the network (``MPIR_CVAR_NOLOCAL=1`` makes
-    every other rank one), that the server's loop polls exactly those
-    transfers, and that tensors of every size cross and land whole either way."""
+    every other rank one), which transfers the server's loop polls (``None``:
+    all), and that tensors of every size cross and land whole either way."""
     import asyncio
 
     from rendezvous import aio
@@ -657,7 +657,8 @@ def network_peers(api: str = "aio") -> None:
         await server.recv(key(worker(other), worker(me), "finished"), step_id=999, timeout=120)
         stats = server.stats()
         engine = server.mpi.engine
-        result(rank=me, remote=sorted(server.mpi.world.remote_ranks), loop_peers=sorted(engine.loop_peers),
+        result(rank=me, remote=sorted(server.mpi.world.remote_ranks),
+               loop_peers=None if engine.loop_peers is None else sorted(engine.loop_peers),
                home=engine.home is asyncio.get_running_loop(), mpi_transfers=stats["mpi"]["transfers"])
         await server.stop(5)
 

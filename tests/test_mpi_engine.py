@@ -174,10 +174,10 @@ def test_a_listener_hands_a_sources_messages_over_in_match_order():
 
 @pytest.mark.parametrize("remote", [True, False], ids=["remote-peer", "node-local-peer"])
 def test_the_home_loop_polls_only_transfers_with_its_loop_peers(comm, remote):
-    """With ``loop_peers`` (gRPC requests), a transfer with a rank in it makes
-    the home loop poll (a rank MPI reaches over the network moves only as fast
-    as it is polled); any other is left to the MPI thread, and the loop stays
-    free for gRPC. Both complete either way."""
+    """With ``loop_peers`` (the blocking Server), a transfer with a rank in it
+    makes the home loop poll (a rank MPI reaches over the network moves only
+    as fast as it is polled); any other is left to the MPI thread, and the
+    loop thread leaves the GIL to the caller's. Both complete either way."""
     async def main():
         engine = ProgressEngine(comm)
         engine.start(loop_polls=True, loop_peers=frozenset())

@@ -10,9 +10,11 @@ it too). The engine thread polls every request in flight with
 and resolves futures on their loop with ``call_soon_threadsafe``, one wake-up
 per loop for everything that completed in one pass.
 
-Polling: with requests over MPI, while a transfer is in flight and for
-``hot_ms`` after the last message came or went, the server's event loop
-itself polls, every turn, without pausing (:meth:`ProgressEngine._loop_poll`).
+Polling: while a transfer is in flight and for ``hot_ms`` after the last
+message came or went, the server's event loop itself polls, every turn,
+without pausing (:meth:`ProgressEngine._loop_poll`): every transfer, or
+only those with ``loop_peers`` (and every one while a caller attends, see
+:meth:`ProgressEngine.attend`).
 Otherwise the MPI thread polls, each empty poll doubling its pause from
 ``poll_min_us`` up to ``poll_max_us``, and a new submission or an arrival
 wakes it (an arrival hands polling back to the loop); while a large send or

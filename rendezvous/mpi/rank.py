@@ -59,17 +59,15 @@ class MpiRank:
         everything started is stopped again."""
         cfg = self.config
         engine = ProgressEngine(poll_min_us=cfg.mpi_poll_min_us, poll_max_us=cfg.mpi_poll_max_us)
-        # With requests over MPI the loop polls while traffic is expected (small
-        # transfers at MPI latency). With gRPC requests it polls only transfers
-        # with ranks MPI reaches over the network (each progress call moves only
-        # what the socket takes, so they move as fast as they are polled); the
-        # MPI thread polls the rest, leaving the loop to gRPC (a loop spinning
-        # beside gRPC's thread slows its replies on one node). With
-        # ``loop_polls="remote"`` it polls only those whatever the requests;
-        # with ``"attended"`` (the blocking Server) and requests over MPI, every
-        # transfer while a caller waits on the loop, else only those (see
-        # ProgressEngine.attend). See aio.Server.poll_on_loop.
-        remote_only = loop_polls in ("remote", "attended") or not cfg.mpi_requests
+        # The aio server's loop polls every transfer while traffic is expected
+        # (small transfers at MPI latency, and a large one moves as fast as it
+        # is polled), with gRPC requests or MPI ones. With ``loop_polls="remote"``
+        # it polls only transfers with ranks MPI reaches over the network (each
+        # progress call moves only what the socket takes); with ``"attended"``
+        # (the blocking Server) those, and with requests over MPI every
+        # transfer while a caller waits on the loop (see ProgressEngine.attend);
+        # the MPI thread polls the rest. See aio.Server.poll_on_loop.
+        remote_only = loop_polls in ("remote", "attended")
         engine.start(loop_polls=bool(loop_polls), loop_peers=frozenset() if remote_only else None)
         if loop_polls == "attended" and cfg.mpi_requests:
             engine.attended = 0

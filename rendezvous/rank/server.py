@@ -107,17 +107,16 @@ class Server:
                                   "only send its own", _SENT_KEYS)
         cfg = self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
         #: Whether this loop polls MPI itself while traffic is expected (the
-        #: fastest for a program that is all asyncio): ``True``: with requests
-        #: over MPI every transfer, with gRPC requests those with ranks MPI
-        #: reaches over the network; ``"remote"``: only those, whatever the
-        #: requests; ``"attended"``: as ``True`` while a caller waits on the loop
-        #: (counted with :meth:`attending`), else as ``"remote"``; ``False``:
-        #: never. The blocking Server says ``"attended"``: its loop thread,
-        #: spinning, would keep the GIL from the caller's threads while they
-        #: compute, so its MPI thread polls node-local transfers then; a caller
-        #: blocked on a recv needs no GIL, and its reply is taken at the loop's
-        #: pace; a transfer across hosts moves only as fast as it is polled
-        #: (1.5 x faster steps polled here).
+        #: fastest for a program that is all asyncio): ``True``: every transfer,
+        #: with gRPC requests or MPI ones; ``"remote"``: only those with ranks
+        #: MPI reaches over the network (a transfer across hosts moves only as
+        #: fast as it is polled: 1.5 x faster steps polled here); ``"attended"``:
+        #: those, and with requests over MPI every transfer while a caller waits
+        #: on the loop (counted with :meth:`attending`); ``False``: never. The
+        #: blocking Server says ``"attended"``: its loop thread, spinning, would
+        #: keep the GIL from the caller's threads while they compute, so its MPI
+        #: thread polls node-local transfers then; a caller blocked on a recv
+        #: needs no GIL, and its reply is taken at the loop's pace.
         self.poll_on_loop: bool | str = True
         #: this rank's timeline (rendezvous.timeline; the ``timeline`` setting), or None: off
         self.timeline = Timeline.for_task(cfg.timeline, self.cluster, self.task) if cfg.timeline else None
