@@ -576,14 +576,14 @@ def test_model_shapes_match_the_published_architectures():
 def test_a_tiny_step_exchange_run_writes_its_table(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rendezvous", "bench-steps", "--steps", "1", "--models",
                           "resnet50,many-small", "--contenders",
-                          "mpi,optimal,default,optimal_many,daemon_many,blocking,blocking_many,grpc",
+                          "mpi,optimal,default,optimal_many,daemon_many,blocking,blocking_many,blocking_mr_many,grpc",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     doc = json.loads((tmp_path / "steps.json").read_text())
     assert set(doc["models"]) == {"resnet50", "many-small"}
     for model in doc["models"].values():
         assert set(model["seconds"]) == {"mpi", "optimal", "default", "optimal_many", "daemon_many", "blocking",
-                                         "blocking_many", "grpc"}
+                                         "blocking_many", "blocking_mr_many", "grpc"}
         assert all(len(t) == 1 and t[0] > 0 for t in model["seconds"].values())
         cpu = model["cpu_us_per_tensor"]  # the loop's contenders, on each rank
         assert set(cpu) == {"mpi", "optimal", "default", "optimal_many", "daemon_many", "grpc"}

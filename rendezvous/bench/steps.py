@@ -25,7 +25,8 @@ Contenders:
   rank's process and loop here; the CPU figures count both);
 * ``blocking``: the blocking ``rendezvous.Server`` (optimal path), one
   ``recv`` after another, as a plain script does; ``blocking_many``: the
-  same server's ``recv_many`` of the whole step;
+  same server's ``recv_many`` of the whole step; ``blocking_mr_many``: that
+  with requests over MPI (a server of its own, after the other two);
 * ``grpc``: raw grpc.aio, one unary call per tensor gathered concurrently
   (raw bytes in, raw bytes out);
 * ``gloo``: ``torch.distributed`` gloo ``isend``/``irecv`` when torch imports.
@@ -61,9 +62,10 @@ __all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIP
 
 CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many",
               "default_many", "daemon_many", "blocking",
-              "blocking_many", "grpc", "gloo")
-#: the contenders the blocking Server runs (after the others, on a loop thread of its own)
-_BLOCKING = ("blocking", "blocking_many")
+              "blocking_many", "blocking_mr_many", "grpc", "gloo")
+#: the contenders the blocking Server runs (after the others, on a loop thread of its own):
+#: name -> requests over MPI
+_BLOCKING = {"blocking": False, "blocking_many": False, "blocking_mr_many": True}
 #: rendezvous contenders: (job, optimal path, requests over MPI)
 _SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
             "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True),
@@ -369,26 +371,39 @@ async def _barrier_async(rank: _Rank) -> None:
 
 
 def _run_blocking(opts: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    """The blocking ``rendezvous.Server``: its own loop thread (gRPC's asyncio runs
+    """The blocking ``rendezvous.Server``'s contenders: those with gRPC requests
+    on one server, then those with requests over MPI on another (one at a
+    time: each has the process to itself)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for mpi_requests in (False, True):
+        names = [n for n, mr in _BLOCKING.items() if mr is mpi_requests and n in opts.contenders]
+        if names:
+            out.update(_run_blocking_server(opts, names, mpi_requests))
+    return out
+
+
+def _run_blocking_server(opts: argparse.Namespace, names: list[str],
+                         mpi_requests: bool) -> dict[str, dict[str, list[float]]]:
+    """One blocking ``rendezvous.Server``: its own loop thread (gRPC's asyncio runs
     one loop per process at a time, so it has the process to itself); ``blocking``
-    receives one key after another from this thread, ``blocking_many`` the whole
-    step in one ``recv_many``, taking turns step by step."""
+    receives one key after another from this thread, the ``_many`` contenders
+    the whole step in one ``recv_many``, taking turns step by step."""
     from mpi4py import MPI
 
     import rendezvous
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    names = [n for n in _BLOCKING if n in opts.contenders]
     hosts = opts.hosts or [_LOOPBACK] * 2
-    server = rendezvous.Server({"blk": [_address(h, 0) for h in hosts]}, "blk", rank, "grpc+mpi",
-                               mpi_optimal_path=True, mpi_disabled=False)
+    job = "blkmr" if mpi_requests else "blk"
+    server = rendezvous.Server({job: [_address(h, 0) for h in hosts]}, job, rank, "grpc+mpi",
+                               mpi_optimal_path=True, mpi_disabled=False, mpi_requests=mpi_requests)
     server.start()
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     try:
         for model in opts.models:
             tensors = shapes(model)
-            keys = [_key("blk", model, i) for i in range(len(tensors))]
+            keys = [_key(job, model, i) for i in range(len(tensors))]
             for n in names:
                 out[n][model] = []
             step = 0
@@ -400,7 +415,7 @@ def _run_blocking(opts: argparse.Namespace) -> dict[str, dict[str, list[float]]]
                     world.Barrier()
                     if rank == 0:
                         t0 = time.perf_counter()
-                        if name == "blocking_many":
+                        if name != "blocking":
                             got = server.recv_many(keys, step, timeout=300)
                         else:
                             got = [server.recv(k, step, timeout=300) for k in keys]
