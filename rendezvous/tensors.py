@@ -18,6 +18,7 @@ TensorFlow's own RecvTensor sends for DT_STRING).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -203,19 +204,45 @@ def _parse(buf, start: int, end: int | None):
     dims: list[int] = []
     unknown_rank = False
     for s, e in shapes:
-        for num, wt, a, b in wire.iter_fields(buf, s, e):
-            if num == F.SHAPE_DIM and wt == wire.LEN:
-                size = 0
-                for dnum, dwt, da, _ in wire.iter_fields(buf, a, b):
-                    if dnum == F.DIM_SIZE and dwt == wire.VARINT:
-                        size = wire.to_signed64(da)
-                dims.append(size)
-            elif num == F.SHAPE_UNKNOWN_RANK and wt == wire.VARINT:
-                unknown_rank = a != 0
+        raw = bytes(buf[s:e])
+        shape_dims, shape_unknown = _shape(raw) if len(raw) <= _CACHED_SHAPE_BYTES else _shape.__wrapped__(raw)
+        dims += shape_dims
+        unknown_rank = unknown_rank or shape_unknown
     return buf, dtype_value, dims, unknown_rank, content, end
 
 
+#: shapes up to this many bytes (any numpy shape) are parsed once and remembered
+_CACHED_SHAPE_BYTES = 512
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(raw: bytes) -> tuple[tuple[int, ...], bool]:
+    """(dims, unknown_rank) of one TensorShapeProto's bytes: a job receives the
+    same few shapes over and over, so each is parsed once (a larger one, which
+    no valid tensor has, is parsed uncached, to be refused)."""
+    dims: list[int] = []
+    unknown_rank = False
+    for num, wt, a, b in wire.iter_fields(raw, 0, len(raw)):
+        if num == F.SHAPE_DIM and wt == wire.LEN:
+            size = 0
+            for dnum, dwt, da, _ in wire.iter_fields(raw, a, b):
+                if dnum == F.DIM_SIZE and dwt == wire.VARINT:
+                    size = wire.to_signed64(da)
+            dims.append(size)
+        elif num == F.SHAPE_UNKNOWN_RANK and wt == wire.VARINT:
+            unknown_rank = a != 0
+    return tuple(dims), unknown_rank
+
+
 def _checked_meta(dtype_value: int, dims: list[int], unknown_rank: bool) -> TensorMeta:
+    """:func:`_valid_meta`, cached on what it is made from (an invalid one raises
+    each time; more dimensions than numpy has are refused uncached)."""
+    check = _valid_meta if len(dims) <= _MAX_NDIM else _valid_meta.__wrapped__
+    return check(dtype_value, tuple(dims), unknown_rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_meta(dtype_value: int, dims: tuple[int, ...], unknown_rank: bool) -> TensorMeta:
     dtype = proto_to_dtype(dtype_value)
     if unknown_rank:
         raise InvalidArgument("tensor_shape has unknown_rank set; a tensor needs a known shape")
@@ -224,18 +251,18 @@ def _checked_meta(dtype_value: int, dims: list[int], unknown_rank: bool) -> Tens
     n = 1
     for d in dims:
         if d < 0:
-            raise InvalidArgument(f"tensor_shape {dims} has a negative (unknown) dimension")
+            raise InvalidArgument(f"tensor_shape {list(dims)} has a negative (unknown) dimension")
         n *= d
     if n > _INT64_MAX:
-        raise InvalidArgument(f"tensor_shape {dims} has more than 2**63-1 elements")
+        raise InvalidArgument(f"tensor_shape {list(dims)} has more than 2**63-1 elements")
     # numpy refuses a shape whose non-zero dimensions multiply past its index
     # range even when another dimension is 0 (an empty tensor)
     extent = dtype.itemsize or 1
     for d in dims:
         extent *= d or 1
     if extent > _INT64_MAX:
-        raise InvalidArgument(f"tensor_shape {dims} of {dtype} is larger than any array can be")
-    return TensorMeta(dtype, tuple(dims))
+        raise InvalidArgument(f"tensor_shape {list(dims)} of {dtype} is larger than any array can be")
+    return TensorMeta(dtype, dims)
 
 
 def decode_meta(buf, start: int = 0, end: int | None = None) -> tuple[TensorMeta, int, int]:

@@ -708,6 +708,29 @@ def test_unknown_rank_and_negative_dims():
         decode_meta(tf_proto(tf_types_pb2.DT_FLOAT, [-5]))
 
 
+def test_a_shape_seen_before_is_parsed_once_and_a_bad_one_is_refused_every_time():
+    """A job receives the same shapes again and again: each is parsed once and
+    the same meta comes back; an invalid one raises each time it comes, with
+    the shape in its message; one with more dimensions than numpy has is
+    refused without being remembered."""
+    from rendezvous import tensors
+
+    tensors._shape.cache_clear()
+    tensors._valid_meta.cache_clear()
+    good = tf_proto(tf_types_pb2.DT_FLOAT, [3, 4], tensor_content=b"\x00" * 48)
+    metas = [decode_meta(good)[0] for _ in range(3)]
+    assert metas[0] == TensorMeta(np.float32, (3, 4)) and all(m is metas[0] for m in metas)
+    assert tensors._shape.cache_info().misses == 1 and tensors._shape.cache_info().hits == 2
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match=r"tensor_shape \[2, -1\] has a negative"):
+            decode_meta(tf_proto(tf_types_pb2.DT_FLOAT, [2, -1]))
+    remembered = tensors._valid_meta.cache_info().currsize
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="100 dimensions"):
+            decode_meta(tf_proto(tf_types_pb2.DT_FLOAT, [1] * 100))
+    assert tensors._valid_meta.cache_info().currsize == remembered
+
+
 def test_shape_overflow_and_huge_splat():
     with pytest.raises(InvalidArgument):
         decode_tensor(tf_proto(tf_types_pb2.DT_FLOAT, [2**62, 2**62]))
