@@ -197,8 +197,8 @@ class Config:
     mpi_poll_max_us: int = _knob(
         50, "RENDEZVOUS_MPI_POLL_MAX_US",
         "Longest pause of that backoff. Across hosts MPI moves a large message over the network only while it "
-        "is polled, so long pauses stretch every transfer. With nothing in flight the thread sleeps until work "
-        "arrives.")
+        "is polled, so long pauses stretch every transfer. With nothing in flight the thread calls MPI only now "
+        "and then, at least once a second (a peer's send may wait on this rank's MPI to say its bytes arrived).")
     cuda_aware: bool | None = _knob(
         None, "RENDEZVOUS_CUDA_AWARE",
         "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory. "

@@ -600,6 +600,78 @@ def control_order(rounds: str = "50") -> None:
     comm.Free()
 
 
+def owed_progress(rounds: str = "2", per_round: str = "40") -> None:
+    """Rank 1 sends rank 0 ``rounds`` bursts of 256 KiB messages with plain
+    mpi4py and makes no MPI call between them (a rank busy elsewhere); rank
+    0's engine receives each burst, then has nothing in flight. A send
+    completes only once the receiver's MPI has told the sender the bytes
+    arrived; rank 1, not polling, lets its queue of such messages fill, so
+    the last ones wait in rank 0 and leave only when rank 0 calls MPI again.
+    Rank 0 stays idle; rank 1 reports whether its sends completed within 20
+    s. The ranks signal each other over a loopback socket (any MPI call on
+    either would make the progress under test)."""
+    import socket
+
+    from rendezvous.mpi.engine import ProgressEngine
+    from rendezvous.mpi.world import import_mpi
+
+    n_rounds, n = int(rounds), int(per_round)
+    size = 256 << 10
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+    listener = None
+    if rank == 0:
+        listener = socket.create_server(("127.0.0.1", 0))
+    port = comm.bcast(listener.getsockname()[1] if listener else None, root=0)
+    conn = listener.accept()[0] if listener else socket.create_connection(("127.0.0.1", port), timeout=60)
+    conn.settimeout(60)
+    comm.Barrier()
+
+    if rank == 1:
+        bufs, reqs = [], []
+        for r in range(n_rounds):
+            for i in range(n):
+                bufs.append(np.full(size, (r * n + i) % 251, np.uint8))
+                reqs.append(comm.Isend([bufs[-1], MPI.BYTE], 0, 100 + r * n + i))
+            assert conn.recv(1) == b"r", "rank 0 ended"  # the burst is in; no MPI call meanwhile
+        started = time.monotonic()
+        complete = False
+        while time.monotonic() - started < 20:
+            if MPI.Request.Testall(reqs):
+                complete = True
+                break
+            time.sleep(0.001)
+        conn.sendall(b"k")
+        result(rank=rank, complete=complete, seconds=time.monotonic() - started)
+    else:
+        async def main() -> bool:
+            loop = asyncio.get_running_loop()
+            engine = ProgressEngine(comm)
+            engine.start(loop_polls=True)  # as a rank server's
+            try:
+                right = True
+                for r in range(n_rounds):
+                    bufs = [np.empty(size, np.uint8) for _ in range(n)]
+                    await asyncio.wait_for(asyncio.gather(*(
+                        engine.irecv(b, 1, 100 + r * n + i, 1 << 30) for i, b in enumerate(bufs))), 60)
+                    right = right and all(b[0] == b[-1] == (r * n + i) % 251 for i, b in enumerate(bufs))
+                    conn.sendall(b"r")
+                assert engine.in_flight == 0
+                # idle until rank 1 has its verdict
+                assert await loop.run_in_executor(None, conn.recv, 1) == b"k"
+                return right
+            finally:
+                engine.stop()
+
+        result(rank=rank, right=asyncio.run(main()))
+    conn.close()
+    comm.Barrier()  # rank 0 calls MPI here: sends still waiting complete now
+    if rank == 1:
+        MPI.Request.Waitall(reqs)
+    comm.Free()
+
+
 def stopped_producer(folder: str) -> None:
     """Rank 1 is stopped (SIGSTOP, by the test) while rank 0 recvs from it with no
     deadline: keepalive fails that recv with UNAVAILABLE within its bound; once

@@ -245,6 +245,31 @@ def test_the_world_names_no_rank_remote_on_one_node():
         world.comm.Free()
 
 
+def test_a_quiet_engine_keeps_calling_mpi_ever_less_often(comm):
+    """With nothing in flight and nobody listening the MPI thread still calls
+    into MPI (a peer's send may wait on it: see test_mpi.py's
+    test_an_idle_rank_still_lets_its_peers_sends_complete): every idle_poll
+    just after traffic, then a quarter of the time since, at most a second;
+    its probes are counted, and nothing is tested for completion."""
+    async def main():
+        engine = ProgressEngine(comm, idle_poll_ms=10)
+        now = 1000.0
+        engine._last_activity = now
+        assert engine._quiet_pause(now) == engine.idle_poll == 0.01
+        assert engine._quiet_pause(now + 0.02) == 0.01
+        assert engine._quiet_pause(now + 0.4) == pytest.approx(0.1)
+        assert engine._quiet_pause(now + 60) == 1.0
+        engine.start()
+        try:
+            await engine.call(lambda: None)
+            probes, polls = engine.probes, engine.polls
+            await until(lambda: engine.probes >= probes + 2, what="two progress calls of a quiet engine")
+            assert engine.polls == polls  # nothing in flight: nothing tested
+        finally:
+            engine.stop()
+    run(main())
+
+
 def test_a_large_transfer_stalled_in_flight_is_polled_without_pauses(comm):
     """Without a single-copy path a large message moves only as it is polled:
     while one is in flight and nothing has moved for a while the MPI thread

@@ -21,7 +21,14 @@ wakes it (an arrival hands polling back to the loop); while a large send or
 receive is in flight and nothing has moved for half a millisecond, it polls
 without pausing (:meth:`ProgressEngine._pause_after`: without a single-copy
 path such a message moves only as it is polled). With nothing in flight
-and nobody listening it sleeps on a condition variable and uses no CPU; with
+and nobody listening it still calls into MPI (a burst of ``Iprobe``,
+:meth:`ProgressEngine._progress`), every ``idle_poll_ms`` just after
+traffic and ever less often as the rank stays quiet, at least once a
+second (:meth:`ProgressEngine._quiet_pause`): MPI's progress is weak, and a
+peer's send to this rank completes only once this rank's MPI has told it
+that the bytes were received; that message may still be queued here when
+the receive completes (the peer's queue was full), and a rank that stopped
+calling MPI left its peer's sends waiting forever. With
 a listener (requests over MPI) it probes every ``poll_max_us``, and every
 ``idle_poll_ms`` once nothing has moved for ``idle_after_s`` and no reply is
 awaited (:meth:`ProgressEngine.expect_while`): a rank idle that long (say,
@@ -35,7 +42,7 @@ producer's tensor stays alive until its send completes without parking any
 thread. A cancelled receive stays posted until it matches (its message is
 already on the way), so its tag can never catch a later transfer's bytes.
 
-One class of about 420 lines (the operations and listeners it works on are
+One class of about 530 lines (the operations and listeners it works on are
 :mod:`rendezvous.mpi.ops`): the MPI thread's loop, the home loop's polls,
 the requests in flight, pipelines and listeners are one state under one
 lock, and the polling rules above only read as a whole.
@@ -64,6 +71,12 @@ _LARGE = 64 << 10
 #: seconds with nothing moving, a large message in flight, after which the MPI
 #: thread polls without pausing (see _pause_after)
 _STALLED = 0.0005
+#: longest pause between the MPI thread's progress calls with nothing in
+#: flight and nobody listening (see ProgressEngine._quiet_pause)
+_QUIET_MAX = 1.0
+#: MPI calls the MPI thread makes at a time then (each may send one message a
+#: peer waits for; see ProgressEngine._progress): about 50 us
+_PROGRESS_BURST = 128
 
 
 class ProgressEngine:
@@ -83,7 +96,9 @@ class ProgressEngine:
         self.hot = hot_ms / 1e3
         self.idle_poll = max(idle_poll_ms / 1e3, self.poll_max)
         self.idle_after = idle_after_s
-        self.probes = 0  # matched probes made for listeners (the idle test reads this)
+        #: probes made: matched probes for listeners, and the idle progress
+        #: calls (the idle test reads this)
+        self.probes = 0
         # Posting from the caller's thread needs MPI_THREAD_MULTIPLE.
         self.direct = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._waiting: list[Callable[[], bool]] = []  # see expect_while
@@ -426,6 +441,8 @@ class ProgressEngine:
         moved = False
         if self._listeners and not self._stopping:
             moved = self._take_arrivals(reqs, owners)
+        elif not reqs and self.comm is not None:
+            self._progress(1 if on_loop else _PROGRESS_BURST)  # (the loop polls every turn)
         if reqs:
             try:
                 self.polls += 1
@@ -444,6 +461,33 @@ class ProgressEngine:
                     reqs[:] = [r for i, r in enumerate(reqs) if i not in gone]
         return moved
 
+    def _progress(self, calls: int) -> None:
+        """Call into MPI ``calls`` times with nothing of this rank's own in
+        flight (under ``_plock``). MPI's progress is weak: when a receive here
+        completes, the message telling its sender so may still be queued in
+        this process (the sender's shared-memory queue was full: it was not
+        polling just then), and it leaves only when this rank calls MPI
+        again, one such message per call (MPICH). A rank that went quiet
+        then left its peer's sends waiting forever (the peer's tensors held,
+        its transfers never done). A call costs well under a microsecond,
+        the thread's wake-up far more: the thread makes many at a time."""
+        self.probes += 1
+        iprobe, source, tag = self.comm.Iprobe, self._MPI.ANY_SOURCE, self._MPI.ANY_TAG
+        try:
+            for _ in range(calls):
+                iprobe(source, tag)
+        except self._MPI.Exception as exc:
+            log.warning("MPI progress call failed: %s", exc.Get_error_string())
+
+    def _quiet_pause(self, now: float) -> float:
+        """The MPI thread's pause between progress calls with nothing in flight
+        and nobody listening: ``idle_poll`` just after traffic (what a peer
+        waits for is owed then), then a quarter of the time since, at most
+        ``_QUIET_MAX``: a rank quiet for long calls MPI about once a second,
+        and a message owed to a peer waits at most a quarter longer than the
+        peer took to make room for it."""
+        return min(_QUIET_MAX, max(self.idle_poll, (now - self._last_activity) / 4))
+
     def _run(self) -> None:
         pause = 0.0
         while True:
@@ -452,9 +496,16 @@ class ProgressEngine:
                     loop_polls = self._loop_polling and not self._stopping
                     if (loop_polls or not (self._reqs or self._listeners)) and not self._pipes:
                         if self._stopping and not self._reqs:
+                            if self.comm is not None:  # what peers still wait for leaves now
+                                with self._plock:
+                                    self._progress(_PROGRESS_BURST)
                             return
-                        # idle, or the home loop polls: no CPU until work arrives
-                        self._cv.wait(None if not self._stopping else 0.01)
+                        if loop_polls:  # the home loop polls: nothing to do here until work arrives
+                            self._cv.wait()
+                        else:
+                            # Nothing in flight, nobody listening: MPI is still called (see
+                            # _progress), ever less often; new work wakes the thread at once.
+                            self._cv.wait(self._quiet_pause(time.monotonic()))
                     elif pause and (pause <= self.poll_max or self._idle):
                         # backing off (or idle), but woken by new work; an idle
                         # pause that a touch ended before it began is skipped
