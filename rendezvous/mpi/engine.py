@@ -479,6 +479,13 @@ class ProgressEngine:
         except self._MPI.Exception as exc:
             log.warning("MPI progress call failed: %s", exc.Get_error_string())
 
+    def _last_calls(self) -> None:
+        """The MPI thread's last MPI calls as it ends: what a peer still waits
+        for leaves now (see _progress)."""
+        if self.comm is not None:
+            with self._plock:
+                self._progress(_PROGRESS_BURST)
+
     def _quiet_pause(self, now: float) -> float:
         """The MPI thread's pause between progress calls with nothing in flight
         and nobody listening: ``idle_poll`` just after traffic (what a peer
@@ -496,9 +503,7 @@ class ProgressEngine:
                     loop_polls = self._loop_polling and not self._stopping
                     if (loop_polls or not (self._reqs or self._listeners)) and not self._pipes:
                         if self._stopping and not self._reqs:
-                            if self.comm is not None:  # what peers still wait for leaves now
-                                with self._plock:
-                                    self._progress(_PROGRESS_BURST)
+                            self._last_calls()
                             return
                         if loop_polls:  # the home loop polls: nothing to do here until work arrives
                             self._cv.wait()
@@ -537,6 +542,7 @@ class ProgressEngine:
                 pause = self._pause_after(pause, idle, now)
             if stopping:
                 if self._listeners and not self._reqs and not self._pipes:
+                    self._last_calls()
                     return
                 if (self._reqs or self._pipes) and now > self._stop_deadline:
                     with self._plock:
