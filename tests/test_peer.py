@@ -1283,3 +1283,20 @@ def test_a_batch_waits_on_one_future_resolved_by_its_calls():
         c.set_exception(Broken(PeerUnavailable("gone")))
         assert batch.waiter.done()
     run(main())
+
+
+def test_a_batchs_call_starts_as_a_pending_recv_does():
+    """A batch's call sets its Pending fields itself (once per key, without
+    Pending.__init__): every field a Pending has, with the same values."""
+    from rendezvous.rpc.consumer_stream import Pending
+    from rendezvous.rpc.peer import _Batch, _Call
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        call = _Call(_Batch(loop, 1), "k", 7, "where", 42)
+        pending = Pending(loop.create_future(), "k", 7, "where", 42)
+        for name in Pending.__slots__:
+            if name != "future":
+                assert getattr(call, name) == getattr(pending, name), name
+        assert call.future is call and not call.done()
+    run(main())

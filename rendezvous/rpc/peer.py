@@ -118,7 +118,15 @@ class _Call(Pending):
     __slots__ = ("_state", "_result", "_exc", "_batch")
 
     def __init__(self, batch: _Batch, key: str, step_id: int, placement: Any, request_id: int) -> None:
-        super().__init__(None, key, step_id, placement, request_id)
+        # Pending.__init__(self, None, ...), inlined: once per key of a batch
+        self.request_id = request_id
+        self.assembly = None
+        self.path = Path.GRPC
+        self.key = key
+        self.step_id = step_id
+        self.placement = placement
+        self.orphan = False
+        self.settled = False
         self._state = _PENDING
         self._result: Any = None
         self._exc: BaseException | None = None
