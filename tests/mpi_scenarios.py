@@ -636,12 +636,11 @@ def owed_progress(rounds: str = "2", per_round: str = "40") -> None:
                 reqs.append(comm.Isend([bufs[-1], MPI.BYTE], 0, 100 + r * n + i))
             assert conn.recv(1) == b"r", "rank 0 ended"  # the burst is in; no MPI call meanwhile
         started = time.monotonic()
-        complete = False
-        while time.monotonic() - started < 20:
-            if MPI.Request.Testall(reqs):
-                complete = True
-                break
-            time.sleep(0.001)
+        try:
+            wait_for(lambda: MPI.Request.Testall(reqs), "rank 1's sends to complete", 20)
+            complete = True
+        except AssertionError:
+            complete = False
         conn.sendall(b"k")
         result(rank=rank, complete=complete, seconds=time.monotonic() - started)
     else:

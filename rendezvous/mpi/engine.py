@@ -441,8 +441,8 @@ class ProgressEngine:
         moved = False
         if self._listeners and not self._stopping:
             moved = self._take_arrivals(reqs, owners)
-        elif not reqs and self.comm is not None:
-            self._progress(1 if on_loop else _PROGRESS_BURST)  # (the loop polls every turn)
+        elif not reqs and not on_loop and self.comm is not None:
+            self._progress(_PROGRESS_BURST)
         if reqs:
             try:
                 self.polls += 1

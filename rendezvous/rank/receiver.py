@@ -385,12 +385,9 @@ class Receiver:
             n = nbytes = 0
             ndarray = np.ndarray
             for (value, _), fetched_path, placed in got:
-                if type(value) is ndarray:  # payload_nbytes(value), inlined: once per tensor
-                    size = 0 if value.dtype.char == "O" else value.nbytes
-                elif not placed and isinstance(value, DeviceTensor):
+                if type(value) is not ndarray and not placed and isinstance(value, DeviceTensor):
                     break  # a GPU tensor for the host: placed one by one below
-                else:
-                    size = payload_nbytes(value)
+                size = payload_nbytes(value)
                 if fetched_path is not last:
                     if last is not None:
                         tally.append((last, n, nbytes))

@@ -381,19 +381,15 @@ class ConsumerStream:
                     p.future.set_exception(landed.exception())  # type: ignore[arg-type]
             return
         values = fused.views(group, landed.result())
-        new = _new_tuple
-        mpi = Path.MPI
         for i, call_id, p in moving:
             if on_the_way.get(call_id) is p:
                 del on_the_way[call_id]
             p.settled = True
             future = p.future
-            # _landed(values[i], Path.MPI), inlined: once per tensor
-            fetched = new(Fetched, (new(Received, (values[i], False)), mpi, False))
             if not p.orphan and not future.done():
-                future.set_result(fetched)
+                future.set_result(_landed(values[i], Path.MPI))
             else:
-                self._deliver(p, fetched)
+                self._deliver(p, _landed(values[i], Path.MPI))
 
     def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
         if frame.group is not None:
