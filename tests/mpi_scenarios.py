@@ -223,13 +223,14 @@ def idle(seconds: str = "2") -> None:
     # measuring idleness itself, not synchronizing: the first half includes the
     # engine settling; the second half is a rank idle for over a quarter second
     time.sleep(float(seconds) / 2)
-    probes0, late0 = engine.probes, time.monotonic()
+    probes0, late0, late_cpu0 = engine.probes, time.monotonic(), time.process_time()
     time.sleep(float(seconds) / 2)
     late_wall = time.monotonic() - late0
+    late_cpu = (time.process_time() - late_cpu0) / late_wall
     wall = time.monotonic() - wall0
     cpu = (time.process_time() - cpu0) / wall
-    result(rank=me, cpu=cpu, polls=engine.polls - polls0, probes=engine.probes - probes0, late_wall=late_wall,
-           stats=server.stats())
+    result(rank=me, cpu=cpu, late_cpu=late_cpu, polls=engine.polls - polls0, probes=engine.probes - probes0,
+           late_wall=late_wall, stats=server.stats())
     finish(server)
     server.stop(5)
 
@@ -668,6 +669,72 @@ def owed_progress(rounds: str = "2", per_round: str = "40") -> None:
     comm.Barrier()  # rank 0 calls MPI here: sends still waiting complete now
     if rank == 1:
         MPI.Request.Waitall(reqs)
+    comm.Free()
+
+
+def idle_listener() -> None:
+    """Rank 0's engine listens (as for requests over MPI) and is idle, probing
+    every 300 ms; rank 1 sends it a message with plain mpi4py, then says so
+    over a loopback socket. Rank 0 reports how many of its engine's wake-ups
+    (polls on the MPI thread) came after that word until the message was
+    taken: the first probe after a pause misses a message that arrived
+    during it (MPICH), and the engine probes again at once."""
+    import socket
+
+    from rendezvous.mpi.engine import ProgressEngine
+    from rendezvous.mpi.world import import_mpi
+
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+    listener = socket.create_server(("127.0.0.1", 0)) if rank == 0 else None
+    port = comm.bcast(listener.getsockname()[1] if listener else None, root=0)
+    conn = listener.accept()[0] if listener else socket.create_connection(("127.0.0.1", port), timeout=60)
+    conn.settimeout(60)
+    comm.Barrier()
+    tag = 7
+    if rank == 1:
+        assert conn.recv(1) == b"i", "rank 0 ended"  # its engine is idle
+        comm.Send([np.arange(16, dtype=np.uint8), MPI.BYTE], 0, tag)  # small: done once buffered
+        conn.sendall(b"s")
+        assert conn.recv(1) == b"k", "rank 0 ended"
+        result(rank=rank)
+    else:
+        async def main() -> dict:
+            loop = asyncio.get_running_loop()
+            engine = ProgressEngine(comm, idle_poll_ms=300, idle_after_s=0.0)
+            wakes, taken_at = [0], []
+            poll, take = engine._poll, engine._take_arrivals
+
+            def counted_poll(on_loop: bool) -> bool:
+                wakes[0] += not on_loop
+                return poll(on_loop)
+
+            def noted_take(reqs: list, owners: list) -> bool:
+                found = take(reqs, owners)
+                if found:
+                    taken_at.append(wakes[0])
+                return found
+
+            engine._poll, engine._take_arrivals = counted_poll, noted_take  # type: ignore[method-assign]
+            got = loop.create_future()
+            engine.start(loop_polls=True)  # as a rank server's
+            try:
+                engine.listen(comm, tag, lambda msgs: got.done() or got.set_result(msgs))
+                wait_for(lambda: engine._idle, "rank 0's engine to go idle")
+                conn.sendall(b"i")
+                assert await loop.run_in_executor(None, conn.recv, 1) == b"s"
+                said = wakes[0]
+                msgs = await asyncio.wait_for(got, 30)
+                conn.sendall(b"k")
+                return {"wakes_after": taken_at[0] - said, "source": msgs[0][0],
+                        "right": bytes(msgs[0][1]) == bytes(range(16))}
+            finally:
+                engine.stop()
+
+        result(rank=rank, **asyncio.run(main()))
+    conn.close()
+    comm.Barrier()
     comm.Free()
 
 

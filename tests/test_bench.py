@@ -17,6 +17,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -155,7 +157,8 @@ def _raw(with_gloo: bool = True) -> dict:
             "optimal": [{"rank": 0, "baseline_bytes": 100 * MiB, "peak_bytes": 100 * MiB + 2 * size},
                         {"rank": 1, "baseline_bytes": 90 * MiB, "peak_bytes": 90 * MiB + size}]}},
         "idle": [{"rank": 0, "seconds": 10.0, "cpu_seconds": 0.05, "cpu_fraction": 0.005},
-                 {"rank": 1, "seconds": 10.0, "cpu_seconds": 0.3, "cpu_fraction": 0.03}],
+                 {"rank": 1, "seconds": 10.0, "cpu_seconds": 0.3, "cpu_fraction": 0.03,
+                  "threads": {"rendezvous-mpi": 0.25, "MainThread": 0.04, "event_engine 7": 0.01}}],
         "contenders": contenders,
         "notes": [] if with_gloo else ["torch is not installed: gloo not measured"],
         "environment": {"python": "3.11", "cpus": 2},
@@ -312,6 +315,9 @@ def test_show_draws_every_cell_ratio_and_target():
     _row(text, "met", "default path bandwidth at 16 MiB vs raw gRPC unary", "2.00", ">= 1")
     _row(text, "size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n")
     assert "1000 recvs outstanding" in text and "rank 1 3.00% of a core" in text
+    # which threads an idle rank's CPU went to, busiest first (a run from before had none)
+    assert "rank 0 0.50% of a core over 10 s, rank 1 3.00% of a core over 10 s (rendezvous-mpi 250 ms, " \
+           "MainThread 40 ms, event_engine 7 10 ms)" in " ".join(text.split())
     assert "n/a" not in text
     without = _shown(_doc(with_gloo=False))
     _row(without, "n/a", "optimal path bandwidth at 1 MiB vs gloo", "-", ">= 2", "gloo not measured")
@@ -360,6 +366,24 @@ def test_peak_rss_sees_one_allocation():
     assert rss.current() < rss.peak()
     rss.reset_peak()
     assert rss.peak() < base + 16 * MiB
+
+
+@pytest.mark.timeout(30)
+def test_thread_cpu_names_the_thread_that_spent_it():
+    seen = {}
+
+    def spin() -> None:
+        while time.thread_time() < 0.1:  # this thread's own CPU time
+            sum(range(1000))
+        seen.update(rss.thread_cpu_seconds())  # read while it still runs
+
+    before = rss.thread_cpu_seconds()
+    spinner = threading.Thread(target=spin, name="bench-spinner")
+    spinner.start()
+    spinner.join()
+    assert "bench-spinner" not in before
+    assert seen["bench-spinner"] >= 0.08  # clock ticks: 10 ms each
+    assert seen["MainThread"] < before["MainThread"] + 0.05  # it waited meanwhile
 
 
 @pytest.mark.timeout(10)
@@ -465,6 +489,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     if rss.supported():
         assert doc["rss"]["size"] == 65536 and len(doc["rss"]["results"][0]["ranks"]) == 2
     assert [r["rank"] for r in doc["idle"]] == [0, 1]
+    assert all(isinstance(t, float) for r in doc["idle"] for t in r["threads"].values())
     ids = {t["id"] for t in doc["targets"]}
     assert {"latency_1k_default", "rate_default", "idle_cpu", "latency_1k_optimal_mr", "rate_optimal_mr",
             "latency_1k_blocking_mr"} <= ids

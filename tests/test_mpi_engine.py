@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -270,6 +271,26 @@ def test_a_quiet_engine_keeps_calling_mpi_ever_less_often(comm):
     run(main())
 
 
+def test_an_idle_listening_engine_probes_ever_less_often(comm):
+    """Listening (requests over MPI) and idle, the MPI thread probes every
+    idle_poll at first, then at a 32nd of the time since traffic, at most
+    every 50 ms: each wake-up costs CPU, and a request reaching a rank quiet
+    for a while waits at most a 32nd longer than the quiet. A touch (a
+    tensor produced) makes it attentive again at once."""
+    engine = ProgressEngine(comm, idle_poll_ms=10)
+    now = 1000.0
+    engine._last_activity = now - engine.idle_after  # just went idle
+    assert engine._listen_pause(now) == engine.idle_poll == 0.01
+    engine._last_activity = now - 0.96
+    assert engine._listen_pause(now) == pytest.approx(0.03)
+    engine._last_activity = now - 600
+    assert engine._listen_pause(now) == 0.05
+    assert engine._pause_after(20e-6, True, now) == 0.05  # the idle pace
+    assert engine._pause_after(20e-6, False, now) == 40e-6  # not idle: the backoff, as before
+    engine.touch()
+    assert engine._listen_pause(time.monotonic()) == engine.idle_poll  # traffic likely: the pace starts over
+
+
 def test_a_large_transfer_stalled_in_flight_is_polled_without_pauses(comm):
     """Without a single-copy path a large message moves only as it is polled:
     while one is in flight and nothing has moved for a while the MPI thread
@@ -285,7 +306,7 @@ def test_a_large_transfer_stalled_in_flight_is_polled_without_pauses(comm):
             assert engine._pause_after(20e-6, False, now) == 40e-6  # nothing large: backing off
             engine._large = 1
             assert engine._pause_after(20e-6, False, now) == 0.0  # large and stalled: no pause
-            assert engine._pause_after(20e-6, True, now) == engine.idle_poll  # idle is idle
+            assert engine._pause_after(20e-6, True, now) == engine._listen_pause(now)  # idle is idle
             engine._last_activity = now  # it just moved: back off as usual
             assert engine._pause_after(20e-6, False, now) == 40e-6
             engine._large = 0

@@ -176,6 +176,15 @@ def _rate_rows(doc: Mapping[str, Any]) -> list[list[str]]:
              figure(x["vs_mpi"]), figure(x["vs_grpc"]), str(x["errors"])] for x in doc["rate"]["results"]]
 
 
+def _idle_threads(r: Mapping[str, Any]) -> str:
+    """The busiest threads of an idle rank, as " (MainThread 12 ms, ...)"
+    (runs from before the breakdown have none)."""
+    busiest = list(r.get("threads", {}).items())[:4]
+    if not busiest:
+        return ""
+    return " (" + ", ".join(f"{name} {t * 1e3:.0f} ms" for name, t in busiest) + ")"
+
+
 def _rss_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     """One row per contender and rank of the peak-RSS test."""
     labels = doc["contenders"]
@@ -228,7 +237,8 @@ def show(doc: Mapping[str, Any], out: Any = None) -> None:
               "producer = rank 1, consumer = rank 0)")
     if doc.get("idle"):
         out.print(Text("Idle: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of a core over "
-                                            f"{r['seconds']:.0f} s" for r in doc["idle"])), soft_wrap=True)
+                                            f"{r['seconds']:.0f} s" + _idle_threads(r) for r in doc["idle"])),
+                  soft_wrap=True)
         out.print()
     notes = any(t["note"] for t in doc["targets"])
     targets = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
@@ -264,7 +274,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
                               _rss_rows(doc))
     if doc.get("idle"):
         out += ["", "Idle CPU: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of one core over "
-                                             f"{r['seconds']:.0f} s" for r in doc["idle"]) + "."]
+                                             f"{r['seconds']:.0f} s" + _idle_threads(r) for r in doc["idle"]) + "."]
     out += ["", "Targets:", ""]
     out += markdown_table(["target", "", "measured", "required", "status"],
                           [[t["what"], "", figure(t["measured"]), f"{t['op']} {t['limit']:g}",

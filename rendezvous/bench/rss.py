@@ -8,7 +8,8 @@ tests are skipped (``supported()`` is False).
 This process: :func:`supported`, :func:`current`, :func:`peak`,
 :func:`reset_peak`, :func:`parts`, :func:`release_free_memory`. Another one
 (``bench-daemon``'s daemons and clients): :func:`status_of`,
-:func:`reset_peak_of`, :func:`cpu_seconds_of`.
+:func:`reset_peak_of`, :func:`cpu_seconds_of`. Per thread of this process:
+:func:`thread_cpu_seconds`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import re
 
 __all__ = ["supported", "current", "peak", "reset_peak", "parts", "release_free_memory", "status_of",
-           "reset_peak_of", "cpu_seconds_of"]
+           "reset_peak_of", "cpu_seconds_of", "thread_cpu_seconds"]
 
 _STATUS = "/proc/self/status"
 _CLEAR = "/proc/self/clear_refs"
@@ -118,3 +119,29 @@ def cpu_seconds_of(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """User + system CPU time of each thread of this process so far, by name:
+    a Python thread's name where it is one (``threading``), else the name the
+    kernel has for it (gRPC's and MPI's own threads), with its id."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        comm, fields = stat.split("(", 1)[1].rsplit(")", 1)
+        rest = fields.split()
+        name = names.get(int(tid)) or f"{comm} {tid}"
+        out[name] = out.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / tick
+    return out

@@ -313,10 +313,14 @@ class Rank:
         process group up and nothing to do."""
         gc.collect()
         await self.sync()
-        wall0, cpu0 = time.monotonic(), time.process_time()
+        wall0, cpu0, threads0 = time.monotonic(), time.process_time(), rss.thread_cpu_seconds()
         await asyncio.sleep(self.opts.idle_seconds)  # measuring idleness, not synchronizing
         wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
-        mine = {"rank": self.ctx.rank, "seconds": wall, "cpu_seconds": cpu, "cpu_fraction": cpu / wall}
+        # which threads used it (clock ticks: 10 ms each), busiest first
+        spent = {name: t - threads0.get(name, 0.0) for name, t in rss.thread_cpu_seconds().items()}
+        threads = {name: round(t, 3) for name, t in sorted(spent.items(), key=lambda kv: -kv[1]) if t > 0}
+        mine = {"rank": self.ctx.rank, "seconds": wall, "cpu_seconds": cpu, "cpu_fraction": cpu / wall,
+                "threads": threads}
         theirs = await self.sync(mine)
         return sorted([mine, theirs], key=lambda r: r["rank"])
 

@@ -29,11 +29,13 @@ peer's send to this rank completes only once this rank's MPI has told it
 that the bytes were received; that message may still be queued here when
 the receive completes (the peer's queue was full), and a rank that stopped
 calling MPI left its peer's sends waiting forever. With
-a listener (requests over MPI) it probes every ``poll_max_us``, and every
-``idle_poll_ms`` once nothing has moved for ``idle_after_s`` and no reply is
-awaited (:meth:`ProgressEngine.expect_while`): a rank idle that long (say,
-computing) notices a new request up to ``idle_poll_ms`` later, unless it
-produced a tensor since (:meth:`ProgressEngine.touch`: its server's table
+a listener (requests over MPI) it probes every ``poll_max_us``, and once
+nothing has moved for ``idle_after_s`` and no reply is awaited
+(:meth:`ProgressEngine.expect_while`) every ``idle_poll_ms``, then a
+32nd of the time since traffic, at most every 50 ms
+(:meth:`ProgressEngine._listen_pause`): a rank idle that long (say,
+computing) notices a new request that much later, unless it produced a
+tensor since (:meth:`ProgressEngine.touch`: its server's table
 calls it on every send, and the engine probes at once and stays attentive
 for ``idle_after_s``: the request for that tensor is likely on its way).
 
@@ -77,6 +79,11 @@ _QUIET_MAX = 1.0
 #: MPI calls the MPI thread makes at a time then (each may send one message a
 #: peer waits for; see ProgressEngine._progress): about 50 us
 _PROGRESS_BURST = 128
+#: longest pause between an idle engine's probes for its listeners (requests
+#: over MPI; see ProgressEngine._listen_pause)
+_LISTEN_MAX = 0.05
+#: an idle listening engine's pause: this fraction of the time since traffic
+_LISTEN_SHARE = 1 / 32
 
 
 class ProgressEngine:
@@ -441,6 +448,12 @@ class ProgressEngine:
         moved = False
         if self._listeners and not self._stopping:
             moved = self._take_arrivals(reqs, owners)
+            if not moved and self._idle and not on_loop:
+                # Woken from an idle pause: the first probe after a while
+                # without MPI calls misses a message that arrived meanwhile
+                # (it is pulled in by that probe's progress, matched by the
+                # next one: MPICH), and a request would wait one more pause.
+                moved = self._take_arrivals(reqs, owners)
         elif not reqs and not on_loop and self.comm is not None:
             self._progress(_PROGRESS_BURST)
         if reqs:
@@ -494,6 +507,18 @@ class ProgressEngine:
         and a message owed to a peer waits at most a quarter longer than the
         peer took to make room for it."""
         return min(_QUIET_MAX, max(self.idle_poll, (now - self._last_activity) / 4))
+
+    def _listen_pause(self, now: float) -> float:
+        """The MPI thread's pause between probes for its listeners once idle
+        (nothing in flight, nothing moved for ``idle_after``, no reply
+        awaited): ``idle_poll`` at first, then a 32nd of the time since
+        traffic, at most ``_LISTEN_MAX`` (or ``idle_poll``, if longer). A request reaching a rank quiet
+        for a while waits at most a 32nd longer than that quiet lasted
+        (a tensor produced meanwhile ends the pace at once: :meth:`touch`);
+        each wake-up costs the thread 100-200 µs of CPU on a virtual machine
+        (the sleep's timer alone about 70), so an idle pace of 10 ms held a
+        listening rank at about 2 % of a core."""
+        return min(max(_LISTEN_MAX, self.idle_poll), max(self.idle_poll, (now - self._last_activity) * _LISTEN_SHARE))
 
     def _run(self) -> None:
         pause = 0.0
@@ -561,10 +586,10 @@ class ProgressEngine:
         at least the timer's slack, about 50 µs) until something moves. With a
         single copy such a message is done at once, and this never spins.
         Otherwise each empty poll doubles the pause up to ``poll_max``, or
-        the idle pace."""
+        the idle pace (:meth:`_listen_pause`)."""
         if self._large and not idle and now - self._last_activity > _STALLED:
             return 0.0
-        return self.idle_poll if idle else min(self.poll_max, max(self.poll_min, pause * 2))
+        return self._listen_pause(now) if idle else min(self.poll_max, max(self.poll_min, pause * 2))
 
     def _fail_one(self, reqs: list, owners: list[Op], exc: Any) -> list[int]:
         """Testsome reported an error: find the failing requests, fail only their ops."""
