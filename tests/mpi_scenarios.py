@@ -721,7 +721,8 @@ def idle_listener() -> None:
             engine.start(loop_polls=True)  # as a rank server's
             try:
                 engine.listen(comm, tag, lambda msgs: got.done() or got.set_result(msgs))
-                wait_for(lambda: engine._idle, "rank 0's engine to go idle")
+                # (waited for on a thread: the loop stays free to poll, as a server's)
+                await loop.run_in_executor(None, wait_for, lambda: engine._idle, "rank 0's engine to go idle")
                 conn.sendall(b"i")
                 assert await loop.run_in_executor(None, conn.recv, 1) == b"s"
                 said = wakes[0]

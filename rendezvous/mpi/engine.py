@@ -512,13 +512,14 @@ class ProgressEngine:
         """The MPI thread's pause between probes for its listeners once idle
         (nothing in flight, nothing moved for ``idle_after``, no reply
         awaited): ``idle_poll`` at first, then a 32nd of the time since
-        traffic, at most ``_LISTEN_MAX`` (or ``idle_poll``, if longer). A request reaching a rank quiet
-        for a while waits at most a 32nd longer than that quiet lasted
-        (a tensor produced meanwhile ends the pace at once: :meth:`touch`);
-        each wake-up costs the thread 100-200 µs of CPU on a virtual machine
-        (the sleep's timer alone about 70), so an idle pace of 10 ms held a
-        listening rank at about 2 % of a core."""
-        return min(max(_LISTEN_MAX, self.idle_poll), max(self.idle_poll, (now - self._last_activity) * _LISTEN_SHARE))
+        traffic, at most ``_LISTEN_MAX`` (or ``idle_poll``, if longer). A
+        request reaching a rank quiet for a while waits at most a 32nd
+        longer than that quiet lasted (a tensor produced meanwhile ends the
+        pace at once: :meth:`touch`); each wake-up costs the thread 100-200
+        µs of CPU on a virtual machine (the sleep's timer alone about 70), so
+        an idle pace of 10 ms held a listening rank at about 2 % of a core."""
+        longest = max(_LISTEN_MAX, self.idle_poll)
+        return min(longest, max(self.idle_poll, (now - self._last_activity) * _LISTEN_SHARE))
 
     def _run(self) -> None:
         pause = 0.0
