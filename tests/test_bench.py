@@ -159,6 +159,9 @@ def _raw(with_gloo: bool = True) -> dict:
         "idle": [{"rank": 0, "seconds": 10.0, "cpu_seconds": 0.05, "cpu_fraction": 0.005},
                  {"rank": 1, "seconds": 10.0, "cpu_seconds": 0.3, "cpu_fraction": 0.03,
                   "threads": {"rendezvous-mpi": 0.25, "MainThread": 0.04, "event_engine 7": 0.01}}],
+        "wakeup": [{"contender": "optimal", "quiet_s": 0.5, "size": 1024,
+                    "samples_ns": [9_000_000, 15_000_000, 12_000_000]},
+                   {"contender": "default", "quiet_s": 2.0, "size": 1024, "samples_ns": [40_000_000]}],
         "contenders": contenders,
         "notes": [] if with_gloo else ["torch is not installed: gloo not measured"],
         "environment": {"python": "3.11", "cpus": 2},
@@ -315,6 +318,9 @@ def test_show_draws_every_cell_ratio_and_target():
     _row(text, "met", "default path bandwidth at 16 MiB vs raw gRPC unary", "2.00", ">= 1")
     _row(text, "size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n")
     assert "1000 recvs outstanding" in text and "rank 1 3.00% of a core" in text
+    # the wake-up test: median and worst recv after each quiet
+    _row(text, "0.5 s", "MPI_OPTIMAL_PATH=1", "12,000", "15,000", "3")
+    _row(text, "2 s", "MPI_OPTIMAL_PATH=0", "40,000", "40,000", "1")
     # which threads an idle rank's CPU went to, busiest first (a run from before had none)
     assert "rank 0 0.50% of a core over 10 s, rank 1 3.00% of a core over 10 s (rendezvous-mpi 250 ms, " \
            "MainThread 40 ms, event_engine 7 10 ms)" in " ".join(text.split())
@@ -337,6 +343,7 @@ def test_markdown_tables():
     assert "| 16 MiB | rendezvous MPI_OPTIMAL_PATH=1 |" in text
     assert "| optimal path bandwidth at 1 MiB vs raw MPI |  | 0.80 | >= 0.9 | **missed** |" in text
     assert "rank 1 3.00% of one core" in text
+    assert "| 0.5 s | rendezvous MPI_OPTIMAL_PATH=1 | 12,000 | 15,000 | 3 |" in text
     lines = [line for line in text.splitlines() if line.startswith("|")]
     assert all(line.count("|") == lines[0].count("|") for line in lines[:len(_doc()["transfers"]) + 2])
 
@@ -440,15 +447,24 @@ def test_options_from_flags():
     assert opts.sizes == (1024, 4096) and opts.contenders == ("mpi", "grpc")
     assert opts.quick and opts.least == opts.most == 5 and opts.idle_seconds == 5.0
     assert p.parse_args(_argv(args)) == args  # what the ranks are handed means the same
+    assert opts.quiet_seconds == (0.5, 2.0) and opts.wakeup_repeats == 3  # the wake-up test's defaults, quick
     with pytest.raises(SystemExit, match="carrier"):
         _options(p.parse_args(["--contenders", "mpi,carrier"]))
+    quiet = p.parse_args(["--quiet-seconds", "0.25, 1"])
+    assert _options(quiet).quiet_seconds == (0.25, 1.0) and p.parse_args(_argv(quiet)) == quiet
+    assert _options(p.parse_args(["--quiet-seconds", ""])).quiet_seconds == ()  # no wake-up test
+    with pytest.raises(SystemExit, match="comma-separated"):
+        _options(p.parse_args(["--quiet-seconds", "half"]))
+    with pytest.raises(SystemExit, match="negative"):
+        _options(p.parse_args(["--quiet-seconds", "-1"]))
 
 
 # -- the real thing, tiny --------------------------------------------------------------
 
 def _bench(tmp_path: Path, *flags: str, timeout: float = 150) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rendezvous", "bench", "--sizes", "1K,64K", "--samples", "3", "--rounds", "2",
-           "--outstanding", "16", "--rate-rounds", "1", "--idle-seconds", "0.2", "--out", str(tmp_path), *flags]
+           "--outstanding", "16", "--rate-rounds", "1", "--idle-seconds", "0.2", "--quiet-seconds", "0.05",
+           "--out", str(tmp_path), *flags]
     env = {k: v for k, v in os.environ.items() if k not in ("MPI_DISABLED", "MPI_OPTIMAL_PATH")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -490,6 +506,10 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
         assert doc["rss"]["size"] == 65536 and len(doc["rss"]["results"][0]["ranks"]) == 2
     assert [r["rank"] for r in doc["idle"]] == [0, 1]
     assert all(isinstance(t, float) for r in doc["idle"] for t in r["threads"].values())
+    # the wake-up test: every contender with requests over MPI, one recv per repeat, each timed
+    assert {(w["contender"], w["quiet_s"], w["size"]) for w in doc["wakeup"]} == {
+        (name, 0.05, 1024) for name in ("default_mr", "optimal_mr", "blocking_mr")}
+    assert all(len(w["samples_ns"]) == 5 and w["max_us"] >= w["median_us"] > 0 for w in doc["wakeup"])
     ids = {t["id"] for t in doc["targets"]}
     assert {"latency_1k_default", "rate_default", "idle_cpu", "latency_1k_optimal_mr", "rate_optimal_mr",
             "latency_1k_blocking_mr"} <= ids

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recvs outstanding at once in the rate test (default 1000)")
     p.add_argument("--rate-rounds", type=int, metavar="N", help="rounds of the rate test (default 7, quick 3)")
     p.add_argument("--idle-seconds", type=float, metavar="S", help="length of the idle CPU test (default 10, quick 5)")
+    p.add_argument("--quiet-seconds", metavar="LIST",
+                   help="with requests over MPI: how long both ranks stay quiet before the wake-up test's recvs, "
+                        "comma-separated seconds (default 0.5,2; empty: no wake-up test)")
     p.add_argument("--no-rss", action="store_true", help="skip the peak RSS test")
     p.add_argument("--gpu", choices=("auto", "off", "fake", "cupy"), default="auto",
                    help="GPU contenders (gpu_staged, gpu_serial, d2h): cupy on a CUDA device; fake: host "
@@ -84,6 +87,14 @@ def _options(args: argparse.Namespace) -> Any:
         value = getattr(args, name)
         if value is not None:
             changes[name] = value
+    if args.quiet_seconds is not None:
+        try:
+            changes["quiet_seconds"] = tuple(float(x) for x in args.quiet_seconds.split(",") if x.strip())
+        except ValueError:
+            raise SystemExit(f"rendezvous bench: --quiet-seconds takes seconds, comma-separated, "
+                             f"not {args.quiet_seconds!r}") from None
+        if any(q < 0 for q in changes["quiet_seconds"]):
+            raise SystemExit("rendezvous bench: --quiet-seconds cannot be negative")
     return Options.quick_mode(**changes) if args.quick else Options(**changes)
 
 
@@ -92,7 +103,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     out = ["--sizes", args.sizes, "--contenders", args.contenders, "--outstanding", str(args.outstanding),
            "--out", str(args.out), "--timeout", str(args.timeout)]
     for flag, value in (("--samples", args.samples), ("--rounds", args.rounds),
-                        ("--rate-rounds", args.rate_rounds), ("--idle-seconds", args.idle_seconds)):
+                        ("--rate-rounds", args.rate_rounds), ("--idle-seconds", args.idle_seconds),
+                        ("--quiet-seconds", args.quiet_seconds)):
         if value is not None:
             out += [flag, str(value)]
     if args.quick:
@@ -106,7 +118,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def _record(args: argparse.Namespace) -> dict[str, Any]:
     return {"sizes": args.sizes, "contenders": args.contenders, "samples": args.samples, "rounds": args.rounds,
             "outstanding": args.outstanding, "rate_rounds": args.rate_rounds, "idle_seconds": args.idle_seconds,
-            "rss": not args.no_rss, "gpu": args.gpu}
+            "quiet_seconds": args.quiet_seconds, "rss": not args.no_rss, "gpu": args.gpu}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -185,6 +185,25 @@ def _idle_threads(r: Mapping[str, Any]) -> str:
     return " (" + ", ".join(f"{name} {t * 1e3:.0f} ms" for name, t in busiest) + ")"
 
 
+def _wakeup_rows(doc: Mapping[str, Any], every_quiet: bool) -> list[list[str]]:
+    """One row per contender and quiet length of the wake-up test (the quiet
+    length on its first row only unless ``every_quiet``)."""
+    labels = doc["contenders"]
+    rows, last = [], None
+    for w in doc.get("wakeup") or []:
+        quiet = f"{w['quiet_s']:g} s"
+        rows.append([quiet if every_quiet or quiet != last else "", labels.get(w["contender"], w["contender"]),
+                     figure(w["median_us"]), figure(w["max_us"]), str(len(w["samples_ns"]))])
+        last = quiet
+    return rows
+
+
+def _wakeup_caption(doc: Mapping[str, Any]) -> str:
+    size = format_size(doc["wakeup"][0]["size"])
+    return (f"Wake-up: a {size} recv when both ranks were quiet that long after the tensor was produced "
+            "(requests over MPI: an idle rank probes for requests ever less often, at most every 50 ms)")
+
+
 def _rss_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     """One row per contender and rank of the peak-RSS test."""
     labels = doc["contenders"]
@@ -235,6 +254,9 @@ def show(doc: Mapping[str, Any], out: Any = None) -> None:
         table(["contender", "rank", "base MiB", "peak MiB", "added MiB", "x size", "x mpi"], _rss_rows(doc),
               f"Peak RSS during one {format_size(doc['rss']['size'])} transfer (added over the rank's baseline; "
               "producer = rank 1, consumer = rank 0)")
+    if doc.get("wakeup"):
+        table(["quiet", "contender", "median us", "max us", "n"], _wakeup_rows(doc, False), _wakeup_caption(doc),
+              groups=0)
     if doc.get("idle"):
         out.print(Text("Idle: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of a core over "
                                             f"{r['seconds']:.0f} s" + _idle_threads(r) for r in doc["idle"])),
@@ -272,6 +294,9 @@ def markdown(doc: Mapping[str, Any]) -> str:
                     "baseline (rank 0 consumes, rank 1 produces):", ""]
         out += markdown_table(["contender", "rank", "baseline MiB", "peak MiB", "added MiB", "× size", "× (a)"],
                               _rss_rows(doc))
+    if doc.get("wakeup"):
+        out += ["", _wakeup_caption(doc) + ":", ""]
+        out += markdown_table(["quiet", "contender", "median µs", "max µs", "n"], _wakeup_rows(doc, True))
     if doc.get("idle"):
         out += ["", "Idle CPU: " + ", ".join(f"rank {r['rank']} {r['cpu_fraction']:.2%} of one core over "
                                              f"{r['seconds']:.0f} s" + _idle_threads(r) for r in doc["idle"]) + "."]

@@ -137,12 +137,20 @@ def build(raw: Mapping[str, Any], *, quick: bool, args: Mapping[str, Any] | None
         "rate": rate,
         "rss": rss,
         "idle": list(raw.get("idle", [])),
+        "wakeup": [_wakeup(w) for w in raw.get("wakeup") or []],
     }
     doc["targets"] = targets(doc)
     return doc
 
 
 # -- targets --------------------------------------------------------------------
+
+def _wakeup(w: Mapping[str, Any]) -> dict[str, Any]:
+    """One contender and quiet length of the wake-up test, with its median and
+    worst recv in µs."""
+    us = sorted(ns / 1e3 for ns in w["samples_ns"])
+    return {**w, "median_us": percentile(us, 50) if us else None, "max_us": us[-1] if us else None}
+
 
 def _cell(doc: Mapping[str, Any], name: str, size: int) -> Mapping[str, Any] | None:
     for t in doc["transfers"]:

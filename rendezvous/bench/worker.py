@@ -11,8 +11,9 @@ batch in turn, and the order rotates every round, so drift in the machine's
 speed (other work, thermal, page cache) hits all of them alike.
 
 Phases: warm-up, the size sweep (latency and bandwidth), the rate with many
-recvs outstanding, peak RSS during one transfer of the largest size, and the
-CPU an idle rank uses. Rank 0 returns the raw measurements;
+recvs outstanding, the wake-up (a recv after both ranks were quiet, requests
+over MPI), peak RSS during one transfer of the largest size, and the CPU an
+idle rank uses. Rank 0 returns the raw measurements;
 :mod:`rendezvous.bench.results` turns them into the results document.
 """
 
@@ -57,6 +58,11 @@ class Options:
     rate_rounds: int = 7
     rss: bool = True
     idle_seconds: float = 10.0
+    #: with requests over MPI: how long both ranks stay quiet before each
+    #: recv of the wake-up test (see Rank.wakeup); empty: no such test
+    quiet_seconds: tuple[float, ...] = (0.5, 2.0)
+    #: recvs per contender and quiet length in that test
+    wakeup_repeats: int = 5
     quick: bool = False
     #: GPU contenders: "off", "fake" (host memory standing in) or "cupy"
     gpu: str = "off"
@@ -64,7 +70,7 @@ class Options:
     @classmethod
     def quick_mode(cls, **changes: Any) -> "Options":
         base = dict(budget_bytes=256 << 20, least=3, most=200, rounds=4, rate_rounds=3,
-                    idle_seconds=5.0, quick=True)
+                    idle_seconds=5.0, wakeup_repeats=3, quick=True)
         base.update(changes)
         return cls(**base)
 
@@ -183,8 +189,10 @@ class Rank:
         if self.ctx.rank == 0:
             self.progress(self.done, self.total, label)
 
-    async def batch(self, c: Contender, n: int, count: int, *, rate: bool = False) -> Any:
-        """One batch of ``count`` transfers; on rank 0 what ``consume`` measured."""
+    async def batch(self, c: Contender, n: int, count: int, *, rate: bool = False, quiet: float = 0.0) -> Any:
+        """One batch of ``count`` transfers; on rank 0 what ``consume`` measured
+        (``quiet``: seconds rank 0 waits, both ranks idle, between the
+        tensors being produced and its first recv)."""
         self.batch_id += 1
         bid = self.batch_id
         result = None
@@ -201,6 +209,8 @@ class Rank:
             got = await self.ctl.expect("ready")
             if got != bid:
                 raise RuntimeError(f"control: rank 1 prepared batch {got}, expected {bid}")
+            if quiet:
+                await asyncio.sleep(quiet)  # the quiet being measured, not synchronization
             cpu0 = time.process_time()
             result = await (c.rate_consume if rate else c.consume)(n, count, bid)
             cpu = time.process_time() - cpu0
@@ -232,7 +242,7 @@ class Rank:
         raters = [c for c in self.contenders if c.rate]
         rss_ones = [c for c in self.contenders if c.rss] if o.rss and rss.supported() else []
         self.total = (1 + sum(1 + rounds for _, rounds, _ in plan)) * k + o.rate_rounds * len(raters) \
-            + len(rss_ones) + 1
+            + len(rss_ones) + len(self._wakers()) * len(o.quiet_seconds) + 1
         samples: dict[str, dict[int, list[int]]] = {c.name: {} for c in self.contenders}
         cpu: dict[str, dict[int, list]] = {c.name: {} for c in self.contenders}
 
@@ -268,6 +278,8 @@ class Rank:
                 self._tick(f"rate {c.name} round {r + 1}/{o.rate_rounds}")
         self.ctx.drop_source()
 
+        wakeup = await self.wakeup()
+
         peaks: dict[str, list[dict[str, int]]] = {}
         size = max(o.sizes)
         for c in rss_ones:
@@ -279,7 +291,27 @@ class Rank:
         if self.ctx.rank != 0:
             return None
         return {"samples": samples, "cpu": cpu, "rates": rates, "rss": {"size": size, "by_contender": peaks} if peaks else None,
-                "idle": idle, "plan": [list(p) for p in plan]}
+                "idle": idle, "wakeup": wakeup, "plan": [list(p) for p in plan]}
+
+    def _wakers(self) -> list[Contender]:
+        """The contenders with requests over MPI: a rank idle for a while probes
+        for requests ever less often (ProgressEngine._listen_pause)."""
+        return [c for c in self.contenders if getattr(c, "mpi_requests", False)] if self.opts.quiet_seconds else []
+
+    async def wakeup(self) -> list[dict[str, Any]]:
+        """The smallest size's recv when both ranks were quiet for each of
+        ``quiet_seconds`` after the tensor was produced (rank 0, ns each):
+        what the first request of a step after a pause pays."""
+        n = min(self.opts.sizes)
+        out = []
+        for quiet in self.opts.quiet_seconds:
+            for c in self._wakers():
+                got: list[int] = []
+                for _ in range(self.opts.wakeup_repeats):
+                    got.extend(await self.batch(c, n, 1, quiet=quiet) or [])
+                self._tick(f"wake-up after {quiet:g} s {c.name}")
+                out.append({"contender": c.name, "quiet_s": quiet, "size": n, "samples_ns": got})
+        return out
 
     async def peak_rss(self, c: Contender, n: int) -> list[dict[str, int]]:
         """RSS one transfer of ``n`` bytes brings into each rank: the high-water
