@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from rendezvous.deadlines import Deadlines
 from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
 from rendezvous.errors import (DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable,
                                batch_failure)
-from rendezvous.keys import Key, TaskName, as_key, canonical_key, parse_key
+from rendezvous.keys import _CACHEABLE, Key, TaskName, as_key, canonical_key, parse_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.stats import Stats, payload_nbytes
@@ -46,6 +47,8 @@ def _never(*_: Any) -> bool:
 
 #: key lists whose routing is remembered (a training step asks the same list every step)
 _PLANS = 32
+#: single keys whose routing is remembered (forgotten all at once beyond it)
+_ROUTES = 1 << 14
 
 
 class _Plan:
@@ -92,7 +95,7 @@ class Receiver:
 
     def __init__(self, task: TaskName, table: WaitingTable, peers: Peers, kept: Kept, devices: Devices,
                  stats: Stats, staging: tuple[int, int], state: Callable[[], State],
-                 timeline: Timeline | None = None) -> None:
+                 timeline: Timeline | None = None, deadlines: Deadlines | None = None) -> None:
         self.task = task
         self.table = table
         self.peers = peers
@@ -103,6 +106,11 @@ class Receiver:
         self._state = state
         #: the routing of key lists asked recently (see _Plan), newest last
         self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
+        #: key string -> (canonical key, producing task, the placement its dst_device
+        #: asks for): a recv of one key parses it once, not every step
+        self._routes: dict[str, tuple[str, TaskName | None, Placement]] = {}
+        #: the recvs' deadlines on one loop timer (the server's)
+        self._deadlines = deadlines if deadlines is not None else Deadlines()
         #: the server's timeline, or None (off)
         self.timeline = timeline
         if timeline is not None:
@@ -112,19 +120,30 @@ class Receiver:
                     device: str | Placement | None, span: RecvSpan | None = None) -> Fetched:
         """The tensor of ``key`` in ``step_id``, on its device, with the path it took
         (what it saw on the way in ``span``, when one is given)."""
-        k = as_key(key)
-        canonical = k.format()
+        canonical, src, wanted = self._route(key)
         explicit = parse_placement(device)
-        target, _ = self.devices.resolve(explicit or placement_for_device(k.dst), explicit is not None)
+        target, _ = self.devices.resolve(explicit or wanted, explicit is not None)
         err = self.table.aborted(step_id)
         if err is not None:
             raise err
         if self.kept.has(step_id, canonical):
             return await self._recv_kept(step_id, canonical, target, span)
-        src = k.src_task
         if src is None or src == self.task:
             return await self._recv_local(step_id, canonical, timeout, target, span)
         return await self._recv_remote(src, step_id, canonical, timeout, target, span)
+
+    def _route(self, key: Key | str) -> tuple[str, TaskName | None, Placement]:
+        """``key``'s canonical string, producing task and wanted placement,
+        remembered for a key string (a malformed key raises InvalidKey, every time)."""
+        route = self._routes.get(key) if type(key) is str else None  # type: ignore[arg-type]
+        if route is None:
+            k = as_key(key)
+            route = (k.format(), k.src_task, placement_for_device(k.dst))
+            if type(key) is str and len(key) <= _CACHEABLE:
+                if len(self._routes) >= _ROUTES:
+                    self._routes.clear()
+                self._routes[key] = route
+        return route
 
     async def _fetch_traced(self, key: Key | str, step_id: int, timeout: float | None,
                             device: str | Placement | None) -> Fetched:
@@ -161,7 +180,7 @@ class Receiver:
                           span: RecvSpan | None) -> Fetched:
         """From this rank's own table: the object that was sent, unless it must move device."""
         try:
-            async with asyncio.timeout(timeout):
+            async with self._deadlines.timeout(timeout):
                 item = await self.table.recv(step_id, key)
         except TimeoutError:
             raise DeadlineExceeded(f"recv of {key!r} (step {step_id}) timed out after {timeout:g}s") from None

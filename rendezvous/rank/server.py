@@ -35,6 +35,7 @@ from rendezvous import frames, interop
 from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
+from rendezvous.deadlines import Deadlines
 from rendezvous.devices import Devices, Placement
 from rendezvous.errors import Aborted, FailedPrecondition, RendezvousError, Unavailable
 from rendezvous.keys import Key, OwnKeys, TaskName, as_key
@@ -150,8 +151,10 @@ class Server:
         self.peers = Peers(self._make_peer)
         #: tensors fetched and not delivered, for the next recv of their key and step
         self.kept = Kept()
+        #: the deadlines and stall warnings of this server's recvs, on one loop timer
+        self._deadlines = Deadlines()
         self._receiver = Receiver(self.task, self.table, self.peers, self.kept, self.devices, self._stats,
-                                  self._staging, lambda: self._state, self.timeline)
+                                  self._staging, lambda: self._state, self.timeline, self._deadlines)
         #: seconds after which a recv that is still waiting logs a warning (0: never);
         #: a daemon, which watches its recvs itself, sets 0
         self.stall_warning = cfg.stall_warning
@@ -409,6 +412,8 @@ class Server:
         DeadlineExceeded after ``timeout`` seconds, Aborted if the step is
         aborted, UnknownTask for a task outside the cluster, PeerUnavailable if
         the producer is gone."""
+        if framework is None:  # as received (one coroutine less per recv)
+            return (await self.fetch(key, step_id, timeout, device)).item.value
         return (await self.recv_item(key, step_id, timeout, device, framework)).value
 
     async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
@@ -487,8 +492,7 @@ class Server:
             return await self._receiver.fetch(key, step_id, timeout, device)
         # A recv that may wait longer than the limit says so once it has: a
         # program that seems to hang is told what it waits for.
-        loop = asyncio.get_running_loop()
-        warn = loop.call_later(limit, self._stalled, key, step_id, limit, timeout)
+        warn = self._deadlines.call_later(limit, self._stalled, key, step_id, limit, timeout)
         try:
             return await self._receiver.fetch(key, step_id, timeout, device)
         finally:
@@ -551,4 +555,5 @@ class Server:
         return PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
                           credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
                           on_unclaimed=self._receiver.unclaimed,
-                          open_call=self.mpi.open_call(task) if self.mpi is not None else None)
+                          open_call=self.mpi.open_call(task) if self.mpi is not None else None,
+                          deadlines=self._deadlines)

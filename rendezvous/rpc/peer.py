@@ -49,6 +49,7 @@ import grpc
 from rendezvous import frames
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
+from rendezvous.deadlines import Deadlines
 from rendezvous.errors import DeadlineExceeded, PeerUnavailable, RendezvousError
 from rendezvous.keys import TaskName
 from rendezvous.transport import Fetched, Path, Planes
@@ -208,7 +209,7 @@ class PeerClient:
                  credentials: grpc.ChannelCredentials | None = None,
                  metadata: tuple[tuple[str, str], ...] = (),
                  on_unclaimed: Callable[[int, str, Fetched], None] | None = None,
-                 open_call: Callable[[], Any] | None = None) -> None:
+                 open_call: Callable[[], Any] | None = None, deadlines: Deadlines | None = None) -> None:
         self.task = task
         self.address = address
         self.config = config
@@ -218,6 +219,8 @@ class PeerClient:
         #: opens the stream another way than gRPC (the MPI request path): a call
         #: with the stream-stream call's write, read and cancel
         self._open_call = open_call
+        #: the recvs' deadlines on one loop timer (the server's, shared by its clients)
+        self._deadlines = deadlines if deadlines is not None else Deadlines()
         self._credentials = credentials
         self._metadata = metadata or None  # sent on every stream (the daemon's token)
         self._channel: grpc.aio.Channel | None = None
@@ -321,7 +324,7 @@ class PeerClient:
         asked = unsettled is not None
         orphaned = False  # given up with its cancel on a live stream: the stream settles it
         try:
-            async with asyncio.timeout_at(deadline):
+            async with self._deadlines.timeout_at(deadline):
                 while True:
                     stream = await self._get_stream(deadline)
                     call_id = self._take_ids(1)

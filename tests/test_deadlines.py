@@ -1,0 +1,264 @@
+"""Many deadlines on one loop timer (rendezvous/deadlines.py): asyncio.timeout's
+meaning, the stall-warning timers' meaning, one loop timer for many, bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rendezvous import deadlines as dl
+from rendezvous.deadlines import Deadlines
+
+pytestmark = pytest.mark.timeout(30)
+
+LONG = 60.0  # a deadline no test waits for
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_a_deadline_that_passes_raises_timeout_and_leaves_the_task_uncancelled():
+    async def main():
+        d = Deadlines()
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(TimeoutError):
+            async with d.timeout(0.01) as t:
+                await never
+        assert t.expired()
+        assert asyncio.current_task().cancelling() == 0
+        assert len(d) == 0
+        await asyncio.sleep(0)  # the task goes on: nothing cancels it later
+        return "went on"
+
+    assert run(main()) == "went on"
+
+
+def test_a_block_that_ends_in_time_leaves_nothing_to_fire():
+    async def main():
+        d = Deadlines()
+        fut = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(fut.set_result, 7)
+        async with d.timeout(LONG) as t:
+            got = await fut
+        assert got == 7 and not t.expired()
+        assert len(d) == 0
+
+    run(main())
+
+
+def test_no_deadline_takes_no_entry():
+    async def main():
+        d = Deadlines()
+        async with d.timeout(None) as t:
+            assert len(d) == 0
+            await asyncio.sleep(0)
+        assert t.when() is None and not t.expired()
+
+    run(main())
+
+
+def test_a_deadline_already_past_fires_at_the_next_turn():
+    async def main():
+        d = Deadlines()
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError):
+            async with d.timeout_at(loop.time() - 1):
+                await loop.create_future()
+
+    run(main())
+
+
+def test_a_cancel_from_elsewhere_stays_a_cancel():
+    async def main():
+        d = Deadlines()
+        entered = asyncio.Event()
+
+        async def waiter():
+            async with d.timeout(LONG):
+                entered.set()
+                await asyncio.get_running_loop().create_future()
+
+        task = asyncio.create_task(waiter())
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(d) == 0
+
+    run(main())
+
+
+def test_a_cancel_in_the_turn_the_deadline_fires_stays_a_cancel():
+    """As asyncio.timeout: a task cancelled from elsewhere too is not told it timed out."""
+    async def main():
+        d = Deadlines()
+        entered = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        async def waiter():
+            async with d.timeout_at(loop.time() - 1):  # due at the next turn
+                entered.set()
+                await loop.create_future()
+
+        task = asyncio.create_task(waiter())
+        await entered.wait()
+        task.cancel()  # in the same turn as the deadline's own cancel
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+
+
+def test_nested_blocks_the_outer_deadline_times_out_the_outer_block():
+    async def main():
+        d = Deadlines()
+        seen = []
+        with pytest.raises(TimeoutError):
+            async with d.timeout(0.01):
+                try:
+                    async with d.timeout(LONG):
+                        await asyncio.get_running_loop().create_future()
+                except asyncio.CancelledError:
+                    seen.append("inner saw the cancel")
+                    raise
+        assert seen == ["inner saw the cancel"]
+        assert len(d) == 0
+
+    run(main())
+
+
+def test_an_earlier_deadline_added_after_a_later_one_fires_first():
+    async def main():
+        d = Deadlines()
+        fired = []
+        d.call_later(LONG, fired.append, "late")
+        d.call_later(0.01, fired.append, "early")
+        with pytest.raises(TimeoutError):
+            async with d.timeout(0.05):
+                await asyncio.get_running_loop().create_future()
+        assert fired == ["early"]
+        assert len(d) == 1  # the late one still waits
+
+    run(main())
+
+
+def test_timers_fire_in_deadline_order_and_a_cancelled_one_never():
+    async def main():
+        d = Deadlines()
+        loop = asyncio.get_running_loop()
+        fired = []
+        done = loop.create_future()
+        d.call_later(0.03, fired.append, 3)
+        d.call_later(0.01, fired.append, 1)
+        d.call_later(0.02, fired.append, 2).cancel()
+        d.call_later(0.04, done.set_result, None)
+        await done
+        assert fired == [1, 3]
+
+    run(main())
+
+
+def test_a_timer_cancelled_by_another_due_in_the_same_firing_does_not_run():
+    async def main():
+        d = Deadlines()
+        loop = asyncio.get_running_loop()
+        fired = []
+        when = loop.time() + 0.01
+        # both due at once: the first cancels the second before its turn
+        second = None
+
+        def first():
+            fired.append("first")
+            second.cancel()
+
+        assert d._adopt()  # this loop's (as a first entry would make it)
+        d._push(when, dl.Timer(d, first, ()))
+        second = dl.Timer(d, fired.append, ("second",))
+        d._push(when, second)
+        with pytest.raises(TimeoutError):
+            async with d.timeout(0.05):
+                await loop.create_future()
+        assert fired == ["first"]
+
+    run(main())
+
+
+def test_many_deadlines_of_one_step_arm_the_loop_timer_once(monkeypatch):
+    """The point of it: a gather of recvs with one timeout arms one loop timer,
+    not one each (asyncio.timeout arms and cancels one per block)."""
+    async def main():
+        d = Deadlines()
+        loop = asyncio.get_running_loop()
+        armed = []
+        call_at = loop.call_at
+
+        def counting(when, callback, *args, **kw):
+            armed.append(when)
+            return call_at(when, callback, *args, **kw)
+
+        monkeypatch.setattr(loop, "call_at", counting)
+        futs = [loop.create_future() for _ in range(500)]
+
+        async def one(f):
+            async with d.timeout(LONG):
+                return await f
+
+        tasks = asyncio.gather(*(one(f) for f in futs))
+        await asyncio.sleep(0)
+        for i, f in enumerate(futs):
+            f.set_result(i)
+        assert await tasks == list(range(500))
+        assert len(armed) == 1
+        assert len(d) == 0
+
+    run(main())
+
+
+def test_given_up_entries_do_not_pile_up():
+    async def main():
+        d = Deadlines()
+        blocker = d.call_later(LONG / 2, lambda: None)  # at the top: nothing below it is popped
+        for _ in range(5000):
+            d.call_later(LONG, lambda: None).cancel()
+        assert len(d) == 1
+        assert len(d._heap) <= 2 * dl._COMPACT_AT + 2
+        blocker.cancel()
+
+    run(main())
+
+
+def test_a_block_on_another_loop_while_entries_live_falls_back_to_asyncio():
+    d = Deadlines()
+
+    async def first():
+        d.call_later(LONG, lambda: None)  # a live entry on the first loop
+        return asyncio.get_running_loop()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(first())
+
+        async def second():
+            with pytest.raises(TimeoutError):
+                async with d.timeout(0.01):
+                    await asyncio.get_running_loop().create_future()
+
+        run(second())
+    finally:
+        loop.close()
+
+
+def test_an_object_moves_to_a_new_loop_once_the_old_one_has_nothing_live():
+    d = Deadlines()
+
+    async def once():
+        with pytest.raises(TimeoutError):
+            async with d.timeout(0.01):
+                await asyncio.get_running_loop().create_future()
+        return d._loop
+
+    first = run(once())
+    second = run(once())
+    assert first is not second and second is not None
