@@ -61,10 +61,12 @@ class Peers:
     def __len__(self) -> int:
         return len(self._clients)
 
-    async def recv(self, task: TaskName, key: str, step_id: int, timeout: float | None, placement: Any) -> Fetched:
-        """``key`` of ``step_id`` from ``task``'s server. An abort or cleanup of the
-        step meanwhile raises the step's error."""
-        return await self._for_step(step_id, self.get(task).recv(key, step_id, timeout, placement))
+    def recv(self, task: TaskName, key: str, step_id: int, timeout: float | None,
+             placement: Any) -> Awaitable[Fetched]:
+        """``key`` of ``step_id`` from ``task``'s server, to await at once (no
+        coroutine of its own). An abort or cleanup of the step meanwhile raises
+        the step's error."""
+        return self._for_step(step_id, self.get(task).recv(key, step_id, timeout, placement))
 
     async def recv_batch(self, task: TaskName, keys: Sequence[str], step_id: int, placement: Any,
                          arrived: set[int] | None = None) -> list[Fetched]:

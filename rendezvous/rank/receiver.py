@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,10 +116,13 @@ class Receiver:
         if timeline is not None:
             self.fetch = self._fetch_traced  # type: ignore[method-assign]  # off, fetch is all there is
 
-    async def fetch(self, key: Key | str, step_id: int, timeout: float | None,
-                    device: str | Placement | None, span: RecvSpan | None = None) -> Fetched:
+    def fetch(self, key: Key | str, step_id: int, timeout: float | None,
+              device: str | Placement | None, span: RecvSpan | None = None) -> Awaitable[Fetched]:
         """The tensor of ``key`` in ``step_id``, on its device, with the path it took
-        (what it saw on the way in ``span``, when one is given)."""
+        (what it saw on the way in ``span``, when one is given): what to await,
+        at once. The checks run in the call (a malformed key, an aborted step
+        raise there), the wait in the awaitable, with no coroutine of this
+        method's own in between (a step's gathered recvs pay for every frame)."""
         canonical, src, wanted = self._route(key)
         explicit = parse_placement(device)
         target, _ = self.devices.resolve(explicit or wanted, explicit is not None)
@@ -127,10 +130,10 @@ class Receiver:
         if err is not None:
             raise err
         if self.kept.has(step_id, canonical):
-            return await self._recv_kept(step_id, canonical, target, span)
+            return self._recv_kept(step_id, canonical, target, span)
         if src is None or src == self.task:
-            return await self._recv_local(step_id, canonical, timeout, target, span)
-        return await self._recv_remote(src, step_id, canonical, timeout, target, span)
+            return self._recv_local(step_id, canonical, timeout, target, span)
+        return self._recv_remote(src, step_id, canonical, timeout, target, span)
 
     def _route(self, key: Key | str) -> tuple[str, TaskName | None, Placement]:
         """``key``'s canonical string, producing task and wanted placement,

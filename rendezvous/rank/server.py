@@ -412,17 +412,17 @@ class Server:
         DeadlineExceeded after ``timeout`` seconds, Aborted if the step is
         aborted, UnknownTask for a task outside the cluster, PeerUnavailable if
         the producer is gone."""
-        if framework is None:  # as received (one coroutine less per recv)
-            return (await self.fetch(key, step_id, timeout, device)).item.value
+        if framework is None:  # as received (two coroutines less per recv)
+            return (await self._fetching(key, step_id, timeout, device)).item.value
         return (await self.recv_item(key, step_id, timeout, device, framework)).value
 
     async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                         device: str | Placement | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
         if framework is None:
-            return (await self.fetch(key, step_id, timeout, device)).item
+            return (await self._fetching(key, step_id, timeout, device)).item
         interop.check_framework(framework)  # before anything is taken
-        item = (await self.fetch(key, step_id, timeout, device)).item
+        item = (await self._fetching(key, step_id, timeout, device)).item
         return interop.hand_over([item], framework, lambda items: self.give_back(step_id, [key], items))[0]
 
     async def attending(self, waited: Awaitable[T]) -> T:
@@ -487,9 +487,19 @@ class Server:
                     device: str | Placement | None = None) -> Fetched:
         """:meth:`recv_item` with the path the tensor took (``Fetched``): what a
         daemon reports for its local clients' recvs."""
+        return await self._fetching(key, step_id, timeout, device)
+
+    def _fetching(self, key: Key | str, step_id: int, timeout: float | None,
+                  device: str | Placement | None) -> Awaitable[Fetched]:
+        """What :meth:`fetch` awaits: the receiver's own awaitable (no coroutine of
+        this server's in between), or that watched for a stall. Await it at once."""
         limit = self.stall_warning
         if limit <= 0 or (timeout is not None and timeout <= limit):
-            return await self._receiver.fetch(key, step_id, timeout, device)
+            return self._receiver.fetch(key, step_id, timeout, device)
+        return self._fetch_watched(key, step_id, timeout, device, limit)
+
+    async def _fetch_watched(self, key: Key | str, step_id: int, timeout: float | None,
+                             device: str | Placement | None, limit: float) -> Fetched:
         # A recv that may wait longer than the limit says so once it has: a
         # program that seems to hang is told what it waits for.
         warn = self._deadlines.call_later(limit, self._stalled, key, step_id, limit, timeout)

@@ -326,7 +326,9 @@ class PeerClient:
         try:
             async with self._deadlines.timeout_at(deadline):
                 while True:
-                    stream = await self._get_stream(deadline)
+                    stream = self._stream
+                    if stream is None or not stream.alive:  # (a live one needs no coroutine)
+                        stream = await self._get_stream(deadline)
                     call_id = self._take_ids(1)
                     pending = Pending(loop.create_future(), key, step_id, placement, request_id)
                     stream.submit(call_id, pending, step_id, key_bytes, request_id, options)
