@@ -106,8 +106,9 @@ class Receiver:
         self._state = state
         #: the routing of key lists asked recently (see _Plan), newest last
         self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
-        #: key string -> (canonical key, producing task, the placement its dst_device
-        #: asks for): a recv of one key parses it once, not every step
+        #: key string -> (canonical key, producing task if it is another task (None:
+        #: this one's own), the placement its dst_device asks for): a recv of one
+        #: key parses it once, not every step
         self._routes: dict[str, tuple[str, TaskName | None, Placement]] = {}
         #: the recvs' deadlines on one loop timer (the server's)
         self._deadlines = deadlines if deadlines is not None else Deadlines()
@@ -131,17 +132,19 @@ class Receiver:
             raise err
         if self.kept.has(step_id, canonical):
             return self._recv_kept(step_id, canonical, target, span)
-        if src is None or src == self.task:
+        if src is None:
             return self._recv_local(step_id, canonical, timeout, target, span)
         return self._recv_remote(src, step_id, canonical, timeout, target, span)
 
     def _route(self, key: Key | str) -> tuple[str, TaskName | None, Placement]:
-        """``key``'s canonical string, producing task and wanted placement,
-        remembered for a key string (a malformed key raises InvalidKey, every time)."""
+        """``key``'s canonical string, producing task (None: this task) and wanted
+        placement, remembered for a key string (a malformed key raises
+        InvalidKey, every time)."""
         route = self._routes.get(key) if type(key) is str else None  # type: ignore[arg-type]
         if route is None:
             k = as_key(key)
-            route = (k.format(), k.src_task, placement_for_device(k.dst))
+            src = k.src_task
+            route = (k.format(), None if src == self.task else src, placement_for_device(k.dst))
             if type(key) is str and len(key) <= _CACHEABLE:
                 if len(self._routes) >= _ROUTES:
                     self._routes.clear()
