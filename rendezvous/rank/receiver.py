@@ -319,6 +319,7 @@ class Receiver:
                 failures.update((i, t.exception()) for i in idx)  # type: ignore[misc]
             else:
                 arrived.extend(zip(idx, t.result()))
+        got: dict[int, Fetched] = {}
         if not failures and interrupted is None:
             # The deadline came in the turn the last tensors arrived: all are here.
             # A group that gave up kept its tensors: they are taken back (the oldest
@@ -335,8 +336,20 @@ class Receiver:
             arrived = [(i, f) for i, f in got.items() if i not in failures]
         for i, fetched in sorted(arrived, key=lambda x: x[0], reverse=True):
             self.keep(step_id, canonical[i], fetched.item, why=None)  # in front, in order; the error says so
+        # All of it is kept now. The error raised next carries this frame in its
+        # traceback (a cancelled task keeps its error), so the frame lets go of
+        # every tensor: a tensor delivered later must not stay alive through it
+        # (a daemon's pool segment under it stayed "in the table").
+        for held in (ready, arrived, got, units, tasks, gave_up):
+            held.clear()
+        t = fetched = None  # noqa: F841 (the loops' last values)
         if interrupted is not None:
-            raise interrupted
+            try:
+                raise interrupted
+            finally:
+                # no cycle (this frame -> the error -> its traceback -> this frame)
+                # for the collector to find: the frame goes with the error
+                interrupted = None
         raise batch_failure(canonical, step_id, failures)
 
     def _plan(self, keys: Sequence[Key | str]) -> _Plan:
