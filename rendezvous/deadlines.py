@@ -44,44 +44,58 @@ _EARLY = 1e-3
 _IDLE, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
 
 
-class Timer:
-    """One callback at a time on the loop (:meth:`Deadlines.call_later`)."""
+class _Entry:
+    """What the heap holds: given up (``_drop``) or fired (``_expire``) once."""
 
-    __slots__ = ("_deadlines", "_callback", "_args", "live", "due")
+    __slots__ = ("_deadlines", "live", "due")
 
-    def __init__(self, deadlines: Deadlines, callback: Callable[..., Any], args: tuple) -> None:
+    def __init__(self, deadlines: Deadlines, live: bool) -> None:
         self._deadlines = deadlines
-        self._callback = callback
-        self._args = args
         #: in the heap and not given up
-        self.live = True
+        self.live = live
         #: taken out of the heap by a firing that has not called it yet
         self.due = False
 
-    def cancel(self) -> None:
-        """It will not run (nothing happens if it ran or was cancelled)."""
+    def _drop(self) -> None:
+        """It will not fire (nothing happens if it fired or was dropped)."""
         if self.live:
             self.live = False
             self._deadlines._gave_up()
         self.due = False
 
     def _expire(self) -> None:
+        raise NotImplementedError
+
+
+class Timer(_Entry):
+    """One callback at a time on the loop (:meth:`Deadlines.call_later`)."""
+
+    __slots__ = ("_callback", "_args")
+
+    def __init__(self, deadlines: Deadlines, callback: Callable[..., Any], args: tuple) -> None:
+        super().__init__(deadlines, True)
+        self._callback = callback
+        self._args = args
+
+    def cancel(self) -> None:
+        """It will not run (nothing happens if it ran or was cancelled)."""
+        self._drop()
+
+    def _expire(self) -> None:
         self._callback(*self._args)
 
 
-class Timeout:
+class Timeout(_Entry):
     """``asyncio.timeout_at``'s async context manager on a shared timer."""
 
-    __slots__ = ("_deadlines", "_when", "_task", "_cancelling", "_state", "live", "due", "_fallback")
+    __slots__ = ("_when", "_task", "_cancelling", "_state", "_fallback")
 
     def __init__(self, deadlines: Deadlines, when: float | None) -> None:
-        self._deadlines = deadlines
+        super().__init__(deadlines, False)  # in the heap once entered
         self._when = when
         self._task: asyncio.Task | None = None
         self._cancelling = 0
         self._state = _IDLE
-        self.live = False  # in the heap and not given up (as Timer's)
-        self.due = False
         self._fallback: Any = None
 
     def when(self) -> float | None:
@@ -121,10 +135,7 @@ class Timeout:
                 raise TimeoutError from exc
             return None
         self._state = _EXITED
-        if self.live:
-            self.live = False
-            self._deadlines._gave_up()
-        self.due = False
+        self._drop()
         return None
 
     def _expire(self) -> None:
@@ -140,7 +151,7 @@ class Deadlines:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: (when, sequence, entry): the earliest first; entries given up stay
         #: until they come to the top or the heap is compacted
-        self._heap: list[tuple[float, int, Timeout | Timer]] = []
+        self._heap: list[tuple[float, int, _Entry]] = []
         self._order = itertools.count()
         self._dead = 0  # given-up entries still in the heap
         self._handle: asyncio.TimerHandle | None = None
@@ -154,7 +165,7 @@ class Deadlines:
         """``asyncio.timeout(delay)`` on this loop's shared timer (None: no deadline)."""
         if delay is None:
             return Timeout(self, None)
-        return Timeout(self, self._running().time() + delay)
+        return Timeout(self, asyncio.get_running_loop().time() + delay)
 
     def timeout_at(self, when: float | None) -> Timeout:
         """``asyncio.timeout_at(when)``, ``when`` in the loop's time (None: no deadline)."""
@@ -162,7 +173,7 @@ class Deadlines:
 
     def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Timer | asyncio.TimerHandle:
         """``callback(*args)`` on the loop after ``delay`` seconds; ``.cancel()`` stops it."""
-        loop = self._running()
+        loop = asyncio.get_running_loop()
         if not self._adopt():
             return loop.call_later(delay, callback, *args)
         timer = Timer(self, callback, args)
@@ -170,10 +181,6 @@ class Deadlines:
         return timer
 
     # -- the heap and the loop's timer -----------------------------------------------
-
-    @staticmethod
-    def _running() -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
 
     def _adopt(self) -> bool:
         """Whether this object serves the running loop (taking it when it has no
@@ -191,7 +198,7 @@ class Deadlines:
         self._loop = loop
         return True
 
-    def _push(self, when: float, entry: Timeout | Timer) -> None:
+    def _push(self, when: float, entry: _Entry) -> None:
         heapq.heappush(self._heap, (when, next(self._order), entry))
         if self._handle is None or when < self._armed:
             self._arm(when)
@@ -216,7 +223,7 @@ class Deadlines:
         self._handle = None
         heap = self._heap
         due = self._loop.time() + _EARLY  # type: ignore[union-attr]
-        fired: list[Timeout | Timer] = []
+        fired: list[_Entry] = []
         while heap and (heap[0][0] <= due or not heap[0][2].live):
             _, _, entry = heapq.heappop(heap)
             if entry.live:

@@ -19,13 +19,18 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 20))
 
 
+async def times_out(d: Deadlines, delay: float) -> dl.Timeout:
+    """A block of ``delay`` seconds that waits for nothing: it must time out."""
+    with pytest.raises(TimeoutError):
+        async with d.timeout(delay) as t:
+            await asyncio.get_running_loop().create_future()
+    return t
+
+
 def test_a_deadline_that_passes_raises_timeout_and_leaves_the_task_uncancelled():
     async def main():
         d = Deadlines()
-        never = asyncio.get_running_loop().create_future()
-        with pytest.raises(TimeoutError):
-            async with d.timeout(0.01) as t:
-                await never
+        t = await times_out(d, 0.01)
         assert t.expired()
         assert asyncio.current_task().cancelling() == 0
         assert len(d) == 0
@@ -135,9 +140,7 @@ def test_an_earlier_deadline_added_after_a_later_one_fires_first():
         fired = []
         d.call_later(LONG, fired.append, "late")
         d.call_later(0.01, fired.append, "early")
-        with pytest.raises(TimeoutError):
-            async with d.timeout(0.05):
-                await asyncio.get_running_loop().create_future()
+        await times_out(d, 0.05)
         assert fired == ["early"]
         assert len(d) == 1  # the late one still waits
 
@@ -177,9 +180,7 @@ def test_a_timer_cancelled_by_another_due_in_the_same_firing_does_not_run():
         d._push(when, dl.Timer(d, first, ()))
         second = dl.Timer(d, fired.append, ("second",))
         d._push(when, second)
-        with pytest.raises(TimeoutError):
-            async with d.timeout(0.05):
-                await loop.create_future()
+        await times_out(d, 0.05)
         assert fired == ["first"]
 
     run(main())
@@ -240,12 +241,7 @@ def test_a_block_on_another_loop_while_entries_live_falls_back_to_asyncio():
     try:
         loop.run_until_complete(first())
 
-        async def second():
-            with pytest.raises(TimeoutError):
-                async with d.timeout(0.01):
-                    await asyncio.get_running_loop().create_future()
-
-        run(second())
+        run(times_out(d, 0.01))
     finally:
         loop.close()
 
@@ -254,9 +250,7 @@ def test_an_object_moves_to_a_new_loop_once_the_old_one_has_nothing_live():
     d = Deadlines()
 
     async def once():
-        with pytest.raises(TimeoutError):
-            async with d.timeout(0.01):
-                await asyncio.get_running_loop().create_future()
+        await times_out(d, 0.01)
         return d._loop
 
     first = run(once())
