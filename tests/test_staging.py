@@ -4,6 +4,7 @@ failures. (test_gpu.py runs them over real MPI.)"""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -27,11 +28,24 @@ class FakeMPI:
 
 
 class Req:
+    """Compares as mpi4py's requests do: by handle, and a completed request's
+    handle is null, so every completed request equals every other."""
+
+    _handles = itertools.count(1)
+
     def __init__(self, kind, buf, done=False):
         self.kind, self.buf, self.done = kind, buf, done
+        self.handle = next(Req._handles)
 
     def Test(self):
+        if self.done:
+            self.handle = 0  # MPI_REQUEST_NULL
         return self.done
+
+    def __eq__(self, other):
+        return isinstance(other, Req) and self.handle == other.handle
+
+    __hash__ = None
 
     def Cancel(self):
         pass
@@ -132,6 +146,58 @@ def test_staged_recv_copies_each_chunk_to_the_device_as_it_lands(fake):
     run_until(pipe, lambda: pipe.done)
     assert pipe.error is None and np.array_equal(dst.get(), data)
     assert pool.allocated == 2
+
+
+@pytest.mark.timeout(30)
+def test_staged_send_finishes_when_a_later_message_completes_first(fake):
+    # Messages of one transfer may be seen complete out of order. The send
+    # once took the entry of a later one out of its list by equality, which
+    # compared two same-sized staging buffers element by element and raised:
+    # the transfer failed and never finished, and its consumer waited forever.
+    data = (np.arange(3072) % 249).astype(np.uint8)
+    pool = PinnedPool(fake, 1024, depth=3)
+    comm = Comm()
+    pipe = StagedSend(comm, FakeMPI, fake.wrap(fake.array(data)), 1, 7, 1024, pool)
+    run_until(pipe, lambda: len(comm.sent) == 3)
+    for i in (1, 2, 0):  # the first message completes last
+        comm.sent[i].done = True
+        pipe.step()
+    run_until(pipe, lambda: pipe.done)
+    assert pipe.error is None, pipe.error
+    assert b"".join(r.buf for r in comm.sent) == data.tobytes()
+    assert pool.free == pool.allocated == 3
+
+
+class Glimpse(FakeBackend):
+    """Reports the event in ``hidden`` as not done yet: a poll that saw an
+    earlier copy still running, and the one after it finished, in one pass."""
+
+    hidden = None
+
+    def event_done(self, event):
+        return event is not self.hidden and super().event_done(event)
+
+
+@pytest.mark.timeout(30)
+def test_staged_recv_finishes_when_a_later_copy_is_seen_done_first():
+    fake = Glimpse()
+    data = (np.arange(2048) * 3 % 251).astype(np.uint8)
+    comm = Comm(incoming=[data[:1024].tobytes(), data[1024:].tobytes()])
+    pool = PinnedPool(fake, 1024, depth=2)
+    dst = fake.empty(TensorMeta(np.uint8, (data.size,)), 0)
+    pipe = StagedRecv(comm, FakeMPI, fake, dst, 0, data.size, 0, 7, 1024, pool)
+    pipe.step()
+    comm.deliver()
+    comm.deliver()
+    run_until(pipe, lambda: len(pipe._copying) == 2)  # both chunks on their way to the device
+    fake.hidden = pipe._copying[0][1]
+    fake.settle()
+    pipe.step()  # the second copy is done, the first seen still running
+    assert pipe.error is None, pipe.error
+    fake.hidden = None
+    run_until(pipe, lambda: pipe.done)
+    assert pipe.error is None and np.array_equal(dst.get(), data)
+    assert pool.free == pool.allocated == 2
 
 
 @pytest.mark.timeout(30)

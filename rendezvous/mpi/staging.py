@@ -48,6 +48,20 @@ from rendezvous.errors import Internal, Unavailable
 __all__ = ["Pipeline", "StagedSend", "StagedRecv", "DirectSend", "DirectRecv"]
 
 
+def _drop(items: list, item: Any) -> None:
+    """Remove ``item`` itself from ``items``. Never ``list.remove``: it tests
+    equality, and here neither kind of entry has a usable one. A completed
+    mpi4py request equals every other completed one (a null handle), so an
+    earlier entry could be removed in its place; and a staging buffer compares
+    element by element, so an entry holding one raises when its
+    ``(buffer, ...)`` tuple is compared with another's (same-sized buffers)."""
+    for i, entry in enumerate(items):
+        if entry is item:
+            del items[i]
+            return
+    raise Internal(f"{item!r} is not in flight")  # pragma: no cover - a bug of ours
+
+
 def _spans(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     if nbytes == 0:
         return [(0, 0)]
@@ -90,7 +104,7 @@ class Pipeline:
 
     def _test(self, req: Any) -> bool:
         if req.Test():
-            self._reqs.remove(req)
+            _drop(self._reqs, req)
             return True
         return False
 
@@ -132,10 +146,10 @@ class StagedSend(Pipeline):
 
     def _step(self) -> bool:
         moved = False
-        for buf, req in list(self._sending):
-            if self._test(req):
-                self._sending.remove((buf, req))
-                self.pool.give(buf)
+        for entry in tuple(self._sending):  # a later message may be done before an earlier one
+            if self._test(entry[1]):
+                _drop(self._sending, entry)
+                self.pool.give(entry[0])
                 moved = True
         # Sends are posted in chunk order: MPI matches messages on one tag in order.
         while self._copying and self.backend.event_done(self._copying[0][2]):
@@ -193,15 +207,15 @@ class StagedRecv(Pipeline):
 
     def _step(self) -> bool:
         moved = False
-        for buf, event in list(self._copying):
-            if self.backend.event_done(event):
-                self._copying.remove((buf, event))
-                self.pool.give(buf)
+        for done in tuple(self._copying):
+            if self.backend.event_done(done[1]):
+                _drop(self._copying, done)
+                self.pool.give(done[0])
                 moved = True
-        for entry in list(self._receiving):
+        for entry in tuple(self._receiving):
             start, size, buf, req = entry
             if self._test(req):
-                self._receiving.remove(entry)
+                _drop(self._receiving, entry)
                 if self.error is None:
                     self._copying.append((buf, self.backend.h2d_async(buf[:size], self.dst, self.device, start,
                                                                       after=self.allocated)))
