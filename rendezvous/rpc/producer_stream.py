@@ -540,6 +540,8 @@ class ProducerStream:
         item = plan.item
         try:
             plan = await plan.prepare()  # type: ignore[misc]
+            if plan.host is not None and item is not None and req.request_id:
+                self.s.retry.on_host(req.request_id, item, plan.host)
             outgoing = self._outgoing(call_id, req, key, plan)
         except asyncio.CancelledError:
             if item is not None:

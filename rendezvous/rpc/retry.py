@@ -305,6 +305,22 @@ class RetryCache:
         if type(entry) is _Group or (entry is not None and request_id in self._done and not entry.waiters):
             self._release(request_id)
 
+    def on_host(self, request_id: int, device: Received, host: Received) -> None:
+        """The answer of ``request_id``, ``device`` (a GPU tensor), was copied to
+        the host to be sent (``host``): that copy is held for a retry instead,
+        so an answer kept for the retry window holds no device memory. A
+        retry's reply is the same bytes: where they land is the consumer's
+        placement, not the producer's."""
+        entry = self._entries.get(request_id)
+        if type(entry) is _Group:
+            i = entry.position(request_id)
+            if entry.items[i] is device:
+                entry.items[i] = host
+        elif entry is not None and request_id in self._done and entry.task.done() \
+                and not entry.task.cancelled() and entry.task.exception() is None \
+                and entry.task.result() is device:
+            entry.task = _Ready(host)
+
     def hand_over(self, handed: Handed) -> None:
         """The descriptor ``handed`` left for its request ids: a retry of one of
         them is answered with it (:meth:`take_resend`) while the answer is held."""

@@ -290,6 +290,8 @@ class RecvTensorServicer:
                 self.timeline.served(req, plan.path)
             if plan.prepare is not None:
                 plan = await plan.prepare()
+                if plan.host is not None and req.request_id:
+                    self.retry.on_host(req.request_id, item, plan.host)
             reply = plan.unary()
         except RendezvousError as exc:
             self.stats.error(Path.GRPC)

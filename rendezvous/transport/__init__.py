@@ -49,7 +49,9 @@ class Reply:
     table if the reply is dropped before its first frame is written; a
     *committed* reply (its bytes already on their way) has none and is always
     delivered. ``prepare``, when set, must be awaited first: it returns the
-    reply to send (a GPU tensor copied to the host, for instance).
+    reply to send (a GPU tensor copied to the host, for instance); such a
+    reply's ``host`` is that host copy, which the producer's retry cache
+    keeps in place of the device tensor (see ``RetryCache.on_host``).
 
     ``carry``, when set, is the transfer a descriptor announces: started by
     the stream as it hands the descriptor over (never before: a descriptor
@@ -64,6 +66,7 @@ class Reply:
     item: Received | None
     prepare: Callable[[], Awaitable["Reply"]] | None = None
     carry: "Carry | None" = None
+    host: Received | None = None
 
     @property
     def committed(self) -> bool:

@@ -72,7 +72,10 @@ class InlinePlane(DataPlane):
         pool = self.devices.pool(value.backend, *self.staging)
         host = await asyncio.get_running_loop().run_in_executor(None, value.backend.to_host, value, pool)
         self.stats.gpu("to_host")
-        return self.reply(Received(host, item.is_dead), original=item)
+        copied = Received(host, item.is_dead)
+        reply = self.reply(copied, original=item)
+        reply.host = copied
+        return reply
 
     # -- consumer -----------------------------------------------------------
 
