@@ -539,9 +539,7 @@ class ProducerStream:
         """A reply that needs work off the loop first (a GPU tensor copied to the host)."""
         item = plan.item
         try:
-            plan = await plan.prepare()  # type: ignore[misc]
-            if plan.host is not None and item is not None and req.request_id:
-                self.s.retry.on_host(req.request_id, item, plan.host)
+            plan = await self.s.prepared(req, plan)
             outgoing = self._outgoing(call_id, req, key, plan)
         except asyncio.CancelledError:
             if item is not None:

@@ -40,7 +40,7 @@ from rendezvous.keys import OwnKeys, TaskName
 from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable
 from rendezvous.timeline import Timeline, now
-from rendezvous.transport import Path, Planes
+from rendezvous.transport import Path, Planes, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .options import SERVICE, TF_SERVICE
@@ -289,9 +289,7 @@ class RecvTensorServicer:
             if self.timeline is not None:
                 self.timeline.served(req, plan.path)
             if plan.prepare is not None:
-                plan = await plan.prepare()
-                if plan.host is not None and req.request_id:
-                    self.retry.on_host(req.request_id, item, plan.host)
+                plan = await self.prepared(req, plan)
             reply = plan.unary()
         except RendezvousError as exc:
             self.stats.error(Path.GRPC)
@@ -305,6 +303,14 @@ class RecvTensorServicer:
             await context.abort(code, message)
         self.stats.served(Path.GRPC, payload_nbytes(item.value))
         return reply
+
+    async def prepared(self, req: Any, plan: Reply) -> Reply:
+        """The reply ``plan.prepare()`` makes (a GPU tensor copied to the host);
+        its host copy is what the retry cache holds for ``req`` from then on."""
+        made = await plan.prepare()  # type: ignore[misc]
+        if made.host is not None and plan.item is not None and req.request_id:
+            self.retry.on_host(req.request_id, plan.item, made.host)
+        return made
 
     # -- stream -------------------------------------------------------------
 
