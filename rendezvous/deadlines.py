@@ -67,6 +67,10 @@ class _Entry:
         raise NotImplementedError
 
 
+def _nothing(*_: Any) -> None:
+    pass
+
+
 class Timer(_Entry):
     """One callback at a time on the loop (:meth:`Deadlines.call_later`)."""
 
@@ -80,6 +84,9 @@ class Timer(_Entry):
     def cancel(self) -> None:
         """It will not run (nothing happens if it ran or was cancelled)."""
         self._drop()
+        # the heap may hold this entry until it comes due: hold nothing of the caller's
+        self._callback = _nothing
+        self._args = ()
 
     def _expire(self) -> None:
         self._callback(*self._args)
@@ -136,6 +143,10 @@ class Timeout(_Entry):
             return None
         self._state = _EXITED
         self._drop()
+        # The heap may hold this entry until its deadline (or a compaction):
+        # it must not keep the task, whose result (a received tensor) would
+        # then outlive its caller's use of it, and its receive buffer with it.
+        self._task = None
         return None
 
     def _expire(self) -> None:

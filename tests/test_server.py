@@ -347,6 +347,29 @@ def test_blocking_server_threads():
         assert a.stats()["grpc"]["transfers"] == 200
 
 
+def test_blocking_recvs_of_large_tensors_reuse_their_receive_buffers():
+    """Each large tensor received (assembled from chunks) lands in a buffer of
+    the server's receive cache, reused once the caller drops the array: a
+    training loop's recvs take no fresh pages. (A recv's deadline once kept the
+    recv's task, and the task its result, alive: every buffer stayed in use.)"""
+    spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+    a = rendezvous.Server(spec, "worker", 0)
+    b = rendezvous.Server(spec, "worker", 1)
+    with a, b:
+        full = {"worker": [a.target, b.target]}
+        a.update_cluster(full)
+        b.update_cluster(full)
+        tensor = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: assembled from chunks
+        for i in range(6):
+            b.send(key(1, 0, f"big{i}"), tensor)
+        reused = a.aio.buffers.reused
+        for i in range(6):
+            got = a.recv(key(1, 0, f"big{i}"), timeout=20)
+            assert got[-1] == tensor[-1]
+            del got
+        assert a.aio.buffers.reused - reused >= 4, a.aio.buffers.stats()
+
+
 def test_batched_stream_messages_with_the_generated_stub():
     """One StreamRequest with a batch of recvs; replies may come packed in `batch`."""
     from rendezvous.v1 import rendezvous_pb2_grpc
