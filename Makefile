@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-hosts bench-hosts demo-loopback test test-quick soak protos bench gpu-check clean
+.PHONY: all venv demo demo-hosts bench-hosts demo-loopback test test-quick soak protos bench bench-guard doctor gpu-check clean
 
 all: test
 
@@ -53,6 +53,12 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m rendezvous bench-steps $(STEPS_ARGS)
 	$(BIN)/python -m rendezvous bench-daemon $(DAEMON_ARGS)
 	$(BIN)/python -m rendezvous bench-scale $(SCALE_ARGS)
+
+# The regression guard (CI runs it after make test): the quick matrix, every
+# way to move a tensor against its raw transport in one run, judged against
+# the floors in benchmarks/floors.json; prints the matrix, fails below a floor.
+bench-guard: $(BENCH_STAMP)
+	$(BIN)/python -m rendezvous bench --guard benchmarks/floors.json --out bench-results/guard
 
 # The checks only a real GPU can make (rendezvous/bench/gpu_check.py): the
 # content checks of tests/test_gpu_cupy.py, then the staged bandwidth against

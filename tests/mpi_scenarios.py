@@ -288,6 +288,17 @@ def outside_ps() -> None:
     server.stop(5)
 
 
+def single_copy() -> None:
+    """Each rank's server says whether this node's large messages move in one
+    copy (the start-up probe), and its engine polls for them accordingly."""
+    server = start(2)
+    engine = server.aio.mpi.engine
+    world = server.aio.mpi.world
+    result(single_copy=world.single_copy, copied=sorted(engine.copied_peers))
+    finish(server)
+    server.stop(5)
+
+
 def names() -> None:
     """Task names of any length map to ranks; two ranks claiming one task are refused."""
     rank, _ = launcher_rank()

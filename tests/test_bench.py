@@ -345,7 +345,12 @@ def test_markdown_tables():
     assert "rank 1 3.00% of one core" in text
     assert "| 0.5 s | rendezvous MPI_OPTIMAL_PATH=1 | 12,000 | 15,000 | 3 |" in text
     lines = [line for line in text.splitlines() if line.startswith("|")]
+    first = next(i for i, line in enumerate(lines) if line.startswith("| size | contender"))
+    lines = lines[first:]
     assert all(line.count("|") == lines[0].count("|") for line in lines[:len(_doc()["transfers"]) + 2])
+    # the matrix heads the page: each cell against its raw transport
+    assert text.index("The matrix") < text.index("| size | contender")
+    assert "| optimal | 92.5 g | 0.8 m |" in text
 
 
 @pytest.mark.timeout(60)
@@ -489,7 +494,9 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     done = _bench(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     doc = report.load(tmp_path / JSON_NAME)
-    names = {"mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "blocking_mr", "memcpy"}
+    from rendezvous.bench.matrix import CELLS
+
+    names = {"mpi", "mpi_alloc", "grpc", "memcpy", *(name for name, _ in CELLS)}
     assert names <= set(doc["contenders"])
     assert ("gloo" in doc["contenders"]) != any("gloo not measured" in n for n in doc["notes"])
     cells = {(t["contender"], t["size"]): t for t in doc["transfers"]}
@@ -500,7 +507,7 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
             assert cell["gbps"] > 0 and cell["p99_us"] >= cell["median_us"] >= cell["min_us"] > 0
             assert cell["cpu_us"]["consumer"] > 0 and cell["cpu_us"]["producer"] > 0  # measured, not left out
     assert {r["contender"] for r in doc["rate"]["results"]} == {"mpi", "grpc", "default", "optimal", "default_mr",
-                                                                "optimal_mr"}
+                                                                "optimal_mr", "grpc_only"}
     assert all(r["errors"] == 0 for r in doc["rate"]["results"])
     if rss.supported():
         assert doc["rss"]["size"] == 65536 and len(doc["rss"]["results"][0]["ranks"]) == 2
@@ -508,11 +515,14 @@ def test_tiny_run_writes_table_json_and_plot(tmp_path):
     assert all(isinstance(t, float) for r in doc["idle"] for t in r["threads"].values())
     # the wake-up test: every contender with requests over MPI, one recv per repeat, each timed
     assert {(w["contender"], w["quiet_s"], w["size"]) for w in doc["wakeup"]} == {
-        (name, 0.05, 1024) for name in ("default_mr", "optimal_mr", "blocking_mr")}
+        (name, 0.05, 1024) for name in ("default_mr", "optimal_mr", "blocking_default_mr", "blocking_optimal_mr")}
     assert all(len(w["samples_ns"]) == 5 and w["max_us"] >= w["median_us"] > 0 for w in doc["wakeup"])
     ids = {t["id"] for t in doc["targets"]}
     assert {"latency_1k_default", "rate_default", "idle_cpu", "latency_1k_optimal_mr", "rate_optimal_mr",
-            "latency_1k_blocking_mr"} <= ids
+            "latency_1k_blocking_default_mr"} <= ids
+    # the matrix: every cell at every size, against its raw transport
+    assert "The matrix" in done.stdout and "blocking_optimal" in done.stdout
+    assert "The matrix" in (tmp_path / "bench.md").read_text()
     # the table, with ratios and targets, went to the terminal
     assert "raw grpc.aio unary" in done.stdout and "x mpi" in done.stdout and "Targets" in done.stdout
     assert "bench: 100%" in done.stderr  # progress, as plain lines when not on a terminal

@@ -474,6 +474,22 @@ def test_task_outside_the_mpi_world_is_served_over_grpc():
 
 
 @pytest.mark.timeout(120)
+def test_without_a_single_copy_path_a_node_s_large_transfers_are_polled():
+    """The start-up probe: with MPICH's CMA turned off a large message between
+    two ranks of this node moves only as both sides poll, and every rank's
+    engine polls such transfers (spinning when they stall); with the
+    library's default, both ranks agree on what the probe found, and where it
+    found a single copy the engine leaves the node's transfers unpolled."""
+    _, off, out = launch(2, "single_copy", env={"MPIR_CVAR_CH4_CMA_ENABLE": "0"}, timeout=100)
+    assert [r["single_copy"] for r in off] == [False, False] and all(r["copied"] == [] for r in off)
+    assert out.count("no single-copy path") == 2, out  # each rank's start-up line says so
+    _, default, _ = launch(2, "single_copy", timeout=100)
+    found = {r["single_copy"] for r in default}
+    assert len(found) == 1 and found <= {True, False}, default
+    assert sorted(r["copied"] for r in default) == ([[0], [1]] if found == {True} else [[], []])
+
+
+@pytest.mark.timeout(120)
 def test_long_task_names_and_duplicate_tasks():
     _, results, _ = launch(2, "names", timeout=100)
     long_job = "j" + "x" * 299

@@ -22,10 +22,13 @@ class ScriptedComm:
         self.dups = 0
         self.nodes = nodes if nodes is not None else [0] * len(contributions)  # each rank's node
         self.freed: list = []
+        #: seconds after the single-copy probe's send its message lands (scripted)
+        self.lands_after = 0.0
 
     def Split_type(self, kind):
         assert kind == ScriptedMPI.COMM_TYPE_SHARED
-        return _Ranks([r for r, node in enumerate(self.nodes) if node == self.nodes[self.rank]], self.freed)
+        return _Ranks([r for r, node in enumerate(self.nodes) if node == self.nodes[self.rank]], self.freed,
+                      me=self.rank, lands_after=self.lands_after)
 
     def Get_group(self):
         return _Ranks(list(range(len(self.contributions))), self.freed)
@@ -51,11 +54,44 @@ class ScriptedComm:
 
 
 class _Ranks:
-    """A scripted node-local communicator, or a group: the world ranks it holds."""
+    """A scripted node-local communicator, or a group: the world ranks it holds.
+    As a communicator it plays this node's part of the single-copy probe: the
+    probe's message lands ``lands_after`` seconds after it was sent."""
 
-    def __init__(self, ranks: list, freed: list) -> None:
+    def __init__(self, ranks: list, freed: list, me: int | None = None, lands_after: float = 0.0) -> None:
         self.ranks = ranks
         self.freed = freed
+        self.me = me
+        self.lands_after = lands_after
+        self.probed: list = []
+
+    def Get_rank(self) -> int:
+        return self.ranks.index(self.me)
+
+    def Barrier(self) -> None:
+        pass
+
+    def Isend(self, buf, dest: int, tag: int):
+        self.probed.append(("Isend", len(buf[0]), dest))
+
+        class Done:
+            def Wait(self) -> None:
+                pass
+        return Done()
+
+    def send(self, obj, dest: int, tag: int) -> None:
+        self.probed.append(("send", dest))
+
+    def Recv(self, buf, source: int, tag: int) -> None:
+        self.probed.append(("Recv", len(buf[0]), source))
+
+    def recv(self, source: int, tag: int) -> float:
+        import time
+
+        return time.monotonic() - self.lands_after  # when "the sender posted it"
+
+    def bcast(self, value, root: int = 0):
+        return value if self.Get_rank() == root else True
 
     def Get_group(self) -> "_Ranks":
         return _Ranks(self.ranks, self.freed)
@@ -73,6 +109,7 @@ class _Ranks:
 class ScriptedMPI:
     THREAD_SINGLE, THREAD_FUNNELED, THREAD_SERIALIZED, THREAD_MULTIPLE = range(4)
     COMM_TYPE_SHARED = 7
+    BYTE = "byte"
 
     def __init__(self, comm: ScriptedComm, level: int = 3) -> None:
         self.COMM_WORLD = comm
@@ -117,6 +154,28 @@ def test_exchange_names_the_ranks_on_other_nodes_and_frees_what_it_asked_with():
     alone = _world(0, tasks[:2])
     alone.exchange(TaskName("worker", 0, 0), "10.0.0.0:1")
     assert alone.remote_ranks == frozenset()
+
+
+@pytest.mark.parametrize("lands_after, expected", [(0.001, True), (0.05, False)])
+def test_the_node_finds_whether_a_single_copy_moves_large_messages(lands_after, expected):
+    """The node's first two ranks time one large message whose sender stays out
+    of MPI for a while: landed long before that pause ends, a single copy moved
+    it (the engine then never spins for this node's transfers); after it, the
+    message moved only as the sender polled. Rank 0 judges, every rank gets it."""
+    tasks = [("worker", 0, i, f"10.0.0.{i}:1") for i in range(3)]
+    comm = ScriptedComm(0, tasks, nodes=["a", "a", "b"])
+    comm.lands_after = lands_after
+    world = MpiWorld(ScriptedMPI(comm), None, 0, 3, "MULTIPLE", 0, "test")
+    world.exchange(TaskName("worker", 0, 0), "10.0.0.0:1")
+    assert world.single_copy is expected and world.remote_ranks == frozenset({2})
+    sender = ScriptedComm(1, tasks, nodes=["a", "a", "b"])
+    follower = MpiWorld(ScriptedMPI(sender), None, 1, 3, "MULTIPLE", 0, "test")
+    follower.exchange(TaskName("worker", 0, 1), "10.0.0.1:1")
+    assert follower.single_copy is True  # what the node's rank 0 broadcast (scripted)
+    alone = ScriptedComm(2, tasks, nodes=["a", "a", "b"])
+    lone = MpiWorld(ScriptedMPI(alone), None, 2, 3, "MULTIPLE", 0, "test")
+    lone.exchange(TaskName("worker", 0, 2), "10.0.0.2:1")
+    assert lone.single_copy is None  # nobody shares its node: no probe
 
 
 def test_two_ranks_claiming_one_task_is_an_error_naming_both():

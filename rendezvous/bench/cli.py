@@ -29,13 +29,19 @@ PLOT_NAME = "bench.png"
 MARKDOWN_NAME = "bench.md"
 
 
+def _contender_names() -> tuple[str, ...]:
+    from .worker import CONTENDERS
+
+    return CONTENDERS
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer samples and a 5 s idle test: under 2 minutes on 2 cores")
     p.add_argument("--sizes", default="1K,64K,1M,16M,128M,512M", metavar="LIST",
                    help="tensor sizes, comma-separated, binary units (default 1K,64K,1M,16M,128M,512M)")
     p.add_argument("--contenders", default="all", metavar="LIST",
-                   help="any of mpi,mpi_alloc,grpc,default,optimal,default_mr,optimal_mr,blocking_mr,gloo,memcpy,gpu_staged,gpu_serial,d2h "
+                   help="any of " + ",".join(_contender_names()) + " "
                         "(default all; gloo only if torch is installed, the gpu ones only with --gpu)")
     p.add_argument("--samples", type=int, metavar="N",
                    help="timed transfers per contender and size (default: enough to move 2 GiB, "
@@ -53,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU contenders (gpu_staged, gpu_serial, d2h): cupy on a CUDA device; fake: host "
                         "memory standing in for the GPU (measures the staging pipeline only); auto "
                         "(default): cupy when a CUDA device is usable, else off")
+    p.add_argument("--guard", metavar="FLOORS",
+                   help="the regression guard: the quick matrix at the sizes of the floors file FLOORS (e.g. "
+                        "benchmarks/floors.json), every cell it names against its raw transport, no RSS, "
+                        "wake-up or idle test; prints the matrix, exits 1 if a cell is below its floor")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help=f"where {JSON_NAME} and {PLOT_NAME} go (default bench-results)")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
@@ -67,9 +77,36 @@ def _gpu_kind(choice: str) -> str:
     return "cupy" if CupyBackend().available() else "off"
 
 
+def _floors(args: argparse.Namespace) -> Any:
+    """The guard's floors (None without --guard); SystemExit naming a bad file."""
+    if not args.guard:
+        return None
+    from .matrix import load_floors
+
+    try:
+        return load_floors(args.guard)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"rendezvous bench: --guard {args.guard}: {exc}") from None
+
+
 def _options(args: argparse.Namespace) -> Any:
     from .stats import parse_size
     from .worker import CONTENDERS, Options
+
+    floors = _floors(args)
+    if floors is not None:
+        from .matrix import CELLS, sizes_of
+
+        rate = floors.rate
+        names = ("mpi", "grpc", *(name for name, _ in CELLS if name in floors.cells or name in rate))
+        guard: dict[str, Any] = dict(sizes=tuple(sizes_of(floors)), contenders=names, rss=False, quiet_seconds=(),
+                                     idle_seconds=0.0, rate_rounds=3 if rate else 0, outstanding=args.outstanding,
+                                     gpu="off")
+        if args.samples is not None:
+            guard.update(least=args.samples, most=args.samples)
+        if args.rounds is not None:
+            guard["rounds"] = args.rounds
+        return Options.quick_mode(**guard)
 
     sizes = tuple(sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()}))
     if not sizes:
@@ -109,6 +146,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.quick:
         out.append("--quick")
+    if args.guard:
+        out += ["--guard", args.guard]
     if args.no_rss:
         out.append("--no-rss")
     out += ["--gpu", args.gpu]
@@ -118,7 +157,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def _record(args: argparse.Namespace) -> dict[str, Any]:
     return {"sizes": args.sizes, "contenders": args.contenders, "samples": args.samples, "rounds": args.rounds,
             "outstanding": args.outstanding, "rate_rounds": args.rate_rounds, "idle_seconds": args.idle_seconds,
-            "quiet_seconds": args.quiet_seconds, "rss": not args.no_rss, "gpu": args.gpu}
+            "quiet_seconds": args.quiet_seconds, "rss": not args.no_rss, "gpu": args.gpu, "guard": args.guard}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,14 +209,18 @@ def _rank(args: argparse.Namespace, opts: Any, child: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(doc, out / JSON_NAME)
     if not child:
-        _show(doc, out)
+        return _show(doc, out, _floors(args))
     return 0
 
 
-def _show(doc: dict[str, Any], out: Path) -> None:
+def _show(doc: dict[str, Any], out: Path, floors: Any = None) -> int:
+    """Print the results; with ``floors`` (the guard) judge the matrix: 1 if a
+    cell is below its floor."""
     from . import report
 
     con = report.console(sys.stdout)
+    if floors is not None:
+        return report.show_guard(doc, floors, con)
     report.show(doc, con)
     (out / MARKDOWN_NAME).write_text(report.markdown(doc))
     con.print(f"\nresults: {out / JSON_NAME} (tables in Markdown: {out / MARKDOWN_NAME})", soft_wrap=True)
@@ -185,6 +228,7 @@ def _show(doc: dict[str, Any], out: Path) -> None:
         con.print(f"plot:    {out / PLOT_NAME}", soft_wrap=True)
     else:
         con.print("plot:    not drawn: matplotlib is not installed (pip install 'rendezvous[bench]')")
+    return 0
 
 
 # -- the launcher -----------------------------------------------------------------
@@ -219,5 +263,4 @@ def _launch(args: argparse.Namespace) -> int:
         why = f"ran past --timeout {args.timeout:g}s" if job.timed_out else f"exited with status {job.code}"
         print(f"rendezvous bench: the benchmark job {why}\n{job.stderr[-6000:]}", file=sys.stderr)
         return 1
-    _show(report.load(result), out)
-    return 0
+    return _show(report.load(result), out, _floors(args))

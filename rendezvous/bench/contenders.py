@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Contender", "RawMpi", "RawGrpc", "Rendezvous", "BlockingRendezvous", "Gloo", "Memcpy", "pattern",
-           "check"]
+           "check", "cell_name", "cell_label"]
 
 _RAW_METHOD = "/rendezvous.bench.Raw/Get"
 _TAG_DATA = 17
@@ -245,36 +245,54 @@ class RawGrpc(Contender):
 
 
 class Rendezvous(Contender):
-    """(c)/(d) ``await server.recv(key, step)`` on a rendezvous rank server
+    """``await server.recv(key, step)`` on a rendezvous rank server
     (``rendezvous.aio.Server``, protocol ``grpc+mpi``), the tensor already
-    produced on rank 1: the full RecvTensor round trip, numpy array in hand."""
+    produced on rank 1: the full RecvTensor round trip, numpy array in hand.
+
+    One cell of the matrix: the optimal path or the inline one (``optimal``),
+    requests over gRPC or over MPI (``mpi_requests``), or MPI switched off
+    (``disabled``: ``MPI_DISABLED=1``, gRPC alone)."""
 
     rate = True
     #: whether the server's recv is a coroutine (the aio server's) to await
     awaits = True
+    #: the name's prefix and the label's API (the blocking server's differ)
+    api = ""
+    api_label = "rendezvous"
 
-    def __init__(self, ctx: Any, optimal: bool, mpi_requests: bool = False) -> None:
+    def __init__(self, ctx: Any, optimal: bool, mpi_requests: bool = False, disabled: bool = False) -> None:
         super().__init__(ctx)
-        self.optimal = optimal
-        self.mpi_requests = mpi_requests
-        base = "optimal" if optimal else "default"
-        self.name = f"{base}_mr" if mpi_requests else base
-        self.label = ("(d) rendezvous optimal path" if optimal else "(c) rendezvous default path") + \
-            (", requests over MPI" if mpi_requests else "")
-        self.job = ("opt" if optimal else "dflt") + ("mr" if mpi_requests else "")
+        self.optimal = optimal and not disabled
+        self.mpi_requests = mpi_requests and not disabled
+        self.disabled = disabled
+        self.name = self.api + cell_name(optimal, mpi_requests, disabled)
+        self.label = f"{self.api_label} " + cell_label(optimal, mpi_requests, disabled)
+        self.job = self.name.replace("_", "")
         self.server: Any = None
         self._keys: dict[tuple[int, int], str] = {}
-        self.distinct = True  # a fresh array per transfer (see prepare)
+        #: a fresh array per transfer (see prepare); off: the same source, as raw MPI sends
+        self.distinct = False
+
+    def _settings(self) -> dict[str, Any]:
+        return dict(protocol="grpc+mpi", mpi_optimal_path=self.optimal, mpi_disabled=self.disabled,
+                    mpi_requests=self.mpi_requests)
 
     async def setup(self) -> None:
         from rendezvous import aio
 
-        cluster = {self.job: ["127.0.0.1:0"] * 2}
-        # Collective (an MPI allgather): both ranks start the same servers in the same order.
-        self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",
-                                 mpi_optimal_path=self.optimal, mpi_disabled=False,
-                                 mpi_requests=self.mpi_requests)
+        # Collective (an MPI allgather) unless MPI is off: both ranks start the
+        # same servers in the same order.
+        self.server = aio.Server({self.job: ["127.0.0.1:0"] * 2}, self.job, self.ctx.rank, **self._settings())
         await self.server.start()
+        if self.disabled:
+            self.server.update_cluster(await self._exchange(self.server.target))
+
+    async def _exchange(self, target: str) -> dict[str, list[str]]:
+        """Both ranks' addresses, through the control connection (MPI off: no
+        start-up exchange)."""
+        await self.ctx.control.send({"target": target})
+        theirs = await self.ctx.control.expect("target")
+        return {self.job: [target, theirs] if self.ctx.rank == 0 else [theirs, target]}
 
     def key(self, n: int, i: int = 0) -> str:
         k = self._keys.get((n, i))
@@ -285,10 +303,12 @@ class Rendezvous(Contender):
         return k
 
     async def prepare(self, n: int, count: int, batch: int) -> None:
-        # A distinct array per transfer, as a job's tensors are, made here
-        # (outside the timed window): sending one array again and again would
-        # measure warm caches and pages a job never has. The RSS test sends the
-        # source itself (``distinct`` off): a copy would count the bench's own array.
+        # The producer's source array, as raw MPI sends it, unless ``distinct``:
+        # then a copy per transfer, made here (outside the timed window). A
+        # distinct 64 MiB tensor per transfer costs the producer a free of the
+        # last one (about 0.4 ms of munmap, on its loop, when the retry cache
+        # lets go of it) that raw MPI, sending one buffer, never pays: the
+        # matrix compares transports, so both send one array.
         src, key = self.ctx.source(n), self.key(n)
         for _ in range(count):
             self.server.send(key, src.copy() if self.distinct else src, step_id=batch)
@@ -331,6 +351,11 @@ class Rendezvous(Contender):
 
     async def finish(self, n: int, batch: int) -> None:
         self.server.cleanup(batch)  # the producer forgets the step's retry answers
+        rest(self.aio_server)
+
+    @property
+    def aio_server(self) -> Any:
+        return self.server
 
     def release(self) -> None:
         if self.server is not None:
@@ -341,30 +366,56 @@ class Rendezvous(Contender):
             await self.server.stop(1.0)
 
 
+def rest(server: Any) -> None:
+    """Between a contender's batches its server's MPI engine goes to its idle pace
+    at once (see ProgressEngine.rest): the bench runs every contender's servers
+    side by side, and one listening for requests over MPI stays attentive for a
+    while after its traffic; a process running only that server would be idle
+    while the others measure."""
+    mpi = getattr(server, "mpi", None) if server is not None else None
+    if mpi is not None and mpi.engine is not None:
+        mpi.engine.rest()
+
+
+def cell_name(optimal: bool, mpi_requests: bool, disabled: bool) -> str:
+    """A rank server cell's name: ``default``/``optimal`` (the inline or the
+    optimal path), ``_mr`` with requests over MPI, ``grpc_only`` with MPI off."""
+    if disabled:
+        return "grpc_only"
+    return ("optimal" if optimal else "default") + ("_mr" if mpi_requests else "")
+
+
+def cell_label(optimal: bool, mpi_requests: bool, disabled: bool) -> str:
+    if disabled:
+        return "MPI_DISABLED=1 (gRPC only)"
+    return ("optimal path" if optimal else "default path") + (", requests over MPI" if mpi_requests else "")
+
+
 class BlockingRendezvous(Rendezvous):
-    """(f) ``server.recv(key, step)`` on the blocking ``rendezvous.Server`` (the
-    README's first example, its server on a loop thread of its own), requests
-    over MPI, default path: called from the bench's thread, as a training
-    script calls it."""
+    """``server.recv(key, step)`` on the blocking ``rendezvous.Server`` (the
+    README's first example, its server on a loop thread of its own), called
+    from the bench's thread as a training script calls it: one cell of the
+    matrix, as :class:`Rendezvous`."""
 
     rate = False  # one caller thread: a blocking API has no outstanding recvs
     rss = False
     awaits = False  # recv returns the array itself
+    api = "blocking_"
+    api_label = "blocking Server,"
 
-    def __init__(self, ctx: Any) -> None:
-        super().__init__(ctx, optimal=False, mpi_requests=True)
-        self.name = "blocking_mr"
-        self.label = "(f) blocking rendezvous.Server, requests over MPI"
-        self.job = "blkmr"
+    @property
+    def aio_server(self) -> Any:
+        return self.server.aio if self.server is not None else None
 
     async def setup(self) -> None:
         import rendezvous
 
         # Collective, as the aio servers' start: both ranks in the same order.
         self.server = rendezvous.Server({self.job: ["127.0.0.1:0"] * 2}, self.job, self.ctx.rank,
-                                        protocol="grpc+mpi", mpi_optimal_path=False, mpi_disabled=False,
-                                        mpi_requests=True)
+                                        **self._settings())
         self.server.start()
+        if self.disabled:
+            self.server.update_cluster(await self._exchange(self.server.target))
 
     def release(self) -> None:
         if self.server is not None and self.server.loop is not None:

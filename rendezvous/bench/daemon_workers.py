@@ -96,7 +96,9 @@ class Clients(_OnLoop):
         self.clients: dict[str, tuple[str, Any]] = {}
         self.ring: list[np.ndarray] = []
 
-    def op_connect(self, name: str, address: str, kind: str) -> dict[str, Any]:
+    def op_connect(self, name: str, address: str, kind: str, session: bool = True) -> dict[str, Any]:
+        """A client of ``address``: ``kind`` blocking or aio; with ``session`` it
+        must have the session socket, else it must not (the local gRPC service)."""
         if kind == "blocking":
             from rendezvous.client import Client
 
@@ -106,8 +108,9 @@ class Clients(_OnLoop):
 
             client = AioClient(address, connect_timeout=30)
             self.run(client.connect())
-        if not client.session:
-            raise RuntimeError(f"the {kind} client of {address} did not get the session socket")
+        if bool(client.session) != session:
+            raise RuntimeError(f"the {kind} client of {address} {'did not get' if session else 'got'} "
+                               "the session socket")
         self.clients[name] = (kind, client)
         return {"task": client.task, "shm_threshold": client.shm_threshold}
 
@@ -165,6 +168,50 @@ class Clients(_OnLoop):
             return t0, t1
 
         return self.run(go())
+
+    def op_send_run(self, name: str, key: str, size: int, count: int, step: int) -> None:
+        """``count`` sends of ``size`` bytes under ``key`` in ``step`` (``rendezvous
+        bench``'s producer): each a distinct array, made here beforehand."""
+        arrays = [np.full(size, i % 251, np.uint8) for i in range(count)]
+        kind, client = self.clients[name]
+        if kind == "blocking":
+            for a in arrays:
+                client.send(key, a, step_id=step)
+            return
+
+        async def go() -> None:
+            for a in arrays:
+                await client.send(key, a, step_id=step)
+
+        self.run(go())
+
+    def op_recv_run(self, name: str, key: str, size: int, count: int, step: int, timeout: float) -> list[int]:
+        """``count`` recvs of ``key`` in ``step``, one after another, each timed (ns)
+        and its size checked after its clock stopped (``rendezvous bench``'s consumer)."""
+        kind, client = self.clients[name]
+        out: list[int] = []
+        clock = time.perf_counter_ns
+        if kind == "blocking":
+            for _ in range(count):
+                t0 = clock()
+                x = client.recv(key, step_id=step, timeout=timeout)
+                out.append(clock() - t0)
+                if x.nbytes != size:
+                    raise AssertionError(f"received {x.nbytes} bytes, expected {size}")
+                del x
+            return out
+
+        async def go() -> None:
+            for _ in range(count):
+                t0 = clock()
+                x = await client.recv(key, step_id=step, timeout=timeout)
+                out.append(clock() - t0)
+                if x.nbytes != size:
+                    raise AssertionError(f"received {x.nbytes} bytes, expected {size}")
+                del x
+
+        self.run(go())
+        return out
 
     def op_small_send(self, name: str, prefix: str, n: int, size: int) -> list[int]:
         """``n`` sends of distinct tensors, one after another, each timed."""

@@ -242,6 +242,7 @@ def show(doc: Mapping[str, Any], out: Any = None) -> None:
     out.print(Text("  " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()), style="dim"),
               soft_wrap=True)
     out.print()
+    _matrix(doc, None, table)
     table(["size", "contender", "median us", "p99 us", "GB/s", "x mpi", "x grpc", "cpu us", "n"],
           _transfer_rows(doc, every_size=False),
           "Round trips rank 1 -> rank 0 (bandwidth from the median; x = bandwidth ratio, same run; "
@@ -278,10 +279,64 @@ def show(doc: Mapping[str, Any], out: Any = None) -> None:
         out.print(Text(f"note: {n}"), soft_wrap=True)
 
 
+_MATRIX_CAPTION = ("The matrix: each way to move a tensor as a fraction of its raw transport in this run "
+                   "(median bandwidth over raw MPI's, m, or raw grpc.aio's, g; 1.0 = the raw transport's speed)")
+
+
+def _matrix(doc: Mapping[str, Any], floors: Any, table: Any) -> None:
+    from .matrix import matrix_rows
+
+    header, rows = matrix_rows(doc, floors)
+    if rows:
+        table(header, rows, _MATRIX_CAPTION)
+
+
+def show_guard(doc: Mapping[str, Any], floors: Any, out: Any = None) -> int:
+    """The regression guard's verdict on a quick matrix run: the matrix, every
+    cell below its floor named, and 1 if there is one (else 0)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from .matrix import check
+
+    out = console(sys.stdout) if out is None else out
+
+    def table(header: list[str], rows: list[list[str]], caption: str) -> None:
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+        for i, h in enumerate(header):
+            t.add_column(Text(h), justify="left" if i == 0 else "right", no_wrap=True)
+        for row in rows:
+            t.add_row(*(Text(c, style="bold red" if c.endswith("!") else "") for c in row))
+        out.print(Text(caption, style="bold"), soft_wrap=True)
+        out.print(t)
+        out.print()
+
+    out.print(Text(f"rendezvous bench --guard, {doc['created']}", style="bold"), soft_wrap=True)
+    out.print(Text("  " + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()), style="dim"),
+              soft_wrap=True)
+    out.print()
+    _matrix(doc, floors, table)
+    breaches = check(doc, floors)
+    if not breaches:
+        n = sum(len(v) for v in floors.cells.values()) + len(floors.rate)
+        out.print(Text(f"guard: every cell at or above its floor ({n} floors)", style="green"), soft_wrap=True)
+        return 0
+    out.print(Text(f"guard: {len(breaches)} cell(s) below their floor:", style="bold red"), soft_wrap=True)
+    for b in breaches:
+        out.print(Text(f"  {b}"), soft_wrap=True)
+    return 1
+
+
 def markdown(doc: Mapping[str, Any]) -> str:
     """``rendezvous bench``'s results and targets as Markdown tables (``bench.md``)."""
     out = [f"Run of {doc['created']} ({'quick' if doc['quick'] else 'full'}): "
            + ", ".join(f"{k} {v}" for k, v in doc["environment"].items()) + ".", ""]
+    from .matrix import matrix_rows
+
+    header, rows = matrix_rows(doc)
+    if rows:
+        out += [_MATRIX_CAPTION + ":", ""] + markdown_table(header, rows, numbers_from=1) + [""]
     out += markdown_table(["size", "contender", "median µs", "p99 µs", "GB/s", "× (a)", "× (b)",
                            "CPU µs cons. / prod.", "n"], _transfer_rows(doc, every_size=True))
     if doc.get("rate"):
@@ -315,7 +370,7 @@ _STYLE = {"memcpy": dict(linestyle="--", color="grey"), "mpi": dict(color="black
           "default": dict(color="tab:orange"), "optimal": dict(color="tab:blue"), "gloo": dict(color="tab:green"),
           "default_mr": dict(color="tab:orange", linestyle="-."),
           "optimal_mr": dict(color="tab:blue", linestyle="-."),
-          "blocking_mr": dict(color="tab:purple", linestyle="-.")}
+          "blocking_default_mr": dict(color="tab:purple", linestyle="-.")}
 
 
 def write_plot(doc: Mapping[str, Any], path: Path) -> bool:

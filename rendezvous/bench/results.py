@@ -230,9 +230,9 @@ def _mpi_request_targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     the blocking Server's 1 KiB latency (``blocking_mr``) against raw unary."""
     out = []
     sizes = doc["sizes"]
-    b, g = _cell(doc, "blocking_mr", 1024), _cell(doc, "grpc", 1024)
+    b, g = _cell(doc, "blocking_default_mr", 1024), _cell(doc, "grpc", 1024)
     if b is not None:
-        out.append(_target("latency_1k_blocking_mr", "1 KiB round trip (median), blocking Server, requests over MPI, "
+        out.append(_target("latency_1k_blocking_default_mr", "1 KiB round trip (median), blocking Server, requests over MPI, "
                                                      "vs raw gRPC unary",
                            ratio(b["median_us"], g and g["median_us"]), "<=", 0.5))
     if not any(t["contender"] == "optimal_mr" for t in doc["transfers"]):

@@ -32,15 +32,18 @@ from typing import Any
 import numpy as np
 
 from . import rss
-from .contenders import BlockingRendezvous, Contender, Gloo, Memcpy, RawGrpc, RawMpi, Rendezvous, pattern
+from .contenders import BlockingRendezvous, Contender, Gloo, Memcpy, RawGrpc, RawMpi, Rendezvous, cell_name, pattern
 from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend
+from .local_contenders import LOCAL_CELLS, LocalClient
 from .stats import samples_for
 
 __all__ = ["Options", "run_rank", "CONTENDERS"]
 
 #: every contender, in the order tables and plots list them
-CONTENDERS = ("mpi", "mpi_alloc", "grpc", "default", "optimal", "default_mr", "optimal_mr", "blocking_mr", "gloo",
-              "memcpy", *GPU_CONTENDERS)
+#: the rank servers' cells: both APIs x inline/optimal x requests over gRPC/MPI, and MPI off
+CELLS = tuple(api + cell_name(optimal, mr, False) for api in ("", "blocking_")
+              for optimal in (False, True) for mr in (False, True)) + ("grpc_only", "blocking_grpc_only")
+CONTENDERS = ("mpi", "mpi_alloc", "grpc", *CELLS, *LOCAL_CELLS, "gloo", "memcpy", *GPU_CONTENDERS)
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
 
 
@@ -152,16 +155,21 @@ def _torch_usable() -> tuple[bool, str]:
 def _build(ctx: Context, names: tuple[str, ...], gpu: Any = None) -> list[Contender]:
     made: dict[str, Contender] = {
         "mpi": RawMpi(ctx), "mpi_alloc": RawMpi(ctx, fresh=True), "grpc": RawGrpc(ctx),
-        "default": Rendezvous(ctx, optimal=False), "optimal": Rendezvous(ctx, optimal=True),
-        "default_mr": Rendezvous(ctx, optimal=False, mpi_requests=True),
-        "optimal_mr": Rendezvous(ctx, optimal=True, mpi_requests=True),
-        "blocking_mr": BlockingRendezvous(ctx),
         "gloo": Gloo(ctx), "memcpy": Memcpy(ctx),
     }
+    for cls in (Rendezvous, BlockingRendezvous):
+        for optimal, mr, off in ((False, False, False), (True, False, False), (False, True, False),
+                                 (True, True, False), (False, False, True)):
+            c = cls(ctx, optimal, mpi_requests=mr, disabled=off)
+            if c.name in names:  # a server is made only for the cells measured
+                made[c.name] = c
+    for session in (True, False):
+        local = LocalClient(ctx, session)
+        made[local.name] = local
     if gpu is not None:
         made.update({"gpu_staged": GpuRendezvous(ctx, gpu, None), "gpu_serial": GpuRendezvous(ctx, gpu, 1),
                      "d2h": DeviceToHost(ctx, gpu)})
-    return [made[n] for n in CONTENDERS if n in names]
+    return [made[n] for n in CONTENDERS if n in names and n in made]
 
 
 def _rotate(items: list, k: int) -> list:
@@ -286,7 +294,7 @@ class Rank:
             peaks[c.name] = await self.peak_rss(c, size)
             self._tick(f"peak RSS {c.name}")
 
-        idle = await self.idle()
+        idle = await self.idle() if o.idle_seconds > 0 else []
         self._tick("idle CPU")
         if self.ctx.rank != 0:
             return None

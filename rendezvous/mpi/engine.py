@@ -99,7 +99,12 @@ class ProgressEngine:
         self.comm = comm
         self.poll_min = poll_min_us / 1e6
         self.poll_max = poll_max_us / 1e6
-        self._large = 0  # large sends and receives in flight (under _plock)
+        self._large = 0  # large sends and receives in flight that move only as polled (under _plock)
+        #: ranks whose large messages move in one copy made by the receiver, with
+        #: no polling (this node's, when MPI has a single-copy path: see
+        #: MpiWorld.probe_single_copy); a transfer with any other rank moves only
+        #: as it is polled once it is large (see _pause_after)
+        self.copied_peers: frozenset[int] = frozenset()
         self.hot = hot_ms / 1e3
         self.idle_poll = max(idle_poll_ms / 1e3, self.poll_max)
         self.idle_after = idle_after_s
@@ -174,6 +179,13 @@ class ProgressEngine:
             self._idle = False
             with self._cv:
                 self._cv.notify()
+
+    def rest(self) -> None:
+        """No traffic is expected soon (the caller knows: say, its step is done):
+        the idle pace starts now, not ``idle_after_s`` after the last message.
+        Any thread. ``rendezvous bench`` rests each contender's servers between
+        its batches, as a process running only that server would be idle then."""
+        self._last_activity = 0.0
 
     def attend(self, delta: int) -> None:
         """A caller starts (+1) or stops (-1) waiting on a result (home loop
@@ -337,7 +349,7 @@ class ProgressEngine:
         MPI = self._MPI
         view = memoryview(op.buf).cast("B")
         n = len(view)
-        op.large = n >= _LARGE
+        op.large = n >= _LARGE and op.peer not in self.copied_peers
         starts = range(0, n, op.chunk) if n else [0]
         comm = op.comm if op.comm is not None else self.comm
         try:
@@ -585,7 +597,11 @@ class ProgressEngine:
         fast as it is polled (an 8 MiB tensor took 190 ms at the usual pauses
         against 10-14 ms polled without them). No pause then (any sleep lasts
         at least the timer's slack, about 50 µs) until something moves. With a
-        single copy such a message is done at once, and this never spins.
+        single copy (a peer in ``copied_peers``) the receiver moves such a
+        message in one call and the sender only waits for it: neither counts
+        it as large, and spinning here would take a core from the copy (on a
+        machine with as many cores as ranks, the sender's spin made the
+        ``make demo`` job's MPI steps slower than its gRPC ones).
         Otherwise each empty poll doubles the pause up to ``poll_max``, or
         the idle pace (:meth:`_listen_pause`)."""
         if self._large and not idle and now - self._last_activity > _STALLED:

@@ -277,11 +277,18 @@ class MpiPlane(DataPlane):
         """Post the receive a descriptor reply announces (the descriptor is checked
         first); the arrival's ``pending`` gives the tensor on ``placement``."""
         transfer, meta = self._parse(buf, head)
+        if placement is None or not placement.is_gpu:
+            # Posted here, in the reply's own turn (a task would post it a turn
+            # later): a large message's single copy starts as soon as it can.
+            dest = self.buffers.empty(meta.shape, meta.dtype)  # a large one is reused once dropped
+            done = self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
+            return Arrival(Path.MPI, pending=_landing(done, dest), placed=True)
         return Arrival(Path.MPI, pending=self._receive(transfer, meta, placement), placed=True)
 
     async def _receive(self, transfer: pb.MpiTransfer, meta: TensorMeta, placement: Placement | None) -> Any:
         """Move the bytes of ``transfer``; the tensor once they are here, on
-        ``placement`` (a resolved placement: a GPU one has a usable backend).
+        ``placement`` (a resolved placement: a GPU one has a usable backend;
+        host receives are posted by :meth:`receive` itself).
 
         If this await is cancelled (deadline, abort) the receive stays posted and
         completes into its destination: its bytes are already on the way."""
@@ -339,19 +346,7 @@ class MpiPlane(DataPlane):
             raise Internal(f"group's MPI transfer announces {transfer.nbytes} bytes; its offsets say {group.nbytes}")
         dest = self.buffers.empty(group.nbytes, np.uint8)  # a large one is reused once its views are dropped
         done = self.engine.irecv(dest, transfer.source_rank, transfer.tag, transfer.chunk_bytes)
-        out = asyncio.get_running_loop().create_future()
-
-        def landed(f: asyncio.Future) -> None:
-            if out.cancelled():
-                return
-            if f.cancelled():
-                out.cancel()
-            elif f.exception() is not None:
-                out.set_exception(f.exception())  # type: ignore[arg-type]
-            else:
-                out.set_result(dest)
-        done.add_done_callback(landed)
-        return out
+        return _landing(done, dest)
 
     def _transfer(self, buf: bytes, span: tuple[int, int]) -> pb.MpiTransfer:
         """The MpiTransfer in the ``Any`` at ``span``, checked: ours, from this job, chunked."""
@@ -375,3 +370,22 @@ class MpiPlane(DataPlane):
             raise Internal(f"descriptor announces {transfer.nbytes} bytes for {meta.dtype}{list(meta.shape)}"
                            f" ({meta.nbytes} bytes)")
         return transfer, meta
+
+
+def _landing(done: asyncio.Future, dest: Any) -> asyncio.Future:
+    """A future of ``dest`` once the receive ``done`` into it completes. Cancelling
+    it leaves the receive posted: its bytes are on their way and land in ``dest``
+    (never in a later transfer's buffer)."""
+    out = asyncio.get_running_loop().create_future()
+
+    def landed(f: asyncio.Future) -> None:
+        if out.cancelled():
+            return
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            out.set_result(dest)
+    done.add_done_callback(landed)
+    return out

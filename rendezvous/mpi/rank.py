@@ -79,6 +79,8 @@ class MpiRank:
             world = self.world
             found = await engine.call(lambda: world.exchange(task, address))
             engine.attach(world.comm)
+            if world.single_copy:  # this node's large messages need no polling to move
+                engine.copied_peers = frozenset(range(world.size)) - world.remote_ranks - {world.rank}
             if remote_only:
                 engine.loop_peers = world.remote_ranks
             self.ranks = {t: where.rank for t, where in found.items()}
@@ -111,6 +113,10 @@ class MpiRank:
         line = (f"MPI rank {world.rank}/{world.size} ({world.library}), thread level {world.thread_level}; "
                 f"{setting}, threshold {cfg.mpi_threshold} B; requests over "
                 f"{'MPI (RENDEZVOUS_MPI_REQUESTS=1)' if cfg.mpi_requests else 'gRPC'}")
+        if world.single_copy is not None:
+            line += ("; large messages within this node: one copy by the receiver" if world.single_copy else
+                     "; large messages within this node: no single-copy path (they move only as both ranks poll; "
+                     "run rendezvous doctor)")
         plane = self.plane
         if plane is not None:
             how = "GPU buffers to MPI directly" if plane.cuda_aware else \

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rendezvous.errors import FailedPrecondition, InvalidArgument
 from rendezvous.keys import TaskName
 
-__all__ = ["MpiWorld", "RankAddress", "import_mpi"]
+__all__ = ["MpiWorld", "RankAddress", "import_mpi", "SINGLE_COPY_PROBE_BYTES", "SINGLE_COPY_PROBE_PAUSE"]
+
+#: the single-copy probe's message: past every library's eager and single-copy thresholds
+SINGLE_COPY_PROBE_BYTES = 1 << 20
+#: how long the probe's sender stays out of MPI (see MpiWorld.probe_single_copy)
+SINGLE_COPY_PROBE_PAUSE = 0.02
+_PROBE_TAG = 7
 
 
 class RankAddress(NamedTuple):
@@ -78,6 +85,11 @@ class MpiWorld:
     #: ranks MPI reaches over the network, not through this node's shared memory
     #: (``COMM_TYPE_SHARED``; with ``MPIR_CVAR_NOLOCAL=1`` every other rank)
     remote_ranks: frozenset[int] = frozenset()
+    #: whether MPI moves a large message between two ranks of this node in one
+    #: copy made by the receiver, without the sender's MPI calls (CMA, XPMEM,
+    #: KNEM), as found by trying at start-up (:meth:`probe_single_copy`);
+    #: None: no other rank shares this node
+    single_copy: bool | None = None
 
     @classmethod
     def join(cls) -> "MpiWorld":
@@ -118,19 +130,57 @@ class MpiWorld:
                 return bool(query()), f"MPIX_Query_cuda_support in {os.path.basename(path)}"
         return False, "the MPI library offers no CUDA query"
 
-    def _remote_ranks(self) -> frozenset[int]:
+    def _node(self) -> tuple[frozenset[int], bool | None]:
         """Collective: the ranks outside this node's shared-memory group, as MPI
         itself sees them (so network-namespace hosts told ``MPIR_CVAR_NOLOCAL``
-        count as remote, as they are to MPI)."""
+        count as remote, as they are to MPI), and whether a single copy moves
+        large messages within the node (:meth:`probe_single_copy`)."""
         local = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
         near_group, all_group = local.Get_group(), self.comm.Get_group()
         try:
             near = near_group.Translate_ranks(list(range(near_group.Get_size())), all_group)
+            single_copy = self.probe_single_copy(local)
         finally:
             near_group.Free()
             all_group.Free()
             local.Free()
-        return frozenset(range(self.size)) - frozenset(near)
+        return frozenset(range(self.size)) - frozenset(near), single_copy
+
+    def probe_single_copy(self, local: Any) -> bool | None:
+        """Collective over ``local`` (this node's ranks, ``COMM_TYPE_SHARED``):
+        whether a large message between two ranks of the node moves in a single
+        copy made by the receiver, without the sender calling MPI while it
+        moves (CMA, XPMEM, KNEM). Found by trying, not by reading settings (a
+        library may have CMA on and the kernel refuse it): the node's first
+        two ranks time one message of ``SINGLE_COPY_PROBE_BYTES`` whose sender
+        makes no MPI call for ``SINGLE_COPY_PROBE_PAUSE`` seconds after posting
+        it (both read ``CLOCK_MONOTONIC``: one clock per node). Without a
+        single-copy path the message moves through shared-memory cells only as
+        both sides poll, so it lands after the sender's pause; with one, the
+        receiver copies it as soon as its receive matches. Every rank of the
+        node gets the answer; None where no other rank shares the node. Costs
+        one pause at start-up."""
+        import numpy as np
+
+        MPI = self.MPI
+        if local.Get_size() < 2:
+            return None
+        me = local.Get_rank()
+        verdict = None
+        local.Barrier()
+        if me == 1:
+            buf = np.ones(SINGLE_COPY_PROBE_BYTES, np.uint8)
+            posted = time.monotonic()
+            req = local.Isend([buf, MPI.BYTE], 0, _PROBE_TAG)
+            time.sleep(SINGLE_COPY_PROBE_PAUSE)  # no MPI call: only a single copy moves it now
+            req.Wait()
+            local.send(posted, 0, _PROBE_TAG)
+        elif me == 0:
+            buf = np.empty(SINGLE_COPY_PROBE_BYTES, np.uint8)
+            local.Recv([buf, MPI.BYTE], 1, _PROBE_TAG)
+            landed = time.monotonic()
+            verdict = landed - local.recv(source=1, tag=_PROBE_TAG) < SINGLE_COPY_PROBE_PAUSE / 2
+        return bool(local.bcast(verdict, root=0))
 
     def exchange(self, task: TaskName, address: str) -> dict[TaskName, RankAddress]:
         """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""
@@ -138,7 +188,7 @@ class MpiWorld:
         self.comm = world.Dup()
         self.control = self.comm.Dup()  # requests and replies: never matched by a data transfer
         self.world_id = self.comm.bcast(secrets.randbits(63) | 1 if self.rank == 0 else None, root=0)
-        self.remote_ranks = self._remote_ranks()
+        self.remote_ranks, self.single_copy = self._node()
         entries = self.comm.allgather((task.job, task.replica, task.task, address))
         table: dict[TaskName, RankAddress] = {}
         for rank, (job, replica, index, addr) in enumerate(entries):
