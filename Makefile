@@ -56,9 +56,9 @@ bench: $(BENCH_STAMP)
 
 # The regression guard (CI runs it after make test): the quick matrix, every
 # way to move a tensor against its raw transport in one run, judged against
-# the floors in benchmarks/floors.json; prints the matrix, fails below a floor.
+# the floors in rendezvous/bench/floors.json; prints the matrix, fails below a floor.
 bench-guard: $(BENCH_STAMP)
-	$(BIN)/python -m rendezvous bench --guard benchmarks/floors.json --out bench-results/guard
+	$(BIN)/python -m rendezvous bench --guard rendezvous/bench/floors.json --out bench-results/guard
 
 # The checks only a real GPU can make (rendezvous/bench/gpu_check.py): the
 # content checks of tests/test_gpu_cupy.py, then the staged bandwidth against

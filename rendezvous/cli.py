@@ -21,6 +21,7 @@ examples:
   rendezvous pending                            # this node's rendezvousd, on its local socket
   rendezvous stats --from 10.0.0.1:50051 --json
   rendezvous bench --quick
+  rendezvous doctor                             # before blaming the network
 """
 
 
@@ -102,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, module in (("bench-steps", bench_steps), ("bench-daemon", bench_daemon), ("bench-scale", bench_scale)):
         module.add_arguments(command(name, help=module.HELP, description=module.DESCRIPTION,
                                      epilog=module.EPILOG))
+    from . import doctor  # stdlib only at import
+
+    doctor.add_arguments(command("doctor", help=doctor.HELP, description=doctor.DESCRIPTION))
     return p
 
 
@@ -283,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         from importlib import import_module
 
         return import_module(f".bench.{args.command[6:]}", __package__).run(args)
+    if args.command == "doctor":
+        from .doctor import run as doctor
+
+        return doctor(args)
     _parser().print_help()
     return 2
 

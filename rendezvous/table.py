@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 from .errors import Aborted, InvalidArgument, RendezvousError
 
-__all__ = ["Received", "PendingEntry", "WaitingTable", "send_items"]
+__all__ = ["Received", "PendingEntry", "WaitingTable", "Waiter", "send_items"]
 
 
 def send_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
@@ -88,10 +88,38 @@ class _Tensors(collections.deque):  # entries: (Received, enqueue time)
     __slots__ = ()
 
 
-class _Waiters(collections.deque):  # entries: (asyncio.Future[Received], enqueue time)
+class _Waiters(collections.deque):  # entries: (asyncio.Future[Received] | Waiter, enqueue time)
     """A key's queue of waiting receivers."""
 
     __slots__ = ()
+
+
+class Waiter:
+    """A receiver answered by a call instead of an awaited future
+    (:meth:`WaitingTable.wait`): no task, no future, no turn of the loop. The
+    send (or the abort, cleanup, drain or close) that settles it calls
+    ``deliver(item)`` or ``fail(error)``, once, on the loop thread, inside its
+    own call and after the table is consistent again (the callback may use the
+    table). A waiter withdrawn first is never called."""
+
+    __slots__ = ("deliver", "fail", "settled")
+
+    def __init__(self, deliver: Callable[[Received], None], fail: Callable[[RendezvousError], None]) -> None:
+        self.deliver = deliver
+        self.fail = fail
+        self.settled = False  # delivered, failed or withdrawn
+
+    # the part of a future's interface the table uses
+    def done(self) -> bool:
+        return self.settled
+
+    def set_result(self, item: Received) -> None:
+        self.settled = True
+        self.deliver(item)
+
+    def set_exception(self, error: BaseException) -> None:
+        self.settled = True
+        self.fail(error)  # type: ignore[arg-type]
 
 
 class WaitingTable:
@@ -199,12 +227,15 @@ class WaitingTable:
         while q:
             fut = q.popleft()[0]
             if not fut.done():  # skip waiters cancelled but not yet removed
-                fut.set_result(item)
-                self._inflight += 1
-                if not q:
+                if not q:  # consistent before the hand-over: a Waiter's call may use the table
                     del keys[key]
                     if not keys:
                         del steps[step_id]
+                if type(fut) is Waiter:
+                    fut.set_result(item)  # delivered in this call: nothing in flight
+                else:
+                    fut.set_result(item)
+                    self._inflight += 1
                 return
         keys[key] = _Tensors(((item, _now()),))
 
@@ -254,6 +285,45 @@ class WaitingTable:
         if self._ended and not self._inflight:
             self._ended.clear()
         return item
+
+    def wait(self, step_id: int, key: Hashable, waiter: Waiter) -> None:
+        """Queue ``waiter`` for ``key`` as :meth:`recv` queues itself; only when no
+        item is queued (take one first with :meth:`try_take`). Raises the step's
+        error like :meth:`recv`. The send that comes for it delivers the item
+        within its own call (see :class:`Waiter`)."""
+        self._enter()
+        if self._closed is not None or self._tombstones:
+            err = self._dead(step_id)
+            if err is not None:
+                raise err.with_traceback(None)
+        keys = self._steps.get(step_id)
+        if keys is None:
+            keys = self._steps[step_id] = {}
+        q = keys.get(key)
+        if q is None:
+            q = keys[key] = _Waiters()
+        elif type(q) is _Tensors:
+            raise RuntimeError("WaitingTable.wait with an item queued: take it first")
+        q.append((waiter, _now()))
+
+    def withdraw(self, step_id: int, key: Hashable, waiter: Waiter) -> bool:
+        """Take ``waiter`` out of its queue unsettled (it will never be called).
+        False if it was already settled (delivered or failed)."""
+        if waiter.settled:
+            return False
+        waiter.settled = True
+        keys = self._steps.get(step_id)
+        q = keys.get(key) if keys is not None else None
+        if type(q) is _Waiters:
+            for i, entry in enumerate(q):
+                if entry[0] is waiter:
+                    del q[i]
+                    break
+            if not q:
+                del keys[key]  # type: ignore[union-attr]
+                if not keys:
+                    del self._steps[step_id]
+        return True
 
     def _cancelled(
         self, step_id: int, key: Hashable, fut: asyncio.Future[Received], gen: int

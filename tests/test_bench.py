@@ -646,3 +646,24 @@ def test_a_tiny_step_exchange_run_writes_its_table(tmp_path):
     table = (tmp_path / "steps.md").read_text()
     assert "**resnet50**: 161 tensors, 97.5 MiB per step" in table and "| optimal |" in table
     assert "CPU µs per tensor (consumer / producer)" in table
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tiny_step_exchange_with_the_consumer_first(tmp_path):
+    """The order training runs in: the consumer's receives posted first, the
+    producer's sends inside the clock; the waiting contenders' ratios are to
+    raw MPI and gloo timed the same way."""
+    names = ["mpi_waiting", "optimal_many_waiting", "optimal_many_waiting_each", "optimal_mr_many_waiting",
+             "blocking_many_waiting"]
+    out = subprocess.run([sys.executable, "-m", "rendezvous", "bench-steps", "--steps", "1", "--models",
+                          "many-small", "--contenders", ",".join(names), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    doc = json.loads((tmp_path / "steps.json").read_text())
+    seconds = doc["models"]["many-small"]["seconds"]
+    assert set(seconds) == set(names) and all(len(t) == 1 and t[0] > 0 for t in seconds.values())
+    table = (tmp_path / "steps.md").read_text()
+    assert "ratios are to `mpi_waiting`" in table and "| optimal_many_waiting |" in table
+    assert "| mpi_waiting | " in table and "| 1.00 |" in table  # raw MPI against itself

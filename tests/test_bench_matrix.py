@@ -89,8 +89,8 @@ def test_floors_files_are_checked(tmp_path):
 
 
 def test_the_repositorys_floors_name_every_cell_at_every_quick_size():
-    """benchmarks/floors.json guards the whole matrix: every cell, at the quick sizes."""
-    floors = load_floors(Path(__file__).parent.parent / "benchmarks" / "floors.json")
+    """The floors shipped (rendezvous/bench/floors.json) guard the whole matrix: every cell, at the quick sizes."""
+    floors = load_floors(matrix.FLOORS_FILE)
     assert set(floors.cells) == {name for name, _ in CELLS}
     sizes = matrix.sizes_of(floors)
     assert all(set(by_size) == set(sizes) for by_size in floors.cells.values())

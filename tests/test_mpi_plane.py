@@ -548,8 +548,8 @@ def test_an_mpi_error_fails_that_receive_with_internal_and_the_next_one_works():
             await got
         # the plane goes on: the next transfer is received
         buf, head = first_frame(planned(producer, request_from(consumer), Received(arr + 1, False)))
-        got = asyncio.ensure_future(consumer.receive(buf, head, None).pending)
         consumer_engine.recvs.clear()
+        got = asyncio.ensure_future(consumer.receive(buf, head, None).pending)  # posted here, at once
         recv = await consumer_engine.next_recv()
         await deliver(producer_engine.sends[-1], recv)
         np.testing.assert_array_equal(await got, arr + 1)
@@ -620,4 +620,21 @@ def test_drain_posts_a_receive_and_swallows_its_result():
         del recv
         gc.collect()  # a failed future nobody looked at would be reported now
         assert reported == []
+    run(main(), 20)
+
+
+def test_a_host_receive_is_posted_in_the_replys_own_turn():
+    """The descriptor's receive is posted as the reply is dispatched, not a turn
+    later by a task: a large message's single copy starts as soon as it can."""
+    async def main():
+        producer_engine, consumer_engine = FakeEngine(), FakeEngine()
+        producer = make_plane(FakeWorld(rank=0), producer_engine)
+        consumer = make_plane(FakeWorld(rank=2), consumer_engine)
+        arr = np.arange(1 << 16, dtype=np.float32)
+        buf, head = first_frame(planned(producer, request_from(consumer), Received(arr, False)))
+        arrival = consumer.receive(buf, head, None)
+        assert len(consumer_engine.recvs) == 1  # no await in between
+        fut = asyncio.ensure_future(arrival.pending)
+        await deliver(producer_engine.sends[-1], consumer_engine.recvs[0])
+        np.testing.assert_array_equal(await fut, arr)
     run(main(), 20)

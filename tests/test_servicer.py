@@ -1349,3 +1349,98 @@ def test_a_lone_request_is_answered_as_it_arrives_and_a_batch_is_left_to_the_rea
         await asyncio.wait_for(serving, 10)
         assert context.aborted is not None and context.aborted[0] is grpc.StatusCode.INVALID_ARGUMENT
     run(main(), 20)
+
+
+# --- batch keys waiting without a task ----------------------------------------------
+
+def test_a_waiting_batch_key_takes_no_task_and_is_answered_inside_the_send():
+    """A batch's keys not produced yet wait in the table with no task, future or
+    coroutine of their own; the send that produces one answers its call within
+    its own call, and the small tensors produced in one turn go out as one
+    group reply."""
+    async def main():
+        async with serving() as h:
+            s = h.stream()
+            keys = [K(f"n{i}") for i in range(50)]
+            tasks = len(asyncio.all_tasks())
+            await s.send(recv_many(1, keys, request_ids=list(range(500, 550))))
+            await until(lambda: len(_waiters(h.table)) == 50, what="the batch to wait")
+            assert len(asyncio.all_tasks()) <= tasks + 8  # the call's own few (gRPC, reader, writer), not 50
+            (conn,) = h.servicer._streams
+            assert len(conn.waiting) == 50 and h.servicer.waiting_calls() == 50
+            for i, k in enumerate(keys):  # one turn, as send_many does
+                h.table.send(1, k, np.full(2, i, np.int32))
+                assert len(conn.waiting) == 49 - i  # answered inside the send
+            assert len(conn._late) == 50 and h.servicer.retry.held() == 50
+            for i in range(50):
+                assert (await s.value(1 + i)).tolist() == [i, i]
+            assert s.groups == [list(range(1, 51))]
+            assert len(h.table) == 0
+    run(main(), 20)
+
+
+def test_a_retry_of_a_waiting_batch_key_joins_it_and_one_tensor_answers_both():
+    """The consumer's stream broke while its batch waited and it asks again with
+    the same request_id on a new stream: the retry joins the waiting key (one
+    tensor is taken, both calls get it). If the first call is cancelled, the
+    waiter stays for the retry; once nobody waits, a cancel consumes nothing."""
+    async def main():
+        async with serving() as h:
+            first, again = h.stream(), h.stream()
+            await first.send(recv_many(1, [K("j"), K("k")], request_ids=[901, 902]))
+            await until(lambda: len(_waiters(h.table)) == 2, what="the batch to wait")
+            await again.send(recv(7, K("j"), request_id=901), recv(8, K("k"), request_id=902))
+            await until(lambda: h.servicer.waiting_calls() == 4, what="the retries to join")
+            assert len(_waiters(h.table)) == 2  # joined, not queued again
+            conns = h.servicer._streams
+            old = next(c for c in conns if 1 in c.waiting)
+            old._cancel(2)  # the first call of "k" gives up; its retry still waits
+            h.table.send(1, K("j"), np.array([5]))
+            h.table.send(1, K("k"), np.array([6]))
+            assert (await first.value(1)).tolist() == [5]
+            assert (await again.value(7)).tolist() == [5]
+            assert (await again.value(8)).tolist() == [6]
+            assert isinstance(await first.result(2), errors.Cancelled)
+            assert len(h.table) == 0
+            # nobody else waiting: a cancel withdraws the key and nothing is consumed
+            await first.send(recv_many(20, [K("m")], request_ids=[903]))
+            await until(lambda: _waiters(h.table) == {K("m"): 1}, what="the key to wait")
+            old._cancel(20)
+            assert isinstance(await first.result(20), errors.Cancelled)
+            assert _waiters(h.table) == {} and not h.servicer.retry.known(903)
+            h.table.send(1, K("m"), np.array([7]))
+            assert _tensors(h.table) == {K("m"): 1}
+    run(main(), 20)
+
+
+def test_a_waiting_batch_key_whose_step_ends_is_answered_with_the_steps_error():
+    async def main():
+        async with serving() as h:
+            s = h.stream()
+            await s.send(recv_many(1, [K("x"), K("y")], step=3, request_ids=[41, 42]))
+            await until(lambda: len(_waiters(h.table)) == 2, what="the batch to wait")
+            h.table.abort(3, errors.Aborted("stop now"))
+            for call_id in (1, 2):
+                got = await s.result(call_id)
+                assert isinstance(got, errors.Aborted) and "stop now" in got.message
+            assert h.servicer.waiting_calls() == 0
+            # a retry of the id gets the same error, and consumes nothing
+            again = h.stream()
+            await again.send(recv(9, K("x"), step=3, request_id=41))
+            assert isinstance(await again.result(9), errors.Aborted)
+    run(main(), 20)
+
+
+def test_a_waiting_batch_key_goes_away_with_its_stream():
+    """A stream that ends withdraws its waiting keys: a tensor produced later stays
+    in the table for the next recv."""
+    async def main():
+        async with serving() as h:
+            s = h.stream()
+            await s.send(recv_many(1, [K("gone")], request_ids=[77]))
+            await until(lambda: _waiters(h.table) == {K("gone"): 1}, what="the key to wait")
+            await s.close()
+            await until(lambda: not h.servicer._streams and not _waiters(h.table), what="the stream to end")
+            h.table.send(1, K("gone"), np.array([1]))
+            assert _tensors(h.table) == {K("gone"): 1} and not h.servicer.retry.known(77)
+    run(main(), 20)

@@ -678,3 +678,65 @@ def test_refused_send_into_an_aborted_step_does_not_keep_the_tensor():
     gc.collect()
     assert ref() is None, "the stored abort error keeps the refused tensor alive"
     assert t.aborted(1).message == "gone"
+
+
+# ---------------------------------------------------------------- waiters answered by a call
+
+
+def test_a_waiter_is_answered_inside_the_send_in_fifo_order_with_futures() -> None:
+    from rendezvous.table import Waiter
+
+    t = WaitingTable()
+
+    async def main() -> None:
+        got: list = []
+        first = Waiter(got.append, got.append)
+        t.wait(1, "k", first)
+        later = asyncio.ensure_future(t.recv(1, "k"))
+        await _settle()
+        t.send(1, "k", "a")
+        assert got == [Received("a", False)] and first.settled  # before send returned
+        t.send(1, "k", "b")
+        assert await asyncio.wait_for(later, SOON) == Received("b", False)
+        assert t.stats() == ZERO
+
+    run(main())
+
+
+def test_a_waiter_may_use_the_table_while_it_is_answered() -> None:
+    """The table is whole again before a waiter's call: one that puts its item
+    back (its reply failed) leaves it queued, not lost to the queue's cleanup."""
+    from rendezvous.table import Waiter
+
+    t = WaitingTable()
+
+    async def main() -> None:
+        t.wait(1, "k", Waiter(lambda item: t.requeue(1, "k", item), lambda e: None))
+        t.send(1, "k", "kept")
+        assert t.stats() == {**ZERO, "steps": 1, "keys": 1, "tensors": 1}
+        assert await t.recv(1, "k") == Received("kept", False)
+
+    run(main())
+
+
+def test_a_withdrawn_waiter_is_never_called_and_an_ended_step_fails_the_others() -> None:
+    from rendezvous.table import Waiter
+
+    t = WaitingTable()
+
+    async def main() -> None:
+        calls: list = []
+        gone = Waiter(lambda i: calls.append(("gone", i)), lambda e: calls.append(("gone", e)))
+        stays = Waiter(lambda i: calls.append(("stays", i)), lambda e: calls.append(("stays", e)))
+        t.wait(1, "k", gone)
+        t.wait(1, "k", stays)
+        assert t.withdraw(1, "k", gone) and not t.withdraw(1, "k", gone)
+        assert t.stats()["waiters"] == 1
+        error = Aborted("enough")
+        t.abort(1, error)
+        assert calls == [("stays", error)]
+        with pytest.raises(Aborted):
+            t.wait(1, "k", Waiter(calls.append, calls.append))  # the step's error, nothing queued
+        assert t.stats()["waiters"] == 0
+
+    run(main())

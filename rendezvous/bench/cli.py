@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default): cupy when a CUDA device is usable, else off")
     p.add_argument("--guard", metavar="FLOORS",
                    help="the regression guard: the quick matrix at the sizes of the floors file FLOORS (e.g. "
-                        "benchmarks/floors.json), every cell it names against its raw transport, no RSS, "
+                        "rendezvous/bench/floors.json), every cell it names against its raw transport, no RSS, "
                         "wake-up or idle test; prints the matrix, exits 1 if a cell is below its floor")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help=f"where {JSON_NAME} and {PLOT_NAME} go (default bench-results)")
@@ -83,10 +83,15 @@ def _floors(args: argparse.Namespace) -> Any:
         return None
     from .matrix import load_floors
 
+    from .worker import hosts
+
     try:
-        return load_floors(args.guard)
+        floors = load_floors(args.guard)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"rendezvous bench: --guard {args.guard}: {exc}") from None
+    # raw MPI against a memcpy says whether a node has a single-copy path: across
+    # two hosts MPI runs at the network's speed, and that is not judged
+    return floors._replace(raw={}) if hosts() else floors
 
 
 def _options(args: argparse.Namespace) -> Any:
@@ -98,7 +103,8 @@ def _options(args: argparse.Namespace) -> Any:
         from .matrix import CELLS, sizes_of
 
         rate = floors.rate
-        names = ("mpi", "grpc", *(name for name, _ in CELLS if name in floors.cells or name in rate))
+        names = ("mpi", "grpc", *(name for name, _ in CELLS if name in floors.cells or name in rate),
+                 *(("memcpy",) if floors.raw else ()))
         guard: dict[str, Any] = dict(sizes=tuple(sizes_of(floors)), contenders=names, rss=False, quiet_seconds=(),
                                      idle_seconds=0.0, rate_rounds=3 if rate else 0, outstanding=args.outstanding,
                                      gpu="off")
@@ -245,7 +251,13 @@ def _launch(args: argparse.Namespace) -> int:
     result = out / JSON_NAME
     if result.exists():
         result.unlink()  # never show a previous run's results as this one's
-    cmd = [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous", "bench", *_argv(args)]
+    from .worker import hosts
+
+    where = hosts()
+    # across hosts (RENDEZVOUS_BENCH_HOSTS=A,B): one rank on each, rank 0 on A
+    placement = ["-hosts", ",".join(where), "-ppn", "1"] if where else []
+    cmd = [*launcher, *placement, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "rendezvous", "bench",
+           *_argv(args)]
     bar = report.Progress(sys.stderr)
 
     def line(text: str) -> None:

@@ -33,6 +33,10 @@ _TAG_RATE = 18
 _TAG_GO = 19
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def pattern(n: int) -> np.ndarray:
     """``n`` bytes where byte ``k`` is ``k % 256`` (all pages touched)."""
     reps = -(-n // 256)
@@ -194,10 +198,10 @@ class RawGrpc(Contender):
             handler = grpc.unary_unary_rpc_method_handler(get)
             server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
                 "rendezvous.bench.Raw", {"Get": handler})])
-            port = server.add_insecure_port("127.0.0.1:0")
+            port = server.add_insecure_port(_address(self.ctx.host, 0))
             await server.start()
             self._server = server
-            await self.ctx.control.send({"grpc": f"127.0.0.1:{port}"})
+            await self.ctx.control.send({"grpc": _address(self.ctx.host, port)})
         else:
             address = (await self.ctx.control.recv())["grpc"]
             self._channel = grpc.aio.insecure_channel(address, options=options)
@@ -282,7 +286,7 @@ class Rendezvous(Contender):
 
         # Collective (an MPI allgather) unless MPI is off: both ranks start the
         # same servers in the same order.
-        self.server = aio.Server({self.job: ["127.0.0.1:0"] * 2}, self.job, self.ctx.rank, **self._settings())
+        self.server = aio.Server(self.ctx.cluster(self.job), self.job, self.ctx.rank, **self._settings())
         await self.server.start()
         if self.disabled:
             self.server.update_cluster(await self._exchange(self.server.target))
@@ -411,7 +415,7 @@ class BlockingRendezvous(Rendezvous):
         import rendezvous
 
         # Collective, as the aio servers' start: both ranks in the same order.
-        self.server = rendezvous.Server({self.job: ["127.0.0.1:0"] * 2}, self.job, self.ctx.rank,
+        self.server = rendezvous.Server(self.ctx.cluster(self.job), self.job, self.ctx.rank,
                                         **self._settings())
         self.server.start()
         if self.disabled:
@@ -445,11 +449,11 @@ class Gloo(Contender):
         self.torch, self.dist = torch, dist
         comm = self.ctx.comm
         if self.ctx.rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+            store = dist.TCPStore(self.ctx.hosts[0], 0, 2, True, wait_for_workers=False)
             comm.bcast(store.port, root=0)
         else:
             port = comm.bcast(None, root=0)
-            store = dist.TCPStore("127.0.0.1", port, 2, False)
+            store = dist.TCPStore(self.ctx.hosts[0], port, 2, False)
         dist.init_process_group("gloo", store=store, rank=self.ctx.rank, world_size=2)
         self._store = store
         self._req = torch.zeros(1, dtype=torch.int64)

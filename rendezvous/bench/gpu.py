@@ -78,7 +78,7 @@ class GpuRendezvous(Rendezvous):
     async def setup(self) -> None:
         from rendezvous import aio
 
-        cluster = {"gpu": ["127.0.0.1:0"] * 2, "gpu1": ["127.0.0.1:0"] * 2}
+        cluster = {**self.ctx.cluster("gpu"), **self.ctx.cluster("gpu1")}
         extra = {"gpu_staging_depth": self.depth} if self.depth else {}
         from rendezvous.devices import Devices
 

@@ -70,7 +70,7 @@ class LocalClient(Contender):
         config = Config.load({"job_name": self.job, "task_index": rank, "protocol": "grpc+mpi",
                               "local_address": address, "metrics_port": -1, "grace": 1.0})
         # Collective (the daemons' rank servers start with MPI's exchange), as the others' setup.
-        self.daemon = Daemon(config, cluster={self.job: ["127.0.0.1:0"] * 2})
+        self.daemon = Daemon(config, cluster=self.ctx.cluster(self.job))
         await self.daemon.start()
         self._group = Group(timeout=24 * 3600, label="rendezvous bench: ")
         self.worker = await asyncio.to_thread(self._group.worker, f"{self.name}-{rank}", Worker,

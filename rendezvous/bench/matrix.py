@@ -13,7 +13,8 @@ request), raw ``grpc.aio`` for the rest. Each figure is the cell's median
 bandwidth over the raw one's (for 1 KiB, that is the raw median round trip
 over the cell's): 1.0 is the raw transport's speed.
 
-The floors (``benchmarks/floors.json``, :func:`check`) are the least each
+The floors (:data:`FLOORS_FILE`, ``rendezvous/bench/floors.json``,
+:func:`check`) are the least each
 cell may measure at each size: set well below today's figures, so that the
 machine's noise never trips them but a path made several times slower does.
 :func:`check` judges a run against them and names every cell below its floor.
@@ -28,11 +29,13 @@ from typing import Any, NamedTuple
 
 from .stats import format_size, parse_size
 
-__all__ = ["CELLS", "reference", "cells", "rates", "matrix_rows", "Breach", "Floors", "load_floors", "sizes_of",
+__all__ = ["CELLS", "RAW_CELLS", "FLOORS_FILE", "reference", "cells", "raw_ratios", "rates", "matrix_rows", "Breach", "Floors", "load_floors", "sizes_of",
            "check", "FLOORS_SCHEMA"]
 
 MiB = 1 << 20
 FLOORS_SCHEMA = "rendezvous-bench-floors/1"
+#: the floors this package ships: ``make bench-guard``'s and ``rendezvous doctor``'s
+FLOORS_FILE = Path(__file__).with_name("floors.json")
 
 #: every cell of the matrix, in table order: (name, what it is)
 CELLS: tuple[tuple[str, str], ...] = (
@@ -76,6 +79,24 @@ def cells(doc: Mapping[str, Any]) -> dict[tuple[str, int], float | None]:
     return out
 
 
+#: the raw transports judged against the machine itself: raw MPI's bandwidth over a
+#: memcpy's of the same bytes in one process (within a node, a single-copy MPI
+#: moves close to a memcpy; without one, far less)
+RAW_CELLS = ("mpi",)
+
+
+def raw_ratios(doc: Mapping[str, Any]) -> dict[tuple[str, int], float | None]:
+    """``(raw transport, size)`` -> its bandwidth over memcpy's in the same run."""
+    by = {(t["contender"], t["size"]): t for t in doc["transfers"]}
+    out: dict[tuple[str, int], float | None] = {}
+    for name in RAW_CELLS:
+        for size in doc["sizes"]:
+            cell, ref = by.get((name, size)), by.get(("memcpy", size))
+            if cell is not None and ref is not None:
+                out[(name, size)] = cell["gbps"] / ref["gbps"] if ref["gbps"] else None
+    return out
+
+
 def rates(doc: Mapping[str, Any]) -> dict[str, float | None]:
     """cell -> its recvs/s with many outstanding (the rate test, 1 KiB) over its
     raw transport's, for every cell the rate test measured."""
@@ -93,10 +114,12 @@ def rates(doc: Mapping[str, Any]) -> dict[str, float | None]:
 
 
 class Floors(NamedTuple):
-    """The guard's floors: per cell and size, and per cell for the rate test."""
+    """The guard's floors: per cell and size, per cell for the rate test, and per
+    raw transport and size against memcpy (``raw``; within one node only)."""
 
     cells: dict[str, dict[int, float]]
     rate: dict[str, float]
+    raw: dict[str, dict[int, float]] = {}
 
 
 def _mark(value: float | None, ref: str, floor: float | None) -> str:
@@ -126,6 +149,17 @@ def matrix_rows(doc: Mapping[str, Any], floors: Floors | None = None) -> tuple[l
             floor = floors.rate.get(name) if floors else None
             row.append(_mark(rate[name], reference(name, doc["rate"]["bytes"]), floor) if name in rate else "")
         rows.append(row)
+    raw = raw_ratios(doc)
+    for name in RAW_CELLS:
+        if not any((name, size) in raw for size in doc["sizes"]):
+            continue
+        row = [f"raw {name} (x memcpy)"]
+        for size in doc["sizes"]:
+            floor = floors.raw.get(name, {}).get(size) if floors else None
+            row.append(_mark(raw[(name, size)], "c", floor) if (name, size) in raw else "")
+        if rate:
+            row.append("")
+        rows.append(row)
     return header, rows
 
 
@@ -139,7 +173,8 @@ class Breach(NamedTuple):
     ref: str
 
     def __str__(self) -> str:
-        got = "not measured" if self.measured is None else f"{self.measured:.3g} x raw {self.ref}"
+        ref = "a memcpy" if self.ref == "memcpy" else f"raw {self.ref}"
+        got = "not measured" if self.measured is None else f"{self.measured:.3g} x {ref}"
         where = "with many recvs in flight" if self.size == 0 else f"at {format_size(self.size)}"
         return f"{self.cell} {where}: {got}, below its floor {self.floor:g}"
 
@@ -171,17 +206,24 @@ def load_floors(path: str | Path) -> Floors:
             raise ValueError(f"a floor is a positive fraction of the raw transport, not {value!r}")
         return float(value)
 
+    def raw_name(name: str) -> str:
+        if name not in RAW_CELLS:
+            raise ValueError(f"unknown raw transport {name!r}; known: {', '.join(RAW_CELLS)}")
+        return name
+
     by_cell = {cell(name): {parse_size(size): floor(f) for size, f in by_size.items()}
                for name, by_size in doc.get("floors", {}).items()}
     rate = {cell(name): floor(f) for name, f in doc.get("rate", {}).items()}
+    raw = {raw_name(name): {parse_size(size): floor(f) for size, f in by_size.items()}
+           for name, by_size in doc.get("raw", {}).items()}
     if not any(by_cell.values()):
         raise ValueError("no floors")
-    return Floors(by_cell, rate)
+    return Floors(by_cell, rate, raw)
 
 
 def sizes_of(floors: Floors) -> list[int]:
     """Every size a floor is set for."""
-    return sorted({size for by_size in floors.cells.values() for size in by_size})
+    return sorted({size for by_size in (*floors.cells.values(), *floors.raw.values()) for size in by_size})
 
 
 def check(doc: Mapping[str, Any], floors: Floors) -> list[Breach]:
@@ -198,4 +240,10 @@ def check(doc: Mapping[str, Any], floors: Floors) -> list[Breach]:
         value = rate.get(name)
         if value is None or value < floor:
             out.append(Breach(name, 0, value, floor, reference(name, rate_bytes)))
+    raw = raw_ratios(doc)
+    for name, by_size in floors.raw.items():
+        for size, floor in sorted(by_size.items()):
+            value = raw.get((name, size))
+            if value is None or value < floor:
+                out.append(Breach(name, size, value, floor, "memcpy"))
     return out

@@ -31,6 +31,22 @@ Contenders:
   (raw bytes in, raw bytes out);
 * ``gloo``: ``torch.distributed`` gloo ``isend``/``irecv`` when torch imports.
 
+The contenders above time tensors produced before the consumer asks. In
+training the consumer usually asks first (the ps waits for the gradients)
+and the producer sends as its backward pass makes them; the ``_waiting``
+contenders time that order: the consumer's clock starts, it posts its
+receives (``recv_many``; raw MPI's ``Irecv``s, gloo's ``irecv``s), then
+both ranks meet and the producer sends (``send_many``, or one ``send`` per
+tensor for ``_waiting_each``; raw MPI's ``Isend``s), and the clock stops
+with the last tensor in hand: the sends are inside the clock. Their ratios
+are to ``mpi_waiting`` and ``gloo_waiting``, measured the same way:
+
+* ``mpi_waiting``, ``gloo_waiting``: the bounds, as above;
+* ``optimal_many_waiting``, ``optimal_many_waiting_each``,
+  ``optimal_mr_many_waiting``: ``rendezvous.aio.Server``'s ``recv_many``;
+* ``blocking_many_waiting``: the blocking ``rendezvous.Server``'s
+  ``recv_many`` (from a thread of its own: it waits) and ``send_many``.
+
 Beside the time, each asyncio contender's CPU per tensor on each rank: the
 consumer's process while it receives, the producer's loop thread until the
 step is over (MPICH's barrier spins; it runs on a thread not counted).
@@ -62,15 +78,20 @@ __all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIP
 
 CONTENDERS = ("mpi", "optimal", "default", "optimal_mr", "default_mr", "optimal_many", "optimal_mr_many",
               "default_many", "daemon_many", "blocking",
-              "blocking_many", "blocking_mr_many", "grpc", "gloo")
+              "blocking_many", "blocking_mr_many", "grpc", "gloo",
+              "mpi_waiting", "optimal_many_waiting", "optimal_many_waiting_each", "optimal_mr_many_waiting",
+              "blocking_many_waiting", "gloo_waiting")
 #: the contenders the blocking Server runs (after the others, on a loop thread of its own):
 #: name -> requests over MPI
-_BLOCKING = {"blocking": False, "blocking_many": False, "blocking_mr_many": True}
+_BLOCKING = {"blocking": False, "blocking_many": False, "blocking_mr_many": True, "blocking_many_waiting": False}
 #: rendezvous contenders: (job, optimal path, requests over MPI)
 _SERVERS = {"optimal": ("opt", True, False), "default": ("dflt", False, False),
             "optimal_mr": ("optmr", True, True), "default_mr": ("dfltmr", False, True),
             "optimal_many": ("optm", True, False), "optimal_mr_many": ("optmrm", True, True),
-            "default_many": ("dfltm", False, False)}
+            "default_many": ("dfltm", False, False), "optimal_many_waiting": ("optmw", True, False),
+            "optimal_many_waiting_each": ("optmwe", True, False), "optimal_mr_many_waiting": ("optmrmw", True, True)}
+#: contenders whose consumer asks before the producer sends (see the module docstring)
+WAITING = frozenset(n for n in CONTENDERS if "_waiting" in n)
 _RESULT = "@steps-result "
 #: the two ranks' hosts, ``A,B`` (rank 0 on A); unset: both on 127.0.0.1
 HOSTS_ENV = "RENDEZVOUS_BENCH_HOSTS"
@@ -331,6 +352,61 @@ class _Rank:
     async def _default_many(self, model: str, tensors: list, step: int) -> float | None:
         return await self._rendezvous("default_many", model, tensors, step)
 
+    # -- the consumer first ------------------------------------------------------
+
+    def _receiving(self, name: str, model: str, tensors: list, step: int) -> Any:
+        """Consumer: post ``name``'s receives of the step now; an awaitable of
+        what arrived."""
+        import numpy as np
+
+        if name == "mpi_waiting":
+            MPI = self.MPI
+            out = [np.empty(s, np.float32) for s in tensors]
+            reqs = [self.comm.Irecv([a, MPI.FLOAT], 1, i) for i, a in enumerate(out)]
+            # Waitall on a worker thread (MPI is at MULTIPLE): the loop stays free
+            return _after(asyncio.get_running_loop().run_in_executor(None, MPI.Request.Waitall, reqs), out)
+        if name == "gloo_waiting":
+            import torch
+            import torch.distributed as dist
+
+            out = [torch.empty(s, dtype=torch.float32) for s in tensors]
+            works = [dist.irecv(a, 1, tag=i) for i, a in enumerate(out)]
+
+            def wait() -> list:
+                for w in works:
+                    w.wait()
+                return [a.numpy() for a in out]
+            return asyncio.get_running_loop().run_in_executor(None, wait)
+        server = self.servers[name]
+        keys = [_key(server.task.job, model, i) for i in range(len(tensors))]
+        return asyncio.ensure_future(server.recv_many(keys, step, 300))
+
+    def _sending(self, name: str, model: str, produced: list, step: int) -> Any:
+        """Producer: send the step's tensors now (inside the consumer's clock); an
+        awaitable of the sends' end, or None once they are handed over."""
+        if name == "mpi_waiting":
+            MPI = self.MPI
+            reqs = [self.comm.Isend([a, MPI.FLOAT], 0, i) for i, a in enumerate(produced)]
+            return asyncio.get_running_loop().run_in_executor(None, MPI.Request.Waitall, reqs)
+        if name == "gloo_waiting":
+            import torch
+            import torch.distributed as dist
+
+            works = [dist.isend(torch.from_numpy(a), 0, tag=i) for i, a in enumerate(produced)]
+
+            def wait() -> None:
+                for w in works:
+                    w.wait()
+            return asyncio.get_running_loop().run_in_executor(None, wait)
+        server = self.servers[name]
+        job = server.task.job
+        if name.endswith("_each"):  # one send per tensor, as a backward pass hands them over
+            for i, arr in enumerate(produced):
+                server.send(_key(job, model, i), arr, step_id=step)
+        else:
+            server.send_many([(_key(job, model, i), a) for i, a in enumerate(produced)], step_id=step)
+        return None
+
     async def _grpc(self, model: str, tensors: list, step: int) -> float | None:
         import numpy as np
 
@@ -350,6 +426,11 @@ class _Rank:
         took = time.perf_counter() - t0
         _check(out, tensors, step)
         return took
+
+
+async def _after(done: Any, value: Any) -> Any:
+    await done
+    return value
 
 
 def _free_port(host: str) -> int:
@@ -410,6 +491,13 @@ def _run_blocking_server(opts: argparse.Namespace, names: list[str],
             for turn in range(opts.steps + 1):
                 for name in names:
                     step += 1
+                    if name in WAITING:
+                        took = _blocking_waiting(server, world, keys, tensors, step)
+                        if rank == 0 and turn > 0:
+                            out[name][model].append(took)  # type: ignore[arg-type]
+                        world.Barrier()
+                        server.cleanup(step)
+                        continue
                     if rank == 1:
                         server.send_many(list(zip(keys, _produce(tensors, step))), step_id=step)
                     world.Barrier()
@@ -429,6 +517,27 @@ def _run_blocking_server(opts: argparse.Namespace, names: list[str],
     finally:
         server.stop(1.0)
     return out
+
+
+def _blocking_waiting(server: Any, world: Any, keys: list[str], tensors: list, step: int) -> float | None:
+    """The blocking Server's step with the consumer first: its ``recv_many`` waits
+    on a thread of its own (a training script's consumer would simply block),
+    the ranks meet, the producer's ``send_many``; rank 0's time, else None."""
+    import concurrent.futures
+
+    if world.Get_rank() == 1:
+        produced = _produce(tensors, step)
+        world.Barrier()
+        server.send_many(list(zip(keys, produced)), step_id=step)
+        return None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        t0 = time.perf_counter()
+        receiving = pool.submit(server.recv_many, keys, step, 300)
+        world.Barrier()
+        got = receiving.result()
+        took = time.perf_counter() - t0
+    _check(got, tensors, step)
+    return took
 
 
 async def run_rank(opts: argparse.Namespace) -> dict[str, Any] | None:
@@ -479,7 +588,40 @@ def _merge_blocking(doc: dict[str, Any] | None, blocking: dict[str, dict[str, li
     return doc
 
 
+async def _step_waiting(rank: _Rank, name: str, model: str, tensors: list, step: int) -> float | None:
+    """One step with the consumer first: its clock starts, it posts its receives,
+    the ranks meet, the producer sends what it made (the sends inside the
+    clock), and the clock stops with the last tensor in hand."""
+    produced = _produce(tensors, step) if rank.rank == 1 else None  # the backward pass: not timed
+    took = None
+    if rank.rank == 0:
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        receiving = rank._receiving(name, model, tensors, step)
+        await _barrier_async(rank)  # the receives are posted (their requests on their way): go
+        out = await receiving
+        took = time.perf_counter() - t0
+        rank.cpu = time.process_time() - cpu0
+        _check(out, tensors, step)
+        del out
+    else:
+        await _barrier_async(rank)
+        cpu0 = time.thread_time()
+        sending = rank._sending(name, model, produced, step)  # type: ignore[arg-type]
+        if sending is not None:
+            await sending
+    del produced
+    await _barrier_async(rank)
+    if rank.rank == 1:
+        rank.cpu = time.thread_time() - cpu0
+    if name in rank.servers:
+        rank.servers[name].cleanup(step)
+    return took
+
+
 async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) -> float | None:
+    if name in WAITING:
+        return await _step_waiting(rank, name, model, tensors, step)
     produced = _produce(tensors, step) if rank.rank == 1 else None
     if rank.rank == 1:
         await rank._offer(name, model, produced, step)

@@ -37,7 +37,28 @@ from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend
 from .local_contenders import LOCAL_CELLS, LocalClient
 from .stats import samples_for
 
-__all__ = ["Options", "run_rank", "CONTENDERS"]
+__all__ = ["Options", "run_rank", "CONTENDERS", "HOSTS_ENV", "LOOPBACK", "hosts", "address"]
+
+#: the ranks' two hosts, ``A,B`` (rank 0 on A); unset: both on 127.0.0.1
+HOSTS_ENV = "RENDEZVOUS_BENCH_HOSTS"
+LOOPBACK = "127.0.0.1"
+
+
+def hosts() -> list[str] | None:
+    """The ranks' hosts from ``RENDEZVOUS_BENCH_HOSTS`` (None: unset, both on loopback)."""
+    import os
+
+    listed = [h.strip() for h in os.environ.get(HOSTS_ENV, "").split(",") if h.strip()]
+    if not listed:
+        return None
+    if len(listed) != 2:
+        raise SystemExit(f"rendezvous bench: {HOSTS_ENV} must name 2 hosts (rank 0's first), not {len(listed)}")
+    return listed
+
+
+def address(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 #: every contender, in the order tables and plots list them
 #: the rank servers' cells: both APIs x inline/optimal x requests over gRPC/MPI, and MPI off
@@ -86,9 +107,11 @@ class Control:
         self.writer = writer
 
     @classmethod
-    async def connect(cls, rank: int, comm: Any) -> "Control":
+    async def connect(cls, rank: int, comm: Any, hosts: list[str]) -> "Control":
+        """Rank 1 listens on its host, rank 0 connects to it."""
         if rank == 1:
-            listener = socket.create_server(("127.0.0.1", 0))
+            family = socket.AF_INET6 if ":" in hosts[1] else socket.AF_INET
+            listener = socket.create_server((hosts[1], 0), family=family)
             listener.settimeout(120)
             comm.bcast(listener.getsockname()[1], root=1)
             conn, _ = listener.accept()
@@ -97,7 +120,7 @@ class Control:
             reader, writer = await asyncio.open_connection(sock=conn, limit=1 << 24)
         else:
             port = comm.bcast(None, root=1)
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+            reader, writer = await asyncio.open_connection(hosts[1], port, limit=1 << 24)
         return cls(reader, writer)
 
     async def send(self, obj: Any) -> None:
@@ -121,14 +144,25 @@ class Control:
 
 
 class Context:
-    """What contenders share on one rank."""
+    """What contenders share on one rank. ``hosts``: each rank's host, where its
+    servers bind and its peer reaches them (both 127.0.0.1 on one machine)."""
 
-    def __init__(self, MPI: Any, comm: Any, control: Control) -> None:
+    def __init__(self, MPI: Any, comm: Any, control: Control, hosts: list[str] | None = None) -> None:
         self.MPI = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
         self.control = control
+        self.hosts = hosts or [LOOPBACK, LOOPBACK]
         self._source: tuple[int, np.ndarray] | None = None
+
+    @property
+    def host(self) -> str:
+        """This rank's host."""
+        return self.hosts[self.rank]
+
+    def cluster(self, job: str) -> dict[str, list[str]]:
+        """A cluster of ``job``'s two tasks, each at its rank's host, ports the OS picks."""
+        return {job: [address(h, 0) for h in self.hosts]}
 
     def source(self, n: int) -> np.ndarray:
         """The producer's ``n`` bytes (one array per size, reused by every contender)."""
@@ -380,8 +414,9 @@ async def run_rank(opts: Options, progress: Callable[[int, int, str], None]) -> 
     if world.Get_size() != 2:
         raise SystemExit(f"rendezvous bench needs exactly 2 MPI ranks, got {world.Get_size()}")
     comm = world.Dup()
-    control = await Control.connect(comm.Get_rank(), comm)
-    ctx = Context(MPI, comm, control)
+    where = hosts() or [LOOPBACK, LOOPBACK]
+    control = await Control.connect(comm.Get_rank(), comm, where)
+    ctx = Context(MPI, comm, control, where)
     notes: list[str] = []
     names = tuple(opts.contenders)
     if "gloo" in names:

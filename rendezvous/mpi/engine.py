@@ -127,6 +127,7 @@ class ProgressEngine:
         self._owners: list[Op] = []
         self._last_activity = 0.0  # monotonic time of the last message in or out
         self._idle = False  # the MPI thread probes at the idle pace (see touch)
+        self._resting = False  # told no requests come soon (see rest)
         self._cv = threading.Condition()
         self._inbox: list[Op] = []
         self._stopping = False
@@ -175,17 +176,21 @@ class ProgressEngine:
         probes at once, then every ``poll_max_us`` for ``idle_after_s``. Any
         thread; a few attribute reads unless the engine was idle."""
         self._last_activity = time.monotonic()
+        self._resting = False
         if self._idle:
             self._idle = False
             with self._cv:
                 self._cv.notify()
 
     def rest(self) -> None:
-        """No traffic is expected soon (the caller knows: say, its step is done):
-        the idle pace starts now, not ``idle_after_s`` after the last message.
-        Any thread. ``rendezvous bench`` rests each contender's servers between
-        its batches, as a process running only that server would be idle then."""
-        self._last_activity = 0.0
+        """No requests are expected soon (the caller knows: say, its step is
+        done): a listening engine probes at the idle pace from now on, not
+        ``idle_after_s`` after the last message, until traffic or a
+        :meth:`touch` (the progress calls a quiet rank makes for its peers keep
+        their pace). Any thread. ``rendezvous bench`` rests each contender's
+        servers between its batches, as a process running only that server
+        would be idle then."""
+        self._resting = True
 
     def attend(self, delta: int) -> None:
         """A caller starts (+1) or stops (-1) waiting on a result (home loop
@@ -531,6 +536,8 @@ class ProgressEngine:
         µs of CPU on a virtual machine (the sleep's timer alone about 70), so
         an idle pace of 10 ms held a listening rank at about 2 % of a core."""
         longest = max(_LISTEN_MAX, self.idle_poll)
+        if self._resting:
+            return longest
         return min(longest, max(self.idle_poll, (now - self._last_activity) * _LISTEN_SHARE))
 
     def _run(self) -> None:
@@ -571,10 +578,11 @@ class ProgressEngine:
                 self._last_activity = now
             if moved:
                 pause = 0.0  # poll again at once: more is likely to follow
-                self._idle = False
+                self._idle = self._resting = False
             else:
-                # Listening with nothing in flight for a while: probe less often.
-                idle = (not self._reqs and not self._pipes and now - self._last_activity > self.idle_after
+                # Listening with nothing in flight for a while (or told to rest): probe less often.
+                idle = (not self._reqs and not self._pipes
+                        and (self._resting or now - self._last_activity > self.idle_after)
                         and not any(w() for w in self._waiting))
                 self._idle = idle
                 pause = self._pause_after(pause, idle, now)

@@ -141,7 +141,10 @@ class ProducerStream:
         #: the context joins a message's pieces itself (with its own envelope in
         #: front: MPI); else a large frame's pieces are joined here (gRPC wants bytes)
         self.gathers = bool(getattr(context, "gathers", False))
-        self.waiting: dict[int, asyncio.Task] = {}
+        #: calls waiting for their tensors: a task each (a lone recv's
+        #: :meth:`_serve`, a reply's preparation), or a batch key's
+        #: :class:`_Waiting` (no task: the send that produces it answers it)
+        self.waiting: dict[int, asyncio.Task | _Waiting] = {}
         #: waiting calls that ask again with a request_id the retry cache knows
         #: (see _cancel_retry)
         self.retried: dict[int, Any] = {}
@@ -371,6 +374,17 @@ class ProducerStream:
             except RendezvousError as exc:
                 self._reply_error(call_id, req, exc)
                 return
+            if type(req) is KeyRequest:  # a batch's key: it waits in the table, no task
+                waiting = _Waiting(self, call_id, req)
+                try:
+                    waiter = self.s.wait(req, self, waiting.deliver, waiting.fail)
+                except RendezvousError as exc:  # its key's or its step's error, as a take raises it
+                    self._reply_error(call_id, req, exc)
+                    return
+                if waiter is not None:
+                    waiting.waiter = waiter
+                    self.waiting[call_id] = waiting
+                    return
             self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
             if req.request_id and self.s.retry.known(req.request_id):
                 self.retried[call_id] = req
@@ -484,6 +498,24 @@ class ProducerStream:
             del self.waiting[call_id]
             if self.retried:
                 self.retried.pop(call_id, None)
+
+    def _answered(self, call_id: int, req: Any, item: Received, key: str) -> None:
+        """A batch key's tensor, produced: called inside the send that produced it
+        (see _Waiting). Replied to as a ready tensor is; the small ones produced
+        within one turn of the loop go out together, in group replies, at its
+        end (one MPI message on the optimal path)."""
+        del self.waiting[call_id]
+        if self._packs(req, item):
+            if not self._late:
+                asyncio.get_running_loop().call_soon(self._reply_late)
+            self._late.append((call_id, req, item, key))
+            return
+        self._reply(call_id, req, item, key)
+
+    def _wait_failed(self, call_id: int, req: Any, error: RendezvousError) -> None:
+        """A batch key's step ended while it waited: its error is the answer."""
+        del self.waiting[call_id]
+        self._reply_error(call_id, req, error)
 
     async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
         try:
@@ -676,6 +708,38 @@ class ProducerStream:
                 return
             self.wakeup.clear()
             await self.wakeup.wait()
+
+
+class _Waiting:
+    """A batch key waiting for its tensor in the table (a :class:`Waiter`), in
+    ``ProducerStream.waiting`` where a lone recv has its task: answered from
+    inside the send that produces it, with no task, future or turn of the
+    loop of its own; ``cancel`` withdraws it (the consumer gave up, the
+    stream ended), as cancelling the task would."""
+
+    __slots__ = ("stream", "call_id", "req", "waiter")
+
+    def __init__(self, stream: ProducerStream, call_id: int, req: Any) -> None:
+        self.stream = stream
+        self.call_id = call_id
+        self.req = req
+        self.waiter: Any = None
+
+    def deliver(self, item: Received, key: str) -> None:
+        # Inside the producer's send: nothing raised here may reach it (the
+        # tensor was delivered: the call gets an error instead).
+        try:
+            self.stream._answered(self.call_id, self.req, item, key)
+        except Exception as exc:  # pragma: no cover - a defect; logged with its traceback
+            log.error("answering call %d failed", self.call_id, exc_info=exc)
+            self.stream._reply_error(self.call_id, self.req, exc)
+
+    def fail(self, error: RendezvousError) -> None:
+        self.stream._wait_failed(self.call_id, self.req, error)
+
+    def cancel(self) -> bool:
+        self.stream.s.stop_waiting(self.req, self.waiter)
+        return True
 
 
 class _BadStream(Exception):

@@ -28,12 +28,14 @@ __all__ = ["RetryCache", "Handed"]
 
 
 class _Ready:
-    """An answer recorded as it was taken: an entry's task that is done already."""
+    """An answer recorded as it was taken (or the error that answered it): an
+    entry's task that is done already."""
 
-    __slots__ = ("_item",)
+    __slots__ = ("_item", "_error")
 
-    def __init__(self, item: Received) -> None:
+    def __init__(self, item: Received | None, error: BaseException | None = None) -> None:
         self._item = item
+        self._error = error
 
     def done(self) -> bool:
         return True
@@ -44,11 +46,56 @@ class _Ready:
     def cancel(self) -> bool:
         return False
 
-    def exception(self) -> None:
-        return None
+    def exception(self) -> BaseException | None:
+        return self._error
 
     def result(self) -> Received:
-        return self._item
+        if self._error is not None:
+            raise copy.copy(self._error)
+        return self._item  # type: ignore[return-value]
+
+
+class _Awaited:
+    """The task of an entry whose tensor is awaited by a table :class:`Waiter`
+    (a batch's key not produced yet, see :meth:`RetryCache.wait_for`): not done
+    until the waiter's call answers it. A retry of the id that joins it awaits
+    :meth:`future`, made only then. Cancelled, it withdraws its waiter."""
+
+    __slots__ = ("_future", "_withdraw", "_cancelled")
+
+    def __init__(self, withdraw: Callable[[], Any]) -> None:
+        self._future: asyncio.Future | None = None
+        self._withdraw = withdraw
+        self._cancelled = False
+
+    def done(self) -> bool:
+        return self._cancelled
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        if self._cancelled:
+            return False
+        self._cancelled = True
+        self._withdraw()
+        if self._future is not None:
+            self._future.cancel()
+        return True
+
+    def future(self) -> asyncio.Future:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+        return self._future
+
+    def settle(self, item: Received | None, error: BaseException | None) -> None:
+        """The waiter's answer: handed to a retry that joined, if one did."""
+        fut = self._future
+        if fut is not None and not fut.done():
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(item)
 
 
 class Handed:
@@ -182,6 +229,8 @@ class RetryCache:
         entry.waiters += 1
         try:
             task = entry.task
+            if type(task) is _Awaited:  # a batch key's waiter takes it: await its answer
+                task = task.future()
             answer = task.result() if type(task) is _Ready else await asyncio.shield(task)
             entry.handed += 1
             if owner is not None:
@@ -201,6 +250,76 @@ class RetryCache:
             raise
         finally:
             entry.waiters -= 1
+
+    def wait_for(self, step_id: int, request_id: int, key: str, owner: object,
+                 withdraw: Callable[[], Any]) -> None:
+        """``request_id``, new, waits for its tensor in a table :class:`Waiter` of
+        the stream ``owner`` (no task: see ProducerStream): an entry that a retry
+        of the id joins (:meth:`run`), answered by :meth:`answered` or
+        :meth:`failed`; ``withdraw()`` takes the waiter back when the take is
+        cancelled (every interested caller gone, or the step dropped)."""
+        entry = _Entry(step_id, key, _Awaited(withdraw), owner=owner)  # type: ignore[arg-type]
+        entry.waiters = 1  # the stream's call
+        self._entries[request_id] = entry
+        if self._requeued:
+            self._requeued.pop(request_id, None)
+
+    def answered(self, request_id: int, item: Received, owner: object, handed: bool = True) -> None:
+        """The waiter of :meth:`wait_for` got ``item``, its call on ``owner``
+        answered (``handed``; not when that call was cancelled and only a
+        retry that joined gets it): held as :meth:`record` holds an answer
+        taken at once."""
+        entry = self._entries.get(request_id)
+        if entry is None or type(entry) is _Group or type(entry.task) is not _Awaited:
+            return
+        waiting = entry.task
+        entry.task = _Ready(item)
+        if handed:
+            entry.waiters -= 1
+            entry.handed += 1
+            entry.owner = owner
+        done_at = entry.done_at = time.monotonic()
+        entry.nbytes = _nbytes(item.value)
+        self._done[request_id] = entry
+        self._done_bytes += entry.nbytes
+        self._done_count += 1
+        waiting.settle(item, None)  # a retry that joined gets it too
+        self._expire(done_at)
+        if self._timer is None:
+            self._arm()
+
+    def failed(self, request_id: int, error: BaseException, handed: bool = True) -> None:
+        """The waiter of :meth:`wait_for` failed (its step aborted): a retry of
+        the id gets the same error while the answer is held."""
+        entry = self._entries.get(request_id)
+        if entry is None or type(entry) is _Group or type(entry.task) is not _Awaited:
+            return
+        waiting = entry.task
+        entry.task = _Ready(None, error)
+        if handed:
+            entry.waiters -= 1
+        entry.done_at = time.monotonic()
+        self._done[request_id] = entry
+        self._done_count += 1
+        waiting.settle(None, error)
+        self._expire(entry.done_at)
+        if self._timer is None:
+            self._arm()
+
+    def stop_waiting(self, request_id: int) -> bool:
+        """The stream's call of :meth:`wait_for` is cancelled before its answer.
+        True when nobody else wants the answer (the take is cancelled: its
+        waiter withdrawn, the id forgotten); False while a retry of the id
+        still awaits it (the waiter stays and answers the retry)."""
+        entry = self._entries.get(request_id)
+        if entry is None or type(entry) is _Group or type(entry.task) is not _Awaited:
+            return True
+        entry.waiters -= 1
+        if entry.waiters > 0:
+            return False
+        del self._entries[request_id]
+        entry.task.cancel()
+        return True
 
     def held(self) -> int:
         """Answers held now (completed, kept for retries)."""
@@ -410,6 +529,8 @@ class RetryCache:
                 continue
             if not entry.task.done():
                 entry.withdrawn = error if error is not None else Aborted(f"step {step_id} cleaned up")
+                if type(entry.task) is _Awaited:  # a retry that joined gets the step's error
+                    self.failed(rid, entry.withdrawn, handed=False)
             self._release(rid)
 
     def _completed(self, request_id: int, task: asyncio.Task) -> None:

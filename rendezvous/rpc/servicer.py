@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -38,7 +38,7 @@ from rendezvous.errors import (
 )
 from rendezvous.keys import OwnKeys, TaskName
 from rendezvous.stats import Stats, payload_nbytes
-from rendezvous.table import Received, WaitingTable
+from rendezvous.table import Received, WaitingTable, Waiter
 from rendezvous.timeline import Timeline, now
 from rendezvous.transport import Path, Planes, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -171,6 +171,54 @@ class RecvTensorServicer:
         if self.timeline is not None:
             self.timeline.taken(req, key, item, None)
         return Taken(item, key)
+
+    def wait(self, req: pb.RecvTensorRequest, owner: object, deliver: Callable[[Received, str], None],
+             fail: Callable[[RendezvousError], None]) -> Waiter | None:
+        """Wait for the tensor ``req`` asks for with a table :class:`Waiter` (no
+        task): the send that produces it calls ``deliver(item, key)`` within its
+        own call, its request_id answered in the retry cache as a take's is; an
+        ended step calls ``fail(error)``. Returns the waiter (its ``cancel`` is
+        :meth:`stop_waiting`), or None where only :meth:`take` may wait: a
+        retry (its id known), while draining or writing a timeline. Raises the
+        key's error (InvalidKey, FailedPrecondition) or the step's."""
+        if self.draining or self.timeline is not None:
+            return None
+        key = self._check_key(req)
+        rid = req.request_id
+        retry = self.retry
+        if rid and retry.known(rid):
+            return None
+        step = req.step_id
+        table = self.table
+
+        def delivered(item: Received) -> None:
+            if rid:
+                retry.answered(rid, item, owner)
+            deliver(item, key)
+
+        def failed(error: RendezvousError) -> None:
+            if rid:
+                retry.failed(rid, error)
+            fail(error)
+
+        waiter = Waiter(delivered, failed)
+        table.wait(step, key, waiter)  # the step's error raised here: nothing registered
+        if rid:
+            retry.wait_for(step, rid, key, owner, lambda: table.withdraw(step, key, waiter))
+        return waiter
+
+    def stop_waiting(self, req: pb.RecvTensorRequest, waiter: Waiter) -> None:
+        """The call of a :meth:`wait` is cancelled unanswered: its waiter is
+        withdrawn, unless a retry of its request_id (on another stream) still
+        waits for the tensor, which the waiter then answers."""
+        if waiter.settled:
+            return
+        rid = req.request_id
+        if rid and not self.retry.stop_waiting(rid):
+            waiter.deliver = lambda item, rid=rid: self.retry.answered(rid, item, None, handed=False)
+            waiter.fail = lambda error, rid=rid: self.retry.failed(rid, error, handed=False)
+            return
+        self.table.withdraw(req.step_id, self._check_key(req), waiter)
 
     def take_ready_many(self, step_id: int, raws: Sequence[str],
                         request_ids: Sequence[int], owner: object = None) -> list[Taken | None]:
