@@ -97,29 +97,25 @@ class _Waiters(collections.deque):  # entries: (asyncio.Future[Received] | Waite
 class Waiter:
     """A receiver answered by a call instead of an awaited future
     (:meth:`WaitingTable.wait`): no task, no future, no turn of the loop. The
-    send (or the abort, cleanup, drain or close) that settles it calls
-    ``deliver(item)`` or ``fail(error)``, once, on the loop thread, inside its
-    own call and after the table is consistent again (the callback may use the
-    table). A waiter withdrawn first is never called."""
+    send (or the abort, cleanup, drain or close) that settles it calls its
+    ``set_result(item)`` or ``set_exception(error)``, once, on the loop thread,
+    inside its own call and after the table is consistent again (the call may
+    use the table). A waiter withdrawn first (:meth:`WaitingTable.withdraw`)
+    is never called. Subclasses say what the calls do."""
 
-    __slots__ = ("deliver", "fail", "settled")
+    __slots__ = ("settled",)
 
-    def __init__(self, deliver: Callable[[Received], None], fail: Callable[[RendezvousError], None]) -> None:
-        self.deliver = deliver
-        self.fail = fail
+    def __init__(self) -> None:
         self.settled = False  # delivered, failed or withdrawn
 
-    # the part of a future's interface the table uses
     def done(self) -> bool:
         return self.settled
 
     def set_result(self, item: Received) -> None:
-        self.settled = True
-        self.deliver(item)
+        raise NotImplementedError
 
     def set_exception(self, error: BaseException) -> None:
-        self.settled = True
-        self.fail(error)  # type: ignore[arg-type]
+        raise NotImplementedError
 
 
 class WaitingTable:
@@ -231,7 +227,7 @@ class WaitingTable:
                     del keys[key]
                     if not keys:
                         del steps[step_id]
-                if type(fut) is Waiter:
+                if isinstance(fut, Waiter):
                     fut.set_result(item)  # delivered in this call: nothing in flight
                 else:
                     fut.set_result(item)

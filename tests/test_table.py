@@ -683,14 +683,28 @@ def test_refused_send_into_an_aborted_step_does_not_keep_the_tensor():
 # ---------------------------------------------------------------- waiters answered by a call
 
 
-def test_a_waiter_is_answered_inside_the_send_in_fifo_order_with_futures() -> None:
+def _waiter(on_item, on_error=lambda error: None):
+    """A table Waiter whose calls go to ``on_item`` and ``on_error``."""
     from rendezvous.table import Waiter
 
+    class Calls(Waiter):
+        def set_result(self, item):
+            self.settled = True
+            on_item(item)
+
+        def set_exception(self, error):
+            self.settled = True
+            on_error(error)
+
+    return Calls()
+
+
+def test_a_waiter_is_answered_inside_the_send_in_fifo_order_with_futures() -> None:
     t = WaitingTable()
 
     async def main() -> None:
         got: list = []
-        first = Waiter(got.append, got.append)
+        first = _waiter(got.append)
         t.wait(1, "k", first)
         later = asyncio.ensure_future(t.recv(1, "k"))
         await _settle()
@@ -706,12 +720,10 @@ def test_a_waiter_is_answered_inside_the_send_in_fifo_order_with_futures() -> No
 def test_a_waiter_may_use_the_table_while_it_is_answered() -> None:
     """The table is whole again before a waiter's call: one that puts its item
     back (its reply failed) leaves it queued, not lost to the queue's cleanup."""
-    from rendezvous.table import Waiter
-
     t = WaitingTable()
 
     async def main() -> None:
-        t.wait(1, "k", Waiter(lambda item: t.requeue(1, "k", item), lambda e: None))
+        t.wait(1, "k", _waiter(lambda item: t.requeue(1, "k", item)))
         t.send(1, "k", "kept")
         assert t.stats() == {**ZERO, "steps": 1, "keys": 1, "tensors": 1}
         assert await t.recv(1, "k") == Received("kept", False)
@@ -720,14 +732,12 @@ def test_a_waiter_may_use_the_table_while_it_is_answered() -> None:
 
 
 def test_a_withdrawn_waiter_is_never_called_and_an_ended_step_fails_the_others() -> None:
-    from rendezvous.table import Waiter
-
     t = WaitingTable()
 
     async def main() -> None:
         calls: list = []
-        gone = Waiter(lambda i: calls.append(("gone", i)), lambda e: calls.append(("gone", e)))
-        stays = Waiter(lambda i: calls.append(("stays", i)), lambda e: calls.append(("stays", e)))
+        gone = _waiter(lambda i: calls.append(("gone", i)), lambda e: calls.append(("gone", e)))
+        stays = _waiter(lambda i: calls.append(("stays", i)), lambda e: calls.append(("stays", e)))
         t.wait(1, "k", gone)
         t.wait(1, "k", stays)
         assert t.withdraw(1, "k", gone) and not t.withdraw(1, "k", gone)
@@ -736,7 +746,7 @@ def test_a_withdrawn_waiter_is_never_called_and_an_ended_step_fails_the_others()
         t.abort(1, error)
         assert calls == [("stays", error)]
         with pytest.raises(Aborted):
-            t.wait(1, "k", Waiter(calls.append, calls.append))  # the step's error, nothing queued
+            t.wait(1, "k", _waiter(calls.append, calls.append))  # the step's error, nothing queued
         assert t.stats()["waiters"] == 0
 
     run(main())

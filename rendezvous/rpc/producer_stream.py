@@ -26,7 +26,7 @@ from rendezvous import frames, fused, wire
 from rendezvous.errors import Cancelled, RendezvousError, Unavailable
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
-from rendezvous.table import Received
+from rendezvous.table import Received, Waiter
 from rendezvous.transport import Carry, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -179,7 +179,10 @@ class ProducerStream:
         finally:
             reader.cancel()
             for task in self.waiting.values():
-                task.cancel()
+                if type(task) is _Waiting:
+                    task.stop()
+                else:
+                    task.cancel()
             self.retried.clear()
             # Replies whose last frame was not handed over (never started, or cut
             # off by the stream's end) go back to the table, and their request ids
@@ -377,12 +380,12 @@ class ProducerStream:
             if type(req) is KeyRequest:  # a batch's key: it waits in the table, no task
                 waiting = _Waiting(self, call_id, req)
                 try:
-                    waiter = self.s.wait(req, self, waiting.deliver, waiting.fail)
+                    key = self.s.wait(req, waiting, self)
                 except RendezvousError as exc:  # its key's or its step's error, as a take raises it
                     self._reply_error(call_id, req, exc)
                     return
-                if waiter is not None:
-                    waiting.waiter = waiter
+                if key is not None:
+                    waiting.key = key
                     self.waiting[call_id] = waiting
                     return
             self.waiting[call_id] = asyncio.create_task(self._serve(call_id, req))
@@ -455,7 +458,10 @@ class ProducerStream:
         written to its end, and the consumer keeps what it receives."""
         task = self.waiting.pop(call_id, None)
         if task is not None:
-            task.cancel()  # its tensor, if handed over meanwhile, goes back (see _serve)
+            if type(task) is _Waiting:
+                task.stop()  # withdrawn from the table (or left to a retry of its id)
+            else:
+                task.cancel()  # its tensor, if handed over meanwhile, goes back (see _serve)
             if self.retried:
                 req = self.retried.pop(call_id, None)
                 if req is not None and self._cancel_retry(call_id, req):
@@ -710,36 +716,81 @@ class ProducerStream:
             await self.wakeup.wait()
 
 
-class _Waiting:
-    """A batch key waiting for its tensor in the table (a :class:`Waiter`), in
+class _Waiting(Waiter):
+    """A batch key waiting for its tensor in the table, in
     ``ProducerStream.waiting`` where a lone recv has its task: answered from
     inside the send that produces it, with no task, future or turn of the
-    loop of its own; ``cancel`` withdraws it (the consumer gave up, the
-    stream ended), as cancelling the task would."""
+    loop of its own, and one object for the table's queue, the stream and
+    the retry cache (its :class:`~rendezvous.rpc.retry.Pending`): a process
+    holding thousands of them collects its garbage less often. ``stop``: the
+    consumer gave up, or the stream ended; a retry of its request_id that
+    joined on another stream keeps it waiting, for that retry alone."""
 
-    __slots__ = ("stream", "call_id", "req", "waiter")
+    __slots__ = ("stream", "servicer", "call_id", "req", "key", "joined")
 
     def __init__(self, stream: ProducerStream, call_id: int, req: Any) -> None:
-        self.stream = stream
+        super().__init__()
+        self.stream: ProducerStream | None = stream
+        self.servicer = stream.s
         self.call_id = call_id
         self.req = req
-        self.waiter: Any = None
+        self.key = ""
+        self.joined: asyncio.Future | None = None  # a retry's, made when one joins
 
-    def deliver(self, item: Received, key: str) -> None:
+    # -- the table's calls (inside a send, or an abort, cleanup, drain or close) --
+
+    def set_result(self, item: Received) -> None:
+        self.settled = True
+        stream = self.stream
+        rid = self.req.request_id
+        if rid:
+            self.servicer.retry.answered(rid, item, stream, handed=stream is not None)
+        if stream is None:
+            return
         # Inside the producer's send: nothing raised here may reach it (the
         # tensor was delivered: the call gets an error instead).
         try:
-            self.stream._answered(self.call_id, self.req, item, key)
+            stream._answered(self.call_id, self.req, item, self.key)
         except Exception as exc:  # pragma: no cover - a defect; logged with its traceback
             log.error("answering call %d failed", self.call_id, exc_info=exc)
-            self.stream._reply_error(self.call_id, self.req, exc)
+            stream._reply_error(self.call_id, self.req, exc)
 
-    def fail(self, error: RendezvousError) -> None:
-        self.stream._wait_failed(self.call_id, self.req, error)
+    def set_exception(self, error: BaseException) -> None:
+        self.settled = True
+        stream = self.stream
+        rid = self.req.request_id
+        if rid:
+            self.servicer.retry.failed(rid, error, handed=stream is not None)
+        if stream is not None:
+            stream._wait_failed(self.call_id, self.req, error)  # type: ignore[arg-type]
+
+    # -- the stream's -------------------------------------------------------------
+
+    def stop(self) -> None:
+        if not self.settled and not self.servicer.stop_waiting(self.req, self.key, self):
+            self.stream = None  # a retry still waits: answered for it alone
+
+    # -- the retry cache's (Pending) ------------------------------------------------
 
     def cancel(self) -> bool:
-        self.stream.s.stop_waiting(self.req, self.waiter)
-        return True
+        """Nobody wants the tensor any more: the take is withdrawn."""
+        withdrawn = self.servicer.table.withdraw(self.req.step_id, self.key, self)
+        if self.joined is not None:
+            self.joined.cancel()
+        return withdrawn
+
+    def future(self) -> asyncio.Future:
+        if self.joined is None:
+            self.joined = asyncio.get_running_loop().create_future()
+        return self.joined
+
+    def settle(self, item: Received | None, error: BaseException | None) -> None:
+        joined = self.joined
+        if joined is not None and not joined.done():
+            if error is not None:
+                joined.set_exception(error)
+            else:
+                joined.set_result(item)
 
 
 class _BadStream(Exception):

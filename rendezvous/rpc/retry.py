@@ -17,14 +17,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
 from rendezvous.table import Received
 
-__all__ = ["RetryCache", "Handed"]
+__all__ = ["RetryCache", "Handed", "Pending"]
 
 
 class _Ready:
@@ -55,47 +55,25 @@ class _Ready:
         return self._item  # type: ignore[return-value]
 
 
-class _Awaited:
-    """The task of an entry whose tensor is awaited by a table :class:`Waiter`
-    (a batch's key not produced yet, see :meth:`RetryCache.wait_for`): not done
-    until the waiter's call answers it. A retry of the id that joins it awaits
-    :meth:`future`, made only then. Cancelled, it withdraws its waiter."""
+class Pending(Protocol):
+    """The task of an entry whose tensor a table waiter awaits (a batch's key not
+    produced yet, see :meth:`RetryCache.wait_for`): not done until the
+    waiter's call answers it (:meth:`RetryCache.answered`, :meth:`~RetryCache.failed`).
+    ``cancel`` withdraws the take (nobody wants it any more); a retry of the id
+    that joins it awaits ``future()``, made only then, which ``settle`` ends."""
 
-    __slots__ = ("_future", "_withdraw", "_cancelled")
+    def done(self) -> bool: ...
 
-    def __init__(self, withdraw: Callable[[], Any]) -> None:
-        self._future: asyncio.Future | None = None
-        self._withdraw = withdraw
-        self._cancelled = False
+    def cancel(self) -> bool: ...
 
-    def done(self) -> bool:
-        return self._cancelled
+    def future(self) -> asyncio.Future: ...
 
-    def cancelled(self) -> bool:
-        return self._cancelled
+    def settle(self, item: Received | None, error: BaseException | None) -> None: ...
 
-    def cancel(self) -> bool:
-        if self._cancelled:
-            return False
-        self._cancelled = True
-        self._withdraw()
-        if self._future is not None:
-            self._future.cancel()
-        return True
 
-    def future(self) -> asyncio.Future:
-        if self._future is None:
-            self._future = asyncio.get_running_loop().create_future()
-        return self._future
-
-    def settle(self, item: Received | None, error: BaseException | None) -> None:
-        """The waiter's answer: handed to a retry that joined, if one did."""
-        fut = self._future
-        if fut is not None and not fut.done():
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(item)
+def _pending(task: Any) -> bool:
+    """Whether an entry's task is a waiter's :class:`Pending` (not a Task, not an answer)."""
+    return type(task) is not _Ready and not isinstance(task, asyncio.Future)
 
 
 class Handed:
@@ -229,8 +207,8 @@ class RetryCache:
         entry.waiters += 1
         try:
             task = entry.task
-            if type(task) is _Awaited:  # a batch key's waiter takes it: await its answer
-                task = task.future()
+            if _pending(task):
+                task = task.future()  # a batch key's waiter takes it: await its answer
             answer = task.result() if type(task) is _Ready else await asyncio.shield(task)
             entry.handed += 1
             if owner is not None:
@@ -251,14 +229,13 @@ class RetryCache:
         finally:
             entry.waiters -= 1
 
-    def wait_for(self, step_id: int, request_id: int, key: str, owner: object,
-                 withdraw: Callable[[], Any]) -> None:
-        """``request_id``, new, waits for its tensor in a table :class:`Waiter` of
-        the stream ``owner`` (no task: see ProducerStream): an entry that a retry
-        of the id joins (:meth:`run`), answered by :meth:`answered` or
-        :meth:`failed`; ``withdraw()`` takes the waiter back when the take is
-        cancelled (every interested caller gone, or the step dropped)."""
-        entry = _Entry(step_id, key, _Awaited(withdraw), owner=owner)  # type: ignore[arg-type]
+    def wait_for(self, step_id: int, request_id: int, key: str, owner: object, pending: Pending) -> None:
+        """``request_id``, new, waits for its tensor in a table waiter of the
+        stream ``owner`` (no task: see ProducerStream), ``pending``: an entry
+        that a retry of the id joins (:meth:`run`), answered by :meth:`answered`
+        or :meth:`failed`; its take is cancelled (``pending.cancel()``) when every
+        interested caller is gone, or the step is dropped."""
+        entry = _Entry(step_id, key, pending, owner=owner)  # type: ignore[arg-type]
         entry.waiters = 1  # the stream's call
         self._entries[request_id] = entry
         if self._requeued:
@@ -270,7 +247,7 @@ class RetryCache:
         retry that joined gets it): held as :meth:`record` holds an answer
         taken at once."""
         entry = self._entries.get(request_id)
-        if entry is None or type(entry) is _Group or type(entry.task) is not _Awaited:
+        if entry is None or type(entry) is _Group or not _pending(entry.task):
             return
         waiting = entry.task
         entry.task = _Ready(item)
@@ -292,7 +269,7 @@ class RetryCache:
         """The waiter of :meth:`wait_for` failed (its step aborted): a retry of
         the id gets the same error while the answer is held."""
         entry = self._entries.get(request_id)
-        if entry is None or type(entry) is _Group or type(entry.task) is not _Awaited:
+        if entry is None or type(entry) is _Group or not _pending(entry.task):
             return
         waiting = entry.task
         entry.task = _Ready(None, error)
@@ -312,7 +289,7 @@ class RetryCache:
         waiter withdrawn, the id forgotten); False while a retry of the id
         still awaits it (the waiter stays and answers the retry)."""
         entry = self._entries.get(request_id)
-        if entry is None or type(entry) is _Group or type(entry.task) is not _Awaited:
+        if entry is None or type(entry) is _Group or not _pending(entry.task):
             return True
         entry.waiters -= 1
         if entry.waiters > 0:
@@ -529,7 +506,7 @@ class RetryCache:
                 continue
             if not entry.task.done():
                 entry.withdrawn = error if error is not None else Aborted(f"step {step_id} cleaned up")
-                if type(entry.task) is _Awaited:  # a retry that joined gets the step's error
+                if _pending(entry.task):  # a waiter's: a retry that joined gets the step's error
                     self.failed(rid, entry.withdrawn, handed=False)
             self._release(rid)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -172,53 +172,37 @@ class RecvTensorServicer:
             self.timeline.taken(req, key, item, None)
         return Taken(item, key)
 
-    def wait(self, req: pb.RecvTensorRequest, owner: object, deliver: Callable[[Received, str], None],
-             fail: Callable[[RendezvousError], None]) -> Waiter | None:
-        """Wait for the tensor ``req`` asks for with a table :class:`Waiter` (no
-        task): the send that produces it calls ``deliver(item, key)`` within its
-        own call, its request_id answered in the retry cache as a take's is; an
-        ended step calls ``fail(error)``. Returns the waiter (its ``cancel`` is
-        :meth:`stop_waiting`), or None where only :meth:`take` may wait: a
-        retry (its id known), while draining or writing a timeline. Raises the
-        key's error (InvalidKey, FailedPrecondition) or the step's."""
+    def wait(self, req: Any, waiter: Waiter, owner: object) -> str | None:
+        """Queue ``waiter`` (the stream ``owner``'s, for ``req``: no task) for the
+        tensor ``req`` asks for; its request_id waits in the retry cache as a
+        take's would (``waiter`` is its :class:`~rendezvous.rpc.retry.Pending`,
+        and answers it: RetryCache.answered/failed). Returns the canonical key,
+        or None where only :meth:`take` may wait: a retry (its id known), while
+        draining or writing a timeline. Raises the key's error (InvalidKey,
+        FailedPrecondition) or the step's."""
         if self.draining or self.timeline is not None:
             return None
         key = self._check_key(req)
         rid = req.request_id
-        retry = self.retry
-        if rid and retry.known(rid):
+        if rid and self.retry.known(rid):
             return None
-        step = req.step_id
-        table = self.table
-
-        def delivered(item: Received) -> None:
-            if rid:
-                retry.answered(rid, item, owner)
-            deliver(item, key)
-
-        def failed(error: RendezvousError) -> None:
-            if rid:
-                retry.failed(rid, error)
-            fail(error)
-
-        waiter = Waiter(delivered, failed)
-        table.wait(step, key, waiter)  # the step's error raised here: nothing registered
+        self.table.wait(req.step_id, key, waiter)  # the step's error raised here: nothing registered
         if rid:
-            retry.wait_for(step, rid, key, owner, lambda: table.withdraw(step, key, waiter))
-        return waiter
+            self.retry.wait_for(req.step_id, rid, key, owner, waiter)  # type: ignore[arg-type]
+        return key
 
-    def stop_waiting(self, req: pb.RecvTensorRequest, waiter: Waiter) -> None:
-        """The call of a :meth:`wait` is cancelled unanswered: its waiter is
-        withdrawn, unless a retry of its request_id (on another stream) still
-        waits for the tensor, which the waiter then answers."""
+    def stop_waiting(self, req: Any, key: str, waiter: Waiter) -> bool:
+        """The stream's call of a :meth:`wait` is cancelled unanswered. True when
+        its waiter is withdrawn; False while a retry of its request_id (on
+        another stream) still waits for the tensor: the waiter then stays and
+        answers that retry only."""
         if waiter.settled:
-            return
+            return True
         rid = req.request_id
         if rid and not self.retry.stop_waiting(rid):
-            waiter.deliver = lambda item, rid=rid: self.retry.answered(rid, item, None, handed=False)
-            waiter.fail = lambda error, rid=rid: self.retry.failed(rid, error, handed=False)
-            return
-        self.table.withdraw(req.step_id, self._check_key(req), waiter)
+            return False
+        self.table.withdraw(req.step_id, key, waiter)
+        return True
 
     def take_ready_many(self, step_id: int, raws: Sequence[str],
                         request_ids: Sequence[int], owner: object = None) -> list[Taken | None]:
