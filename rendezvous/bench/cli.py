@@ -23,6 +23,9 @@ from typing import Any
 __all__ = ["add_arguments", "run"]
 
 _CHILD_ENV = "RENDEZVOUS_BENCH_CHILD"
+#: the matrix's sizes: 1 KiB to 256 MiB, and a few of them for --quick (the guard's)
+FULL_SIZES = "1K,64K,1M,16M,64M,256M"
+QUICK_SIZES = "1K,1M,16M,64M"
 _PROGRESS = "@bench-progress "
 JSON_NAME = "bench.json"
 PLOT_NAME = "bench.png"
@@ -37,9 +40,11 @@ def _contender_names() -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="fewer samples and a 5 s idle test: under 2 minutes on 2 cores")
-    p.add_argument("--sizes", default="1K,64K,1M,16M,128M,512M", metavar="LIST",
-                   help="tensor sizes, comma-separated, binary units (default 1K,64K,1M,16M,128M,512M)")
+                   help=f"every cell of the matrix at {QUICK_SIZES}, fewer samples and a 5 s idle test: "
+                        "well under 2 minutes on 2 cores")
+    p.add_argument("--sizes", default=None, metavar="LIST",
+                   help=f"tensor sizes, comma-separated, binary units (default {FULL_SIZES}; with --quick "
+                        f"{QUICK_SIZES})")
     p.add_argument("--contenders", default="all", metavar="LIST",
                    help="any of " + ",".join(_contender_names()) + " "
                         "(default all; gloo only if torch is installed, the gpu ones only with --gpu)")
@@ -114,7 +119,8 @@ def _options(args: argparse.Namespace) -> Any:
             guard["rounds"] = args.rounds
         return Options.quick_mode(**guard)
 
-    sizes = tuple(sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()}))
+    listed = args.sizes if args.sizes is not None else (QUICK_SIZES if args.quick else FULL_SIZES)
+    sizes = tuple(sorted({parse_size(s) for s in listed.split(",") if s.strip()}))
     if not sizes:
         raise SystemExit("rendezvous bench: --sizes names no size")
     names = CONTENDERS if args.contenders == "all" else tuple(s.strip() for s in args.contenders.split(","))
@@ -143,8 +149,10 @@ def _options(args: argparse.Namespace) -> Any:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     """The flags that reproduce ``args`` (handed to the ranks)."""
-    out = ["--sizes", args.sizes, "--contenders", args.contenders, "--outstanding", str(args.outstanding),
+    out = ["--contenders", args.contenders, "--outstanding", str(args.outstanding),
            "--out", str(args.out), "--timeout", str(args.timeout)]
+    if args.sizes is not None:
+        out += ["--sizes", args.sizes]
     for flag, value in (("--samples", args.samples), ("--rounds", args.rounds),
                         ("--rate-rounds", args.rate_rounds), ("--idle-seconds", args.idle_seconds),
                         ("--quiet-seconds", args.quiet_seconds)):

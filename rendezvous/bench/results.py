@@ -199,6 +199,18 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
                                f"{name} path recvs/s with {doc['rate']['outstanding']} outstanding vs raw gRPC unary",
                                ratio(r and r["per_s"], g and g["per_s"]), ">=", 2.0))
     out.extend(_mpi_request_targets(doc))
+    # The README's first pattern, with its default settings (the blocking Server,
+    # the optimal path asked over gRPC), and with MPI switched off.
+    if 64 * MiB in sizes:
+        b, mpi = _cell(doc, "blocking_optimal", 64 * MiB), _cell(doc, "mpi", 64 * MiB)
+        out.append(_target("blocking_default_settings_64m", "blocking Server, default settings, bandwidth at "
+                                                            "64 MiB vs raw MPI",
+                           ratio(b and b["gbps"], mpi and mpi["gbps"]), ">=", 0.9))
+    if 16 * MiB in sizes:
+        b, g = _cell(doc, "blocking_grpc_only", 16 * MiB), _cell(doc, "grpc", 16 * MiB)
+        out.append(_target("blocking_grpc_only_16m", "blocking Server, MPI_DISABLED=1, bandwidth at 16 MiB vs "
+                                                     "raw gRPC unary",
+                           ratio(b and b["gbps"], g and g["gbps"]), ">=", 1.0))
     if doc.get("rss"):
         size = doc["rss"]["size"]
         by_name = {r["contender"]: r for r in doc["rss"]["results"]}

@@ -65,7 +65,7 @@ def address(host: str, port: int) -> str:
 CELLS = tuple(api + cell_name(optimal, mr, False) for api in ("", "blocking_")
               for optimal in (False, True) for mr in (False, True)) + ("grpc_only", "blocking_grpc_only")
 CONTENDERS = ("mpi", "mpi_alloc", "grpc", *CELLS, *LOCAL_CELLS, "gloo", "memcpy", *GPU_CONTENDERS)
-DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20, 512 << 20)
+DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20)
 
 
 @dataclass
