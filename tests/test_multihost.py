@@ -421,3 +421,28 @@ def test_a_job_bootstrapped_from_rank_0s_address_forms_across_hosts(hosts, tmp_p
         target = out.split("cluster rendezvous ")[1].strip()
         assert target.startswith(f"{h.address}:"), (target, h.address)  # its own host's address
         assert i == 0 or not target.endswith(":29500")
+
+
+@pytest.mark.timeout(240)
+def test_the_doctor_checks_the_way_to_a_peer_host(hosts, tmp_path):
+    """``rendezvous doctor --peer`` in h0: its MPI probe job and the matrix run one
+    rank on each host (mpiexec's launcher reaches the peer), MPI's ranks are on
+    two hosts (no single copy to find), and every path is measured across the
+    cable and judged."""
+    pair = hosts.hosts[:2]
+    env = netns.bench_env(hosts, pair)
+    del env["RENDEZVOUS_BENCH_HOSTS"]  # the doctor sets it from --peer
+    before = pair[1].counters()
+    run = pair[0].run([sys.executable, "-m", "rendezvous", "doctor", "--peer", pair[1].address,
+                       "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=220)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    assert f"MPI (this host and {pair[1].address})" in run.stdout
+    assert "on two hosts" in run.stdout and "no two ranks share a node" in run.stdout
+    assert f"can listen on {pair[0].address}" in run.stdout
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert report["ok"] and report["peer"] == pair[1].address
+    assert report["probe"]["remote_ranks"] == [1] and report["probe"]["single_copy"] is None
+    cells = {f["facts"]["cell"] for f in report["findings"] if f["area"] == "matrix"}
+    assert {"blocking_optimal", "optimal_mr", "local_socket", "grpc_only"} <= cells
+    assert not any(c.startswith("raw ") for c in cells)  # raw MPI against a memcpy is judged on one node only
+    assert pair[1].counters()["tx_bytes"] - before["tx_bytes"] >= 64 << 20  # the matrix crossed the cable
