@@ -201,12 +201,12 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     out.extend(_mpi_request_targets(doc))
     # The README's first pattern, with its default settings (the blocking Server,
     # the optimal path asked over gRPC), and with MPI switched off.
-    if 64 * MiB in sizes:
+    if _cell(doc, "blocking_optimal", 64 * MiB) is not None:
         b, mpi = _cell(doc, "blocking_optimal", 64 * MiB), _cell(doc, "mpi", 64 * MiB)
         out.append(_target("blocking_default_settings_64m", "blocking Server, default settings, bandwidth at "
                                                             "64 MiB vs raw MPI",
                            ratio(b and b["gbps"], mpi and mpi["gbps"]), ">=", 0.9))
-    if 16 * MiB in sizes:
+    if _cell(doc, "blocking_grpc_only", 16 * MiB) is not None:
         b, g = _cell(doc, "blocking_grpc_only", 16 * MiB), _cell(doc, "grpc", 16 * MiB)
         out.append(_target("blocking_grpc_only_16m", "blocking Server, MPI_DISABLED=1, bandwidth at 16 MiB vs "
                                                      "raw gRPC unary",
