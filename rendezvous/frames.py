@@ -171,8 +171,12 @@ def stream_frames(call_id: int, item: Received, chunk_bytes: int,
     tlen = len(meta) + len(content) + first
     tensor_hdr = wire.len_field_header(F.RESPONSE_TENSOR, tlen)
     resp_len = len(head) + len(tensor_hdr) + tlen
-    yield wire.frame([cid, wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len), head, tensor_hdr, meta,
-                  content, payload[:first]], first)
+    resp_hdr = wire.len_field_header(F.STREAM_RESPONSE_RESPONSE, resp_len)
+    # the content starts at an aligned offset of the frame: a frame that
+    # arrives at an aligned address is read in place, as arrays of its dtype
+    pad = wire.align_pad(len(cid) + len(resp_hdr) + len(head) + len(tensor_hdr) + len(meta) + len(content)) \
+        if first else b""
+    yield wire.frame([cid, pad, resp_hdr, head, tensor_hdr, meta, content, payload[:first]], first)
     pos = first
     while pos < total:
         end = min(total, pos + chunk_bytes)
@@ -247,10 +251,17 @@ def cancel_request(call_id: int) -> bytes:
     return wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id) + wire.len_field_header(F.STREAM_REQUEST_CANCEL, 0)
 
 
-def _batch(messages: list, field_number: int) -> bytes:
+def _batch(messages: list, field_number: int, aligned: bool = False) -> bytes:
     parts: list = []
+    pos = 0
     for m in messages:
-        parts.append(wire.len_field_header(field_number, len(m)))
+        header = wire.len_field_header(field_number, len(m))
+        if aligned:  # each entry starts at an aligned offset (a padding field before it)
+            pad = wire.align_pad(pos + len(header))
+            if pad:
+                parts.append(pad)
+            pos += len(pad) + len(header) + len(m)
+        parts.append(header)
         if type(m) is wire.Pieces:
             parts += m.parts
         else:
@@ -264,8 +275,10 @@ def batch_requests(messages: list[bytes]) -> bytes:
 
 
 def batch_responses(messages: list[bytes]) -> bytes:
-    """Several StreamResponse frames packed as one (the ``batch`` entries of an outer one)."""
-    return _batch(messages, F.STREAM_RESPONSE_BATCH)
+    """Several StreamResponse frames packed as one (the ``batch`` entries of an
+    outer one), each entry at an aligned offset: a frame's tensor bytes, aligned
+    within it, stay aligned in the message."""
+    return _batch(messages, F.STREAM_RESPONSE_BATCH, aligned=True)
 
 
 def error_frame(call_id: int, error: BaseException) -> bytes:
@@ -383,8 +396,9 @@ class Assembly:
 
 def decode_inline(buf: bytes, span: tuple[int, int], decoded: tuple[TensorMeta, int, int] | None = None,
                   buffers: RecvBuffers | None = None, max_bytes: int | None = None) -> np.ndarray | Assembly:
-    """A whole tensor (a view on ``buf``) or, if only its first part is here, an
-    Assembly (its destination from ``buffers`` when given).
+    """A whole tensor (a view on ``buf``, or a copy of it where the bytes are
+    not aligned to the dtype) or, if only its first part is here, an Assembly
+    (its destination from ``buffers`` when given).
 
     ``decoded`` is ``decode_meta(buf, *span)`` when the caller has it already
     (and has checked its size); otherwise a tensor announcing more than
@@ -398,7 +412,10 @@ def decode_inline(buf: bytes, span: tuple[int, int], decoded: tuple[TensorMeta, 
     if memcpyable and ce > cs and ce - cs == meta.nbytes:
         # the whole content is here: a view on the message, nothing parsed twice
         count = (ce - cs) // meta.dtype.itemsize
-        return np.frombuffer(buf, dtype=meta.dtype, count=count, offset=cs).reshape(meta.shape)
+        value = np.frombuffer(buf, dtype=meta.dtype, count=count, offset=cs)
+        if not value.flags.aligned:  # the bytes lie where the dtype cannot be read in place
+            value = value.copy()
+        return value.reshape(meta.shape)
     if not memcpyable or ce - cs == meta.nbytes:
         return decode_tensor(buf, start, end)
     if ce == cs and meta.nbytes:

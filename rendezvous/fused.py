@@ -30,10 +30,13 @@ from .tensors import _MAX_NDIM
 
 __all__ = ["ALIGN", "NO_CALL", "Layout", "layout", "group_frame", "group_parts", "fill", "Group", "parse_group", "fusable"]
 
-#: every tensor's bytes start at a multiple of this within the payload
-ALIGN = 8
+#: every tensor's bytes start at a multiple of this within the payload (the
+#: largest alignment of a dtype that packs), and the payload at a multiple of
+#: it within its frame (see group_parts)
+ALIGN = wire.ALIGN
 _U64 = np.dtype("<u8")
 _U32 = np.dtype("<u4")
+_INT64_MAX = (1 << 63) - 1
 _CODES: dict[np.dtype, int] = {}  # dtype -> DataType value, filled as dtypes are met
 _DTYPES: dict[int, np.dtype] = {}  # and back
 
@@ -190,9 +193,28 @@ def group_parts(call_ids: Sequence[int], arrays: Sequence[np.ndarray] | None, la
         head += [wire.len_field_header(F.GROUP_TRANSPORT_OPTIONS, len(transport_options)), transport_options]
     body: list = []
     if arrays is not None:
-        body = [wire.len_field_header(F.GROUP_PAYLOAD, lay.nbytes), *_parts(lay)]
+        payload_header = wire.len_field_header(F.GROUP_PAYLOAD, lay.nbytes)
+        inner = sum(map(len, head)) + len(payload_header)
+        # the payload starts at an aligned offset of what is returned: a frame
+        # that arrives at an aligned address is read in place
+        body = [_pad_before_payload(field, inner, lay.nbytes), payload_header, *_parts(lay)]
     size = sum(map(len, head)) + sum(map(len, body))
     return [wire.len_field_header(field, size), *head, *body]
+
+
+#: padding lengths to try, smallest first: one of them aligns the payload
+#: whatever the group's own header grows to with it
+_PAD_LENGTHS = (0, *range(2, 2 * ALIGN + 2))
+
+
+def _pad_before_payload(field: int, inner: int, nbytes: int) -> bytes:
+    """The padding field that puts a group's payload at an aligned offset from
+    the start of the group's field (``inner``: the group's bytes before the
+    payload, its header included)."""
+    for n in _PAD_LENGTHS:
+        if (len(wire.len_field_header(field, inner + n + nbytes)) + inner + n) % ALIGN == 0:
+            return wire.padding(n)
+    raise AssertionError("no padding aligns the payload")  # cannot happen: see _PAD_LENGTHS
 
 
 # --- consumer side -----------------------------------------------------------
@@ -272,9 +294,21 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
             d = dim_list[pos]
             shape: tuple[int, ...] = (d,)
             nbytes = d * dts[i].itemsize
+            if nbytes > _INT64_MAX:
+                raise InvalidArgument(f"group's tensor {i} has shape {list(shape)} of {dts[i]}, larger than any "
+                                      "array can be")
         else:
             shape = tuple(dim_list[pos:pos + r])
-            nbytes = prod(shape) * dts[i].itemsize
+            itemsize = dts[i].itemsize
+            nbytes = prod(shape) * itemsize
+            # numpy refuses a shape whose non-zero dimensions multiply past its
+            # index range, even with another dimension 0 (no bytes at all)
+            extent = itemsize
+            for d in shape:
+                extent *= d or 1
+            if extent > _INT64_MAX:
+                raise InvalidArgument(f"group's tensor {i} has shape {list(shape)} of {dts[i]}, larger than any "
+                                      "array can be")
         pos += r
         o = offs[i]
         if o < prev or o % ALIGN or o + nbytes > offs[i + 1]:
@@ -287,7 +321,14 @@ def parse_group(buf, start: int, end: int, max_bytes: int | None = None) -> Grou
 def views(group: Group, base, start: int = 0) -> list[np.ndarray]:
     """Each tensor of ``group`` as a view on ``base`` (the frame's bytes, with
     the payload at ``start``; or the fusion buffer, at 0). Made by the array
-    constructor on the buffer directly (half the cost of a flat view reshaped)."""
+    constructor on the buffer directly (half the cost of a flat view reshaped).
+    Every view is aligned to its dtype: a payload that lies at an address
+    that is not a multiple of ALIGN (the frame began elsewhere) is copied
+    once, and the views are made on the copy."""
+    if group.nbytes:
+        payload = np.frombuffer(base, np.uint8, group.nbytes, start)
+        if payload.__array_interface__["data"][0] % ALIGN:
+            base, start = payload.copy(), 0
     ndarray = np.ndarray
     return [ndarray(shape, dt, base, start + offset)
             for dt, offset, shape in zip(group.dtypes, group.offsets, group.shapes)]

@@ -5,7 +5,9 @@ received buffer: a numpy array through ``torch.from_numpy`` (CPU), a cupy
 array through DLPack (its GPU, its stream order kept by the producer's ready
 event). torch has no read-only tensors, so the one copy made is of a tensor
 received read-only: a small one read straight out of its reply message
-(below one frame, ``chunk_bytes``), or one its sender made read-only. torch is imported only when asked for. Strings (``DT_STRING``, object
+(below one frame, ``chunk_bytes``), or one its sender made read-only; and of
+one whose memory is not aligned to its dtype (torch would read it wrongly).
+torch is imported only when asked for. Strings (``DT_STRING``, object
 arrays of bytes) have no torch form and are refused before the tensor is
 taken, so a refused recv consumes nothing.
 """
@@ -60,9 +62,10 @@ def convert(value: Any, framework: str | None) -> Any:
         return value
     torch = _torch()
     if type(value) is np.ndarray:
-        if not value.flags.writeable:
+        if not value.flags.writeable or not value.flags.aligned:
             # torch has no read-only tensors: it would warn, and a write through
-            # the tensor would change memory the sender's table may share.
+            # the tensor would change memory the sender's table may share. Nor
+            # does it read data misaligned for its dtype correctly.
             value = value.copy()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

@@ -400,7 +400,8 @@ def decode_tensor(buf, start: int = 0, end: int | None = None, max_bytes: int | 
     """The array in the TensorProto bytes ``buf[start:end]``.
 
     tensor_content decodes to a view on ``buf`` (no copy; read-only when
-    ``buf`` is bytes). Without it, TensorFlow's typed fields are read (one value
+    ``buf`` is bytes), or to a copy where the content is not aligned to the
+    dtype. Without it, TensorFlow's typed fields are read (one value
     may fill a whole shape). Unknown fields are skipped. Malformed bytes raise
     InvalidArgument, dtypes without a numpy equivalent UnsupportedDType, and a
     tensor announcing more than ``max_bytes`` ResourceExhausted before anything
@@ -423,5 +424,8 @@ def decode_tensor(buf, start: int = 0, end: int | None = None, max_bytes: int | 
             raise InvalidArgument(
                 f"tensor_content holds {ce - cs} bytes but dtype {dtype} and shape {meta.shape} "
                 f"need {need}")
-        return np.frombuffer(buf, dtype=dtype, count=n, offset=cs).reshape(meta.shape)
+        value = np.frombuffer(buf, dtype=dtype, count=n, offset=cs)
+        if not value.flags.aligned:  # the bytes lie where the dtype cannot be read in place
+            value = value.copy()
+        return value.reshape(meta.shape)
     return _from_typed_fields(buf, start, end, meta, dtype_value)

@@ -32,6 +32,9 @@ __all__ = [
     "Pieces",
     "GATHER_BYTES",
     "frame",
+    "align_pad",
+    "padding",
+    "ALIGN",
 ]
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
@@ -102,6 +105,33 @@ def varint_field(field_number: int, value: int) -> bytes:
     if value == 0:
         return b""
     return tag(field_number, VARINT) + encode_varint(value)
+
+
+#: what :func:`align_pad` aligns to: the largest alignment of a dtype that travels
+ALIGN = 8
+#: the field number of padding: declared by none of the messages padded (see
+#: fields.PAD, which checks that against the generated modules)
+PAD_FIELD = 15
+
+
+def padding(n: int) -> bytes:
+    """A field of exactly ``n`` bytes (0, or 2 to 129) that every reader skips."""
+    if n == 0:
+        return b""
+    if not 2 <= n <= 129:
+        raise ValueError(f"a padding field takes 2 to 129 bytes, not {n}")
+    return bytes(((PAD_FIELD << 3) | LEN, n - 2)) + bytes(n - 2)
+
+
+#: by (-offset) % ALIGN: the padding that moves the next byte to an aligned
+#: offset (one byte cannot be a field: nine bytes do it instead)
+_PADS = (b"", padding(9), *(padding(n) for n in range(2, ALIGN)))
+
+
+def align_pad(offset: int) -> bytes:
+    """The field to write at ``offset`` so that what follows it starts at a
+    multiple of :data:`ALIGN` (``b""`` if it already does)."""
+    return _PADS[-offset % ALIGN]
 
 
 def to_signed64(v: int) -> int:

@@ -26,6 +26,11 @@ ARRAYS = [
 ]
 
 
+def _skipped_field(n: int) -> bytes:
+    """``n`` bytes (2 or more) of a field no reader knows (field 15, length-delimited): skipped."""
+    return bytes((15 << 3 | 2, n - 2)) + bytes(n - 2)
+
+
 def _span(frame: bytes) -> tuple[int, int]:
     (num, _, a, b), = list(wire.iter_fields(frame))
     return a, b
@@ -117,3 +122,57 @@ def test_a_group_announcing_more_than_the_limit_is_refused_before_any_allocation
     with pytest.raises(ResourceExhausted, match="8000 bytes"):
         fused.parse_group(frame, *_span(frame), max_bytes=4096)
     fused.parse_group(frame, *_span(frame), max_bytes=8000)
+
+
+@pytest.mark.parametrize("frame", [
+    _lie(ranks=[1, 2], dims=[4, 0, 2**62]),  # no bytes at all, but numpy has no such shape
+    _lie(ranks=[1, 3], dims=[4, 2**40, 0, 2**40]),
+    # a payload announced elsewhere, parsed without a limit (a daemon's SEND_MANY parser)
+    _lie(payload=None, options=b"\x0a\x01x", dtypes=bytes([1, 6]), dims=[4, 2**63 + 5], offsets=[0, 16, 2**64 - 1]),
+], ids=["empty-but-vast", "two-vast-dims", "past-int64"])
+def test_a_group_whose_shape_no_array_can_have_is_refused(frame):
+    """Shape (0, 2**62) once passed (its size, 0, fits any payload) and numpy
+    raised ValueError when the views were made: a consumer's stream reader
+    died with it, and a daemon's SEND_MANY parser raised it too."""
+    with pytest.raises(InvalidArgument, match="larger than any array"):
+        group = fused.parse_group(frame, *_span(frame))
+        fused.views(group, frame, group.payload[0]) if group.payload else None
+
+
+def _group_span(buf: bytes) -> tuple[int, int]:
+    (a, b), = [(a, b) for num, _, a, b in wire.iter_fields(buf) if num == F.STREAM_RESPONSE_GROUP]
+    return a, b
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("extra", [0, 100, 16_300])
+def test_a_groups_payload_starts_aligned_in_its_frame(n, extra):
+    """The payload starts at a multiple of ALIGN from the frame's start,
+    whatever the lengths of the fields before it (here: the number of calls,
+    and payloads around the sizes where the group's length takes another
+    byte): a frame that arrives at an aligned address is read in place."""
+    for grow in range(0, 24, 3):
+        arrays = [np.arange(i + 1, dtype=np.float64) for i in range(n)] + [np.zeros(extra + grow, np.uint8)]
+        frame = fused.group_frame(list(range(7, 7 + len(arrays))), arrays, fused.layout(arrays), 10**n)
+        group = fused.parse_group(frame, *_group_span(frame))
+        assert group.payload[0] % fused.ALIGN == 0, (n, extra, grow, group.payload[0])
+        for want, have in zip(arrays, fused.views(group, frame, group.payload[0])):
+            np.testing.assert_array_equal(have, want)
+
+
+@pytest.mark.parametrize("shift", [0, 2, 5, 7, 9, 11])
+def test_views_are_aligned_to_their_dtypes_wherever_the_payload_lies(shift):
+    """A payload at an address that is not a multiple of ALIGN (a frame behind
+    a field of ``shift`` bytes, as a producer that does not align its frames
+    sends it) is copied once and the views made on the copy; an aligned one
+    is read in place."""
+    arrays = [np.arange(5, dtype=np.float64) + 0.25, np.array([1 + 2j], np.complex128), np.arange(3, dtype=np.int16),
+              np.arange(6, dtype=np.int64).reshape(3, 2)]
+    frame = (_skipped_field(shift) if shift else b"") + fused.group_frame([1, 2, 3, 4], arrays, fused.layout(arrays))
+    group = fused.parse_group(frame, *_group_span(frame))
+    got = fused.views(group, frame, group.payload[0])
+    for want, have in zip(arrays, got):
+        assert have.ctypes.data % have.dtype.alignment == 0, (shift, have.dtype, have.ctypes.data % 8)
+        np.testing.assert_array_equal(have, want)
+    if shift == 0:  # bytes objects keep their data 16-byte aligned: nothing was copied
+        assert all(v.base is frame for v in got)

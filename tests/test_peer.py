@@ -1027,16 +1027,28 @@ class _FakeCall:
     def __init__(self, answer: bool) -> None:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.asked: list[pb.RecvTensorRequest] = []
+        self.many = 0  # RecvMany requests seen
         self._answer = answer
 
     async def write(self, message: bytes) -> None:
         msg = pb.StreamRequest.FromString(message)
         for one in [msg, *msg.batch]:
-            if one.WhichOneof("kind") == "recv":
-                self.asked.append(one.recv)
+            kind = one.WhichOneof("kind")
+            if kind == "recv":
+                asked = [(one.call_id, one.recv)]
+            elif kind == "recv_many":
+                self.many += 1
+                m = one.recv_many
+                asked = [(one.call_id + i, pb.RecvTensorRequest(step_id=m.step_id, rendezvous_key=k,
+                                                                request_id=m.request_ids[i]))
+                         for i, k in enumerate(m.rendezvous_keys)]
+            else:
+                continue
+            for call_id, recv in asked:
+                self.asked.append(recv)
                 if self._answer:
-                    value = np.array([LONG.index(one.recv.rendezvous_key)])
-                    for frame in reply(one.call_id, value):
+                    value = np.array([LONG.index(recv.rendezvous_key)])
+                    for frame in reply(call_id, value):
                         self.inbox.put_nowait(frame)
 
     async def read(self):
@@ -1058,8 +1070,11 @@ def test_a_batch_whose_stream_ends_while_its_first_request_leaves_asks_every_key
         finally:
             await client.close()
         assert [f.item.value.tolist() for f in got] == [[0], [1], [2], [3]]
-        # asked once each on the new stream, one by one
-        assert sorted(q.rendezvous_key for q in fresh.asked) == sorted(LONG)
+        # asked once each on the new stream, together (as the batch's RecvMany
+        # parts), with the ids they were first asked with
+        assert [q.rendezvous_key for q in fresh.asked] == LONG and fresh.many == 2
+        first_asked = [q.request_id for q in broken.asked]  # (what left before the stream ended)
+        assert [q.request_id for q in fresh.asked][:len(first_asked)] == first_asked
         assert len({q.request_id for q in fresh.asked}) == 4
     run(main(), 20)
 
@@ -1250,7 +1265,7 @@ def test_a_batch_waits_on_one_future_resolved_by_its_calls():
     broke under some) once every call has settled."""
     from rendezvous.errors import NotFound, PeerUnavailable
     from rendezvous.rpc.consumer_stream import Broken
-    from rendezvous.rpc.peer import _Batch, _Call
+    from rendezvous.rpc.batch import _Batch, _Call
 
     def calls(batch):
         return (_Call(batch, f"k{i}", 1, None, i + 1) for i in range(3))
@@ -1289,7 +1304,7 @@ def test_a_batchs_call_starts_as_a_pending_recv_does():
     """A batch's call sets its Pending fields itself (once per key, without
     Pending.__init__): every field a Pending has, with the same values."""
     from rendezvous.rpc.consumer_stream import Pending
-    from rendezvous.rpc.peer import _Batch, _Call
+    from rendezvous.rpc.batch import _Batch, _Call
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -14,13 +14,14 @@ inline inside the frames (small tensors: header and bytes in one message), or
 a descriptor and a direct transfer on the optimal path.
 
 Messages travel on a communicator of their own (``MpiWorld.control``), so
-they can never match a data transfer's receive. An envelope of 9 bytes comes
+they can never match a data transfer's receive. An envelope of 16 bytes comes
 first: the stream's id (8 bytes, little-endian; the consumer numbers its
-streams) and a kind: ``DATA`` (the stream's bytes) or ``END`` (the consumer
+streams), a kind: ``DATA`` (the stream's bytes) or ``END`` (the consumer
 closed the stream; from the producer, followed by a ``Status``: the stream's
-end, with its code). The engine's listeners take every message as it arrives
-(matched probes), on the MPI thread, and hand them to the loop in one batch
-per turn.
+end, with its code), and 7 bytes of padding (the body starts aligned in its
+buffer, so the tensors its frames carry are read in place). The engine's
+listeners take every message as it arrives (matched probes), on the MPI
+thread, and hand them to the loop in one batch per turn.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ REQUEST_TAG = 1  # consumer -> producer, on the control communicator
 REPLY_TAG = 2    # producer -> consumer
 _DATA = 1
 _END = 2
-_HEAD = struct.Struct("<QB")
+#: the envelope, padded to 16 bytes: a message's body starts aligned in its
+#: buffer, so the tensors read in place from its frames are aligned too
+_HEAD = struct.Struct("<QB7x")
 _MAX_MESSAGE = 1 << 30  # a control message is one MPI message: frames are chunk-sized, far below
 # Bytes one stream may have handed to MPI and not yet sent: a write returns at
 # once below this (MPI keeps the messages of a pair in order), and waits for

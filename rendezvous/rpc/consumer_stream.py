@@ -127,6 +127,9 @@ class ConsumerStream:
         #: and again once a call is added
         self._by_key: dict[tuple[int, str], collections.deque[int]] | None = None
         self.alive = True
+        #: the error a lie found outside the reader (a group's fusion buffer that
+        #: cannot be read as it says) ended the stream with: see _fail
+        self._failed: RendezvousError | None = None
         #: the call's non-waiting write (MPI): a request with nothing queued
         #: before it is handed over at once, not on the writer's next turn
         self._write_now = getattr(call, "write_nowait", None)
@@ -268,10 +271,13 @@ class ConsumerStream:
         except asyncio.CancelledError:
             error = PeerUnavailable(f"stream to {self.client.describe()} was closed locally")
             closed_here = True
-        except RendezvousError as exc:  # a frame we cannot parse: the peer is broken
-            error = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
-            self.call.cancel()
+        except Exception as exc:  # a frame we cannot parse or that lies: the peer is broken
+            why = exc.message if isinstance(exc, RendezvousError) else f"{type(exc).__name__}: {exc}"
+            error = Internal(f"malformed reply from {self.client.describe()}: {why}")
+            self.call.cancel()  # the producer ends its side: replies not written go back
         finally:
+            if self._failed is not None:  # ended by _fail: its calls fail with its error
+                error, closed_here = self._failed, False
             self.alive = False
             self.writer.cancel()
             broken = Broken(error)
@@ -295,6 +301,17 @@ class ConsumerStream:
                 if not p.future.done():
                     p.future.set_exception(broken)
             self.pending.clear()
+
+    def _fail(self, error: RendezvousError) -> None:
+        """End the stream from outside its reader (a lie found in a callback):
+        the producer's side is cancelled (replies not written go back to its
+        table) and every call still on the stream fails with ``error``, as the
+        reader fails them for a malformed frame."""
+        if self._failed is None and self.alive:
+            self._failed = error
+            self.alive = False  # nothing more is asked or read on it
+            self.call.cancel()
+            self.reader.cancel()
 
     def _cut_off(self, cut: list[tuple[int, Pending]], error: RendezvousError, waited: float | None = None) -> None:
         """The recvs of ``cut``, whose bytes were on their way when the stream
@@ -327,7 +344,9 @@ class ConsumerStream:
     def _dispatch_group(self, buf: bytes, span: tuple[int, int]) -> None:
         """A group reply: many calls answered at once, their tensors views on one
         buffer (the frame's bytes, or a fusion buffer that comes by MPI). A
-        malformed group breaks the stream (InvalidArgument from the parse)."""
+        malformed group breaks the stream with INTERNAL (InvalidArgument from
+        the parse: which calls it answers cannot be known), before anything
+        is allocated or posted."""
         group = fused.parse_group(buf, *span, self.client.config.max_tensor_bytes)
         pending = self.pending
         planes = self.client.planes
@@ -380,7 +399,19 @@ class ConsumerStream:
                 elif not p.orphan and not p.future.done():
                     p.future.set_exception(landed.exception())  # type: ignore[arg-type]
             return
-        values = fused.views(group, landed.result())
+        try:
+            values = fused.views(group, landed.result())
+        except Exception as exc:  # the buffer is not what the group said: the peer lies
+            error = Internal(f"malformed reply from {self.client.describe()}: its fusion buffer does not hold "
+                             f"the group it announced ({type(exc).__name__}: {exc})")
+            for _, call_id, p in moving:
+                if on_the_way.get(call_id) is p:
+                    del on_the_way[call_id]
+                p.settled = True
+                if not p.orphan and not p.future.done():
+                    p.future.set_exception(error)
+            self._fail(error)
+            return
         for i, call_id, p in moving:
             if on_the_way.get(call_id) is p:
                 del on_the_way[call_id]

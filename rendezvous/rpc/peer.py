@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -50,10 +49,11 @@ from rendezvous import frames
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
 from rendezvous.deadlines import Deadlines
-from rendezvous.errors import DeadlineExceeded, PeerUnavailable, RendezvousError
+from rendezvous.errors import DeadlineExceeded, PeerUnavailable
 from rendezvous.keys import TaskName
 from rendezvous.transport import Fetched, Path, Planes
 
+from .batch import BatchFailed, fetch_batch
 from .consumer_stream import MANY_REQUEST_BYTES, Broken, ConsumerStream, Pending
 from .options import STREAM_METHOD, peer_channel_options
 
@@ -65,141 +65,6 @@ log = logging.getLogger("rendezvous.client")
 _UNSETTLED = 4096
 #: key lists per peer whose encoded RecvMany parts are remembered (see PeerClient._key_parts)
 _KEY_PARTS = 32
-
-
-class BatchFailed(Exception):
-    """A batch from one peer failed: ``failures`` (position -> error) and how
-    many of its tensors had arrived (kept for the next recv of their keys)."""
-
-    def __init__(self, failures: dict[int, BaseException], arrived: int) -> None:
-        super().__init__(f"{len(failures)} failed")
-        self.failures = failures
-        self.arrived = arrived
-
-
-class _Batch:
-    """What :meth:`PeerClient.recv_batch` waits on: one future for the whole
-    batch, resolved when every call is answered or one failed (a call whose
-    stream broke waits for the others: they may all be asked again)."""
-
-    __slots__ = ("left", "failed", "broken", "cancelled", "waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int) -> None:
-        self.left = n
-        self.failed = False
-        self.broken = False
-        self.cancelled = False  # a call was cancelled (its bytes could not land)
-        self.waiter = loop.create_future()
-
-    def settled(self, exc: BaseException | None) -> None:
-        left = self.left = self.left - 1
-        if exc is None:  # the common case, once per key: no more than this
-            if left <= 0 and not self.waiter.done():
-                self.waiter.set_result(None)
-            return
-        if isinstance(exc, Broken):
-            self.broken = True
-        else:
-            self.failed = True
-        if not self.waiter.done() and (left <= 0 or (self.failed and not self.broken)):
-            self.waiter.set_result(None)
-
-
-_PENDING, _DONE, _CANCELLED = 0, 1, 2
-
-
-class _Call(Pending):
-    """A batch's call: its :class:`Pending` and its outcome in one object, with
-    the part of ``asyncio.Future``'s interface the stream and the batch use
-    (no callbacks, no loop round trip): its ``future`` is itself. A batch of
-    thousands of keys resolves thousands of these and one future, and makes
-    one object per key that lives until its answer is in, not two (fewer
-    objects for the garbage collector to walk while the step is on)."""
-
-    __slots__ = ("_state", "_result", "_exc", "_batch")
-
-    def __init__(self, batch: _Batch, key: str, step_id: int, placement: Any, request_id: int) -> None:
-        # Pending.__init__(self, None, ...), inlined: once per key of a batch
-        self.request_id = request_id
-        self.assembly = None
-        self.path = Path.GRPC
-        self.key = key
-        self.step_id = step_id
-        self.placement = placement
-        self.orphan = False
-        self.settled = False
-        self._state = _PENDING
-        self._result: Any = None
-        self._exc: BaseException | None = None
-        self._batch = batch
-
-    @property
-    def future(self) -> "_Call":  # type: ignore[override]
-        return self
-
-    def done(self) -> bool:
-        return self._state != _PENDING
-
-    def cancelled(self) -> bool:
-        return self._state == _CANCELLED
-
-    def set_result(self, result: Any) -> None:
-        if self._state != _PENDING:
-            raise asyncio.InvalidStateError("the call is already answered")
-        self._state, self._result = _DONE, result
-        batch = self._batch  # _Batch.settled(None), inlined: once per key
-        left = batch.left = batch.left - 1
-        if left <= 0 and not batch.waiter.done():
-            batch.waiter.set_result(None)
-
-    def set_exception(self, exc: BaseException) -> None:
-        if self._state != _PENDING:
-            raise asyncio.InvalidStateError("the call is already answered")
-        self._state, self._exc = _DONE, exc
-        self._batch.settled(exc)
-
-    def cancel(self) -> bool:
-        if self._state != _PENDING:
-            return False
-        self._state = _CANCELLED
-        self._batch.cancelled = True
-        self._batch.settled(None)
-        return True
-
-    def exception(self) -> BaseException | None:
-        if self._state == _CANCELLED:
-            raise asyncio.CancelledError()
-        if self._state == _PENDING:
-            raise asyncio.InvalidStateError("the call is not answered yet")
-        return self._exc
-
-    def result(self) -> Any:
-        exc = self.exception()
-        if exc is not None:
-            raise exc
-        return self._result
-
-
-class _Calls:
-    """A batch's calls as ``(call_id, Pending)`` pairs: consecutive ids from ``first``."""
-
-    __slots__ = ("first", "pendings")
-
-    def __init__(self, first: int, pendings: list[Pending]) -> None:
-        self.first = first
-        self.pendings = pendings
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return zip(itertools.count(self.first), self.pendings)
-
-
-def _failure(exc: BaseException | None) -> BaseException | None:
-    """What a batch's call failed with, or None if it may be asked again: a
-    stream that broke under it because the peer went away (a stream ended by a
-    malformed reply is the peer's failure, as it is for a single recv)."""
-    if isinstance(exc, Broken):
-        return None if isinstance(exc.error, PeerUnavailable) else exc.error
-    return exc
 
 
 class PeerClient:
@@ -368,80 +233,20 @@ class PeerClient:
                          arrived: set[int] | None = None) -> list[Fetched]:
         """Fetch ``keys`` of ``step_id`` from the peer, all asked at once on one
         stream: one future for the batch (each call's outcome is a
-        :class:`_Call`), and no task or deadline of its own (the caller's
-        cancel is the deadline). All or none: on the first error (raised as
-        :class:`BatchFailed`) or a cancel, every other call gives up by
-        :meth:`recv`'s rules (an answer already in is kept by the server, one on
-        its way is kept when it lands, one lost in a broken stream leaves its
-        request_id to be asked again). Calls whose stream broke are asked again
-        one by one with :meth:`recv`. ``arrived`` collects the positions whose
-        tensors had arrived when the batch gave up (kept by the server)."""
+        :class:`~rendezvous.rpc.batch._Call`), and no task or deadline of its
+        own (the caller's cancel is the deadline). All or none: on the first
+        error (raised as :class:`BatchFailed`) or a cancel, every other call
+        gives up by :meth:`recv`'s rules (an answer already in is kept by the
+        server, one on its way is kept when it lands, one lost in a broken
+        stream leaves its request_id to be asked again). Calls whose stream
+        broke under a peer that went away are asked again together, as one
+        batch on a new stream, with their request_ids. ``arrived`` collects the
+        positions whose tensors had arrived when the batch gave up (kept by the
+        server)."""
         arrived = set() if arrived is None else arrived
         if not keys:
             return []
-        loop = asyncio.get_running_loop()
-        options = self.planes.offer(placement)
-        stream = await self._get_stream(None)
-        n = len(keys)
-        first = self._take_ids(n)
-        rid = self._take_request_ids(n)
-        unsettled = self._unsettled
-        batch = _Batch(loop, n)
-        pendings: list[_Call] = []
-        try:
-            for a, b, encoded in self._key_parts(keys):
-                part = [_Call(batch, keys[i], step_id, placement,
-                              (self._take_unsettled(step_id, keys[i]) if unsettled else None) or rid + i)
-                        for i in range(a, b)]
-                pendings += part
-                if stream.alive:
-                    stream.submit_many(first + a, part, frames.recv_many_request(
-                        first + a, step_id, encoded, [p.request_id for p in part], options))
-                else:  # it broke while the first request left: these are asked again below
-                    broken = Broken(PeerUnavailable(f"stream to {self.describe()} closed"))
-                    for p in part:
-                        p.future.set_exception(broken)
-                if a == 0 and b < n and not stream.outbox.empty():
-                    # The first request leaves now (the writer's turn), and the
-                    # producer starts on it while the rest are made (a call
-                    # that takes it at once, MPI, has it already).
-                    await asyncio.sleep(0)
-            # one future for the batch: all answered, or one failed (a stream that
-            # broke fails its other calls too: then they all settle first)
-            await batch.waiter
-        except BaseException:
-            self._give_up_batch(stream, _Calls(first, pendings), (), arrived)
-            raise
-        calls = _Calls(first, pendings)
-        slots = pendings  # each call is its own outcome
-        if not batch.failed and not batch.broken and not batch.cancelled:
-            return [s._result for s in slots]
-        failures = {i: _failure(f.exception()) for i, f in enumerate(slots)
-                    if f.done() and f.exception() is not None and _failure(f.exception()) is not None}
-        if failures:
-            in_hand = sum(1 for f in slots if f.done() and not f.cancelled() and f.exception() is None)
-            self._give_up_batch(stream, calls, failures, arrived)
-            raise BatchFailed(failures, in_hand)
-        broken = [i for i, f in enumerate(slots) if f.exception() is not None]
-        if not broken:
-            return [f.result() for f in slots]
-        # The stream broke under some calls: each asks again on its own, with its
-        # request_id (so nothing is taken twice), as recv does after a break.
-        for i in broken:
-            self.unsettled(step_id, keys[i], pendings[i].request_id)
-        out: list[Fetched | None] = [None if i in broken else slots[i].result() for i in range(len(keys))]
-        try:
-            for i in broken:
-                out[i] = await self.recv(keys[i], step_id, None, placement)
-        except BaseException as exc:
-            done = [i for i, f in enumerate(out) if f is not None]
-            for i in done:
-                self.unclaimed(step_id, keys[i], out[i])  # type: ignore[arg-type]
-            arrived.update(done)
-            if isinstance(exc, RendezvousError):
-                raise BatchFailed({i: exc for i in range(len(keys)) if out[i] is None}, len(done)) from None
-            raise
-        return out  # type: ignore[return-value]
+        return await fetch_batch(self, keys, step_id, placement, arrived)
 
     def _key_parts(self, keys: Sequence[str]) -> list[tuple[int, int, bytes]]:
         """``keys`` in parts of up to MANY_REQUEST_BYTES (a RecvMany every
@@ -480,23 +285,6 @@ class PeerClient:
         first = self._next_request_id
         self._next_request_id += n
         return first
-
-    def _give_up_batch(self, stream: ConsumerStream, calls: "_Calls", failed: Any,
-                       arrived: set[int]) -> None:
-        """Every call of a batch that is not in ``failed`` gives up (see recv_batch);
-        the positions of those whose tensor was in go to ``arrived``."""
-        for i, (call_id, pending) in enumerate(calls):
-            if i in failed:
-                continue
-            fut = pending.future
-            if fut.done() and not fut.cancelled() and not isinstance(fut.exception(), Broken):
-                if fut.exception() is None:
-                    self.unclaimed(pending.step_id, pending.key, fut.result())
-                    arrived.add(i)
-                continue
-            if not stream.cancel(call_id, pending):
-                self.unsettled(pending.step_id, pending.key, pending.request_id)
-            fut.cancel()  # as a recv's own: whatever answers it now is handed on, never to this future
 
     async def _get_stream(self, deadline: float | None) -> ConsumerStream:
         stream = self._stream
