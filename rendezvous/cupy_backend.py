@@ -19,6 +19,8 @@ the staging pipelines'. This module only maps the primitives onto cupy:
   pinned memory pool (which keeps every freed buffer pinned for the life of
   the process): :class:`rendezvous.devices.PinnedPool` decides what to keep,
   and a buffer it drops is unpinned once its last view is gone;
+* event queries that tell a failed copy from one still running
+  (:meth:`CupyBackend.event_done` raises the asynchronous error);
 * imports that do not synchronize on their own (``from_cai`` hides the
   exporter's stream from ``cupy.asarray``, which would block the host on it):
   the caller has already ordered the streams, on the GPU.
@@ -44,6 +46,8 @@ log = logging.getLogger("rendezvous.cupy")
 
 #: cudaErrorPeerAccessAlreadyEnabled (driver_types.h), for cupy builds that do not name it
 _PEER_ACCESS_ALREADY_ENABLED = 704
+#: cudaErrorNotReady (driver_types.h): an event query's "not yet"
+_NOT_READY = 600
 
 
 class _Capsule:
@@ -270,7 +274,16 @@ class CupyBackend(DeviceBackend):
         return event
 
     def event_done(self, event: Any) -> bool:
-        return bool(event.done)
+        # Not ``event.done``: it is ``cudaEventQuery(...) == cudaSuccess``, False for
+        # ever when the work before the event failed, so a failed copy would be
+        # waited for without end. The status itself tells the three cases apart.
+        rt = self._cupy().cuda.runtime
+        status = rt.eventQuery(event.ptr)  # some cupy versions raise on an error here themselves
+        if status == 0:
+            return True
+        if status == getattr(rt, "errorNotReady", _NOT_READY):
+            return False
+        raise rt.CUDARuntimeError(status)
 
     def event_wait(self, event: Any) -> None:
         event.synchronize()

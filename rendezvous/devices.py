@@ -297,10 +297,16 @@ class DeviceBackend(ABC):
         which case nothing was."""
 
     @abstractmethod
-    def event_done(self, event: Any) -> bool: ...
+    def event_done(self, event: Any) -> bool:
+        """Whether the work queued before ``event`` has run: True, False while it
+        has not, and it raises the error of that work if it failed (an
+        asynchronous error, as ``cudaEventQuery`` reports it): a copy that
+        failed must never pass for one whose bytes are there."""
 
     @abstractmethod
-    def event_wait(self, event: Any) -> None: ...
+    def event_wait(self, event: Any) -> None:
+        """Block until the work queued before ``event`` has run; raise its error if
+        it failed (as :meth:`event_done` does)."""
 
     @abstractmethod
     def pinned(self, nbytes: int) -> np.ndarray:
@@ -443,8 +449,9 @@ class PinnedPool:
     :meth:`take` never blocks: it reuses a free buffer or pins a new one, so
     transfers in opposite directions can never wait on each other for
     buffers. A buffer given back with ``after`` (a copy event) is held, not
-    reused, until that event is done: a cancelled or failed transfer gives its
-    buffers back while the copy engine may still be writing them. At most
+    reused, until that event is done (or its copy failed): a cancelled or
+    failed transfer gives its buffers back while the copy engine may still be
+    writing them. At most
     ``keep`` free buffers, and no more than the shared ``budget`` allows, are
     kept for reuse; the rest are dropped, and the backend unpins them.
     ``depth`` is how many chunks one transfer keeps in flight (its pipeline depth).
@@ -478,7 +485,7 @@ class PinnedPool:
     def give(self, buf: np.ndarray, after: Any = None, hold: Any = None) -> None:
         """Return ``buf``; with ``after``, only once that event is done (``hold``, the
         device array the copy reads or writes, is kept alive until then too)."""
-        if after is not None and not self.backend.event_done(after):
+        if after is not None and not _finished(self.backend, after):
             with self._lock:
                 self._pending.append((buf, after, hold))
             return
@@ -492,7 +499,7 @@ class PinnedPool:
         with self._lock:
             done, still = [], []
             for entry in self._pending:
-                (done if self.backend.event_done(entry[1]) else still).append(entry)
+                (done if _finished(self.backend, entry[1]) else still).append(entry)
             self._pending = still
         for buf, _, _ in done:
             self._keep(buf)
@@ -685,8 +692,9 @@ class Devices:
 
 
 def _finished(backend: DeviceBackend, event: Any) -> bool:
-    """Whether ``event`` is done; an event whose query fails (a broken context,
-    where nothing will run any more) counts as done."""
+    """Whether the work before ``event`` is over, failed or not: an event whose
+    query fails (the copy before it failed, or a broken context, where nothing
+    will run any more) counts as done, so what the work used may be let go."""
     try:
         return backend.event_done(event)
     except Exception:

@@ -34,9 +34,12 @@ every time rather than now and then:
   a violation, so a placement that takes the wrong path fails;
   :attr:`FakeBackend.peer_copies` and :attr:`FakeBackend.host_bounces` say
   which path a GPU-to-GPU placement took;
-* a copy can fail on its stream (:attr:`FakeBackend.peer_faults`): its event
-  is done, and waiting for it raises the error, as ``cudaEventSynchronize``
-  reports an asynchronous error.
+* a copy can fail on its stream (:attr:`FakeBackend.peer_faults`, and
+  :attr:`FakeBackend.copy_faults` for the copies through pinned memory, say
+  chunk k of n): its event completes with the error, and both polling it
+  (:meth:`FakeBackend.event_done`) and waiting for it raise the error, as
+  ``cudaEventQuery`` and ``cudaEventSynchronize`` report an asynchronous
+  error; a failed copy leaves its destination unwritten.
 
 :meth:`FakeBackend.settle` waits, without sleeping, until every stream is
 idle or blocked (at a gate, or on an event not yet done): after it, whatever
@@ -395,6 +398,10 @@ class FakeBackend(DeviceBackend):
         self.host_bounces = 0  # device tensors copied to the host, then onto a device
         #: errors the next peer copies raise on their stream, in order (a copy that fails)
         self.peer_faults: list[BaseException] = []
+        #: by direction ("d2h", "h2d"), what the next chunk copies through pinned
+        #: memory do, in order: None, run; an error, fail on their stream with it
+        #: (``[None, None, err]``: the third copy fails)
+        self.copy_faults: dict[str, list[BaseException | None]] = {"d2h": [], "h2d": []}
         self._to_host_results: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
         self.synchronizes = 0
         self.host_waiting = 0  # host threads blocked in event_wait / synchronize
@@ -648,8 +655,12 @@ class FakeBackend(DeviceBackend):
         with self._lock:
             block.users[stream] += 1
             pblock.users += 1
+            faults = self.copy_faults[direction]
+            fault = faults.pop(0) if faults else None
 
         def copy() -> None:
+            if fault is not None:
+                raise fault
             if direction == "d2h":
                 host[:] = dev
             else:
@@ -721,7 +732,11 @@ class FakeBackend(DeviceBackend):
         return super().from_host(host, device, pool)
 
     def event_done(self, event: Any) -> bool:
-        return event.is_set()
+        if not event.is_set():
+            return False
+        if event.error is not None:
+            raise event.error  # what cudaEventQuery reports for work that failed
+        return True
 
     def event_wait(self, event: Any) -> None:
         if not event.is_set():

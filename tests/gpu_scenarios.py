@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -18,7 +19,7 @@ import rendezvous
 from mpi_scenarios import finish, pattern, result, start, wait_for, worker
 
 from rendezvous.devices import Devices
-from rendezvous.fakegpu import FakeBackend
+from rendezvous.fakegpu import FakeBackend, FakeCudaError
 
 
 def gkey(src: int, dst: int, name: str, dst_kind: str = "GPU") -> str:
@@ -134,6 +135,70 @@ def transfers(backend: str = "fake") -> None:
     stats = server.stats()
     server.stop(5)
     result(rank=me, stats=stats, pinned_allocs=fake.pinned_allocs, copies=fake.copies)
+
+
+#: the recv of a transfer its producer gave up must fail long before this
+ABORT_DEADLINE = 40.0
+
+
+class _Refusing(FakeBackend):
+    """A fake GPU whose ``refuse_at``-th device-to-host copy cannot be queued."""
+
+    def __init__(self, refuse_at: int, rank: int) -> None:
+        super().__init__()
+        self.refuse_at = refuse_at
+        self.rank = rank
+        self.d2h_calls = 0
+
+    def d2h_async(self, src, start, host):
+        self.d2h_calls += 1
+        if self.d2h_calls == self.refuse_at:
+            raise FakeCudaError(f"cudaErrorLaunchFailure on rank {self.rank}")
+        return super().d2h_async(src, start, host)
+
+
+def aborted(dst_kind: str = "GPU", how: str = "event") -> None:
+    """A staged send that fails partway, at chunk 3 of 6: its copy from the GPU
+    fails on the copy stream (``how`` event: the copy's event completes with
+    the error) or cannot be queued (refused). The consumer's recv (onto its
+    GPU, or ``dst_kind`` CPU) fails with ABORTED at once, naming the
+    producer's error, not at its deadline; the next transfer between the two
+    ranks arrives whole, and every pinned buffer is back in its pool."""
+    from rendezvous.rank.launch import launcher_rank
+
+    me = (launcher_rank() or (0, 1))[0]
+    if how == "event":
+        fake = FakeBackend()
+        fake.copy_faults["d2h"] = [None, None, FakeCudaError(f"cudaErrorIllegalAddress on rank {me}")]
+        want = "cudaErrorIllegalAddress on rank {}"
+    else:
+        fake = _Refusing(3, me)
+        want = "cudaErrorLaunchFailure on rank {}"
+    gpus = Devices([fake])
+    server = start(2, devices=gpus, gpu_staging_chunk_bytes=1 << 20, gpu_staging_depth=2)
+    assert server.task.task == me
+    other = 1 - me
+    n = (5 << 20) + 3
+    server.send(gkey(me, other, "broken", dst_kind), fake.array(pattern(n, me)), step_id=1)
+    server.send(gkey(me, other, "after", dst_kind), fake.array(pattern(n, 30 + me)), step_id=1)
+    began = time.monotonic()
+    try:
+        server.recv(gkey(other, me, "broken", dst_kind), step_id=1, timeout=ABORT_DEADLINE)
+        raise AssertionError("the recv of a transfer its producer gave up returned")
+    except rendezvous.Aborted as exc:
+        took = time.monotonic() - began
+        assert want.format(other) in exc.message and f"rank {other} gave up" in exc.message, exc.message
+    assert took < ABORT_DEADLINE / 4, f"the consumer learnt of the failure after {took:.1f}s"
+    got = server.recv(gkey(other, me, "after", dst_kind), step_id=1, timeout=60)
+    assert np.array_equal(_host(got) if dst_kind == "GPU" else got, pattern(n, 30 + other)), \
+        "the transfer after the aborted one is wrong"
+    finish(server)
+    stats = server.stats()
+    server.stop(5)
+    fake.settle()
+    pool = gpus.pool(fake, 1 << 20, 2)  # the staging pool both transfers used (reaped)
+    result(rank=me, took=took, stats=stats, violations=fake.violations, pinned_held=pool.pending,
+           pinned_out=pool.allocated - pool.free - pool.released)
 
 
 def late(backend: str = "cupy") -> None:

@@ -285,3 +285,45 @@ def test_a_fetched_tensor_that_cannot_be_placed_waits_for_the_next_recv(fake, mo
             with pytest.raises(errors.DeadlineExceeded):
                 await a.recv(gkey(1, 0, "u"), step_id=4, timeout=0.2)
     run(main())
+
+
+class _Runtime:
+    """cupy.cuda.runtime as far as event queries go: ``eventQuery`` returns the
+    raw cudaError_t of ``cudaEventQuery``, as cupy's does."""
+
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status: int) -> None:
+            super().__init__(f"cudaError {status}")
+            self.status = status
+
+    def __init__(self) -> None:
+        self.status: dict[int, int] = {}
+
+    def eventQuery(self, ptr: int) -> int:
+        return self.status[ptr]
+
+
+class _CupyEvent:
+    def __init__(self, runtime: _Runtime, ptr: int) -> None:
+        self.runtime = runtime
+        self.ptr = ptr
+
+    @property
+    def done(self) -> bool:
+        return self.runtime.eventQuery(self.ptr) == 0  # cupy.cuda.Event.done
+
+
+def test_cupy_event_of_a_failed_copy_raises_instead_of_never_being_done():
+    from types import SimpleNamespace
+
+    from rendezvous.cupy_backend import CupyBackend
+
+    runtime = _Runtime()
+    backend = CupyBackend()
+    backend._cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime))
+    runtime.status = {1: 0, 2: 600, 3: 700}  # done, cudaErrorNotReady, cudaErrorIllegalAddress
+    assert backend.event_done(_CupyEvent(runtime, 1)) is True
+    assert backend.event_done(_CupyEvent(runtime, 2)) is False
+    with pytest.raises(_Runtime.CUDARuntimeError) as failed:
+        backend.event_done(_CupyEvent(runtime, 3))  # else a staged send would wait for it for ever
+    assert failed.value.status == 700

@@ -57,3 +57,20 @@ def test_cuda_aware_mpi_takes_device_buffers_directly(requests):
         # requests over MPI the small inline one (one copy)
         assert r["copies"] == {"d2h": 0, "h2d": 3 + inline}
         assert gpu["to_device"] == 1 + inline
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["event", "refused"])
+@pytest.mark.parametrize("dst_kind", ["GPU", "CPU"])
+def test_a_staged_send_that_fails_partway_fails_its_recv_at_once(dst_kind, how):
+    # the copy of chunk 3 of 6 fails on its stream (its event reports the error),
+    # or cannot be queued; the consumer (onto its GPU, or its host) has a 40 s deadline
+    _, results, out = launch(2, "aborted", dst_kind, how, env={"MPI_OPTIMAL_PATH": "1"}, timeout=110,
+                             script=SCRIPT)
+    for r in results:
+        gpu = r["stats"]["gpu"]
+        # both went staged over MPI; a receive is counted once it is whole
+        assert gpu["staged_sends"] == 2 and gpu["staged_recvs"] == (dst_kind == "GPU"), gpu
+        assert r["took"] < 10, r["took"]
+        assert not r["violations"], r["violations"]
+        assert r["pinned_held"] == 0 and r["pinned_out"] == 0, r

@@ -61,7 +61,7 @@ from typing import Any
 
 from rendezvous.errors import Internal, Unavailable
 
-from .ops import Listener, Op, OpKind, mpi_error, resolve, resolve_all
+from .ops import Listener, Op, OpKind, check_part, mpi_error, resolve, resolve_all
 
 __all__ = ["ProgressEngine", "OpKind"]
 
@@ -137,6 +137,7 @@ class ProgressEngine:
         self.in_flight = 0  # operations posted and not complete (read by stats)
         self.polls = 0      # Testsome calls made (the idle-CPU test reads this)
         self._listeners: list[Listener] = []  # control messages taken as they come (see listen)
+        self._statuses: list = []  # Testsome's, reused: a receive's message length is checked
 
     # -- loop side ----------------------------------------------------------
 
@@ -357,6 +358,8 @@ class ProgressEngine:
         op.large = n >= _LARGE and op.peer not in self.copied_peers
         starts = range(0, n, op.chunk) if n else [0]
         comm = op.comm if op.comm is not None else self.comm
+        if op.kind is OpKind.RECV:
+            op.parts = reqs  # this receive's own requests (see check_part)
         try:
             for start in starts:
                 part = view[start:start + op.chunk]
@@ -474,15 +477,20 @@ class ProgressEngine:
         elif not reqs and not on_loop and self.comm is not None:
             self._progress(_PROGRESS_BURST)
         if reqs:
+            statuses = self._statuses
             try:
                 self.polls += 1
-                done = MPI.Request.Testsome(reqs)
+                done = MPI.Request.Testsome(reqs, statuses)
             except MPI.Exception as exc:
                 done = self._fail_one(reqs, owners, exc)
+                statuses = None
             if done:
                 moved = True
-                for i in done:
-                    self._complete(owners[i], on_loop)
+                for j, i in enumerate(done):
+                    op = owners[i]
+                    if op.kind is OpKind.RECV and statuses is not None:
+                        check_part(op, reqs[i], statuses[j].Get_count(MPI.BYTE))  # a short message: ABORTED
+                    self._complete(op, on_loop)
                 if len(done) == 1:
                     del owners[done[0]], reqs[done[0]]
                 else:  # one pass, not one list shift per completion

@@ -19,7 +19,9 @@ from typing import Any
 
 from rendezvous.errors import Internal, RendezvousError
 
-__all__ = ["OpKind", "Op", "Listener", "mpi_error", "resolve", "resolve_all"]
+from . import aborts
+
+__all__ = ["OpKind", "Op", "Listener", "check_part", "mpi_error", "resolve", "resolve_all"]
 
 log = logging.getLogger("rendezvous.mpi")
 
@@ -39,7 +41,7 @@ class OpKind(Enum):
 
 class Op:
     __slots__ = ("kind", "buf", "pipeline", "peer", "tag", "chunk", "future", "loop", "fn", "remaining",
-                 "error", "comm", "posted", "large")
+                 "error", "comm", "posted", "large", "parts")
 
     def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future | None,
                  buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
@@ -60,6 +62,8 @@ class Op:
         #: a send or receive past MPI's eager size: it moves while both sides poll
         #: (see ProgressEngine._run)
         self.large = False
+        #: a receive's requests, one per chunk, in the order posted (see check_part)
+        self.parts: list | None = None
 
 
 class Listener:
@@ -111,6 +115,25 @@ class Listener:
             op.buf = None
         if order is not None and not order:
             del self.order[source]
+
+
+def check_part(op: Op, req: Any, count: int) -> None:
+    """A receive's request ``req`` (one of ``op.parts``) completed with a message
+    of ``count`` bytes: one shorter than its chunk means that its sender gave
+    up partway (see :mod:`rendezvous.mpi.aborts`), and ``op`` fails with
+    ABORTED; its other parts still complete (the sender sends one message for
+    each). An integer compare unless the message is short."""
+    parts = op.parts
+    if op.error is not None or parts is None:
+        return
+    last = req is parts[-1]
+    expected = memoryview(op.buf).nbytes - (len(parts) - 1) * op.chunk if last else op.chunk
+    if count == expected:
+        return
+    index = next(i for i, r in enumerate(parts) if r is req)
+    start = index * op.chunk
+    data = memoryview(op.buf).cast("B")[start:start + count]
+    op.error = aborts.short_message(op.peer, op.tag, index, len(parts), count, expected, data)
 
 
 def mpi_error(MPI: Any, exc: BaseException, what: str) -> BaseException:
