@@ -3,6 +3,7 @@
     python tests/daemon_clients.py exchange NODE CLIENT ADDRESS
     python tests/daemon_clients.py waiter ADDRESS KEY
     python tests/daemon_clients.py hold ADDRESS
+    python tests/daemon_clients.py ask_many_and_hang SESSION_SOCKET KEYS_FILE
 
 Each prints `RESULT <json>` lines on stdout and exits 0 when its checks pass.
 """
@@ -101,6 +102,28 @@ def hold(address: str, key: str) -> None:
         sys.stdout.write(f"HOLDING {value.nbytes}\n")
         sys.stdout.flush()
         sys.stdin.read()  # until killed (or stdin closes)
+
+
+def ask_many_and_hang(path: str, keys_file: str) -> None:
+    """A raw session that asks for the keys in ``keys_file`` (one a line) in one
+    RECV_MANY and then reads nothing, until it is killed: the daemon's answer
+    fills the socket and waits there."""
+    import os
+    import socket
+
+    from rendezvous.local import messages
+    from rendezvous.local.frames import Kind, frame
+    from rendezvous.v1 import local_pb2 as lpb
+
+    with open(keys_file) as f:
+        keys = f.read().split()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    hello = lpb.AttachRequest(client_id="0123456789ab", pid=os.getpid()).SerializeToString()
+    sock.sendall(frame(Kind.HELLO, 1, hello) + frame(Kind.RECV_MANY, 2, messages.recv_many_request(keys, 1, 60.0)))
+    sys.stdout.write("ASKED\n")
+    sys.stdout.flush()
+    sys.stdin.read()  # until killed
 
 
 if __name__ == "__main__":

@@ -291,6 +291,7 @@ class Client:
             return []
         op = self._core.recv_many_op(keys, step_id, timeout)
         await self.connect(timeout)
+        self._core.check_many(op)  # (the first call attaches: now it is known whether a session carries it)
         return self._core.received_many(await self._do(op), op)
 
     async def abort(self, step_id: int, message: str = "aborted") -> None:

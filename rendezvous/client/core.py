@@ -31,7 +31,7 @@ from rendezvous.errors import ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key, canonical_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
-from rendezvous.local.frames import Kind, frame
+from rendezvous.local.frames import SEND_MANY_TENSORS, SMALL_BODY, Kind, frame
 from rendezvous.paths import Hop
 from rendezvous.table import Received, send_items
 from rendezvous.dtypes import as_array, is_memcpyable
@@ -48,8 +48,12 @@ GRPC_METHODS = {Kind.SEND: "Send", Kind.SEND_MANY: "SendMany", Kind.RECV: "Recv"
                 Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
 #: operations whose answer carries tensors: a caller that gives up gives them back
 RECVS = (Kind.RECV, Kind.RECV_MANY)
-#: the most tensor bytes one SEND_MANY carries (send_many sends more as several)
-SEND_MANY_BYTES = 4 << 20
+#: the most bytes (tensors, keys and their records) one SEND_MANY carries (send_many
+#: sends more as several); its last tensor may pass it alone, within SEND_MANY_BODY
+SEND_MANY_BYTES = SEND_MANY_TENSORS
+#: a SEND_MANY's bytes for one tensor beyond its own and its key's: its call id,
+#: dtype, rank, offset, alignment and the key's field header (plus 8 per dimension)
+_SEND_MANY_ENTRY = 40
 
 
 def check_socket(address: str) -> None:
@@ -167,11 +171,14 @@ class ClientCore:
                 flush()
                 plan.append((key, tensor, dead))
                 continue
-            if size + arr.nbytes > SEND_MANY_BYTES:
+            k = canonical_key(key)
+            # what it adds to the frame (keys are ASCII, but a name need not be)
+            entry = arr.nbytes + _SEND_MANY_ENTRY + 8 * arr.ndim + (len(k) if k.isascii() else len(k.encode()))
+            if size + entry > SEND_MANY_BYTES:
                 flush()
-            keys.append(canonical_key(key))
+            keys.append(k)
             arrays.append(arr)
-            size += arr.nbytes
+            size += entry
             packed += 1
         flush()
         if packed:
@@ -195,14 +202,27 @@ class ClientCore:
             self._counts[reply.path] += 1
         return reply.item
 
-    @staticmethod
-    def recv_many_op(keys: Sequence[Key | str], step_id: int, timeout: float | None) -> Op:
+    def recv_many_op(self, keys: Sequence[Key | str], step_id: int, timeout: float | None) -> Op:
         """The RECV_MANY of ``keys``: one operation, one deadline (the daemon's;
-        the client's guard is 10 s later, as for :meth:`recv_op`)."""
+        the client's guard is 10 s later, as for :meth:`recv_op`). On the
+        session socket its frame is at most :data:`SMALL_BODY`, as the daemon
+        reads it: a batch of more keys is refused here (RESOURCE_EXHAUSTED),
+        before anything is asked."""
         canonical = tuple(canonical_key(k) for k in keys)  # a malformed key: refused before anything is sent
         guard = None if timeout is None else timeout + 10.0
-        return Op(Kind.RECV_MANY, messages.recv_many_request(list(canonical), step_id, timeout), guard,
-                  step_id=step_id, keys=canonical)
+        op = Op(Kind.RECV_MANY, messages.recv_many_request(list(canonical), step_id, timeout), guard,
+                step_id=step_id, keys=canonical)
+        self.check_many(op)
+        return op
+
+    def check_many(self, op: Op) -> None:
+        """RESOURCE_EXHAUSTED for a RECV_MANY larger than the session socket's
+        daemon reads (:data:`SMALL_BODY`); nothing is asked then. (A client not
+        attached yet is checked again once it is.)"""
+        if self.segments is not None and len(op.body) > SMALL_BODY:
+            raise ResourceExhausted(f"a recv_many of {len(op.keys)} keys asks in {len(op.body)} bytes; the daemon "
+                                    f"reads at most {SMALL_BODY} in one (about 8,000 keys of 120 characters): ask "
+                                    "for fewer keys at once")
 
     def received_many(self, raw: bytes | memoryview, op: Op) -> list[Received]:
         """A RECV_MANY's answer as the items, in key order, or its error naming each
@@ -212,11 +232,12 @@ class ClientCore:
             raise batch_failure(list(op.keys), op.step_id, got.failures)
         items: list[Received] = []
         packed: collections.Counter[str] = collections.Counter()
+        base, shift = messages.packed_base(raw, got)  # each view aligned to its dtype
         for answer in got.answers:
             if len(answer) == 2:
                 items.append(self.received(raw[answer[0]:answer[1]]))
             else:  # a view on the answer's bytes, as an inline reply's tensor is
-                items.append(Received(messages.packed_view(raw, answer), False))
+                items.append(Received(messages.packed_view(base, answer, shift), False))
                 packed[answer[3]] += 1
         if packed:
             with self._lock:

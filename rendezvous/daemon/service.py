@@ -330,10 +330,12 @@ class LocalServicer:
                 self.waits.pop(wait_id, None)
         return [LocalFetched(f.item, f.path) for f in fetched]
 
-    def give_back_many(self, req: lpb.LocalRecvManyRequest, items: list[Received]) -> None:
+    def give_back_many(self, req: lpb.LocalRecvManyRequest, items: list[Received],
+                       why: str | None = "was not handed to its local client") -> None:
         """A batch's items that were not handed to their client: each kept for the
-        next recv of its key, in their order."""
-        self.server.give_back(req.step_id, list(req.rendezvous_keys), items, why="was not handed to its local client")
+        next recv of its key, in their order (logged per key with ``why``,
+        unless None: the caller said it once)."""
+        self.server.give_back(req.step_id, list(req.rendezvous_keys), items, why=why)
 
     def many_failed(self, keys: Any, exc: BaseException) -> bytes | None:
         """The LocalRecvManyResponse naming each key of a batch that failed, or None

@@ -39,7 +39,7 @@ import logging
 import os
 import struct
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -47,18 +47,18 @@ from google.protobuf.message import DecodeError
 from rendezvous import fields as F
 from rendezvous import wire
 from rendezvous.buffers import RecvBuffers
-from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted, Unavailable
+from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted
 from rendezvous.local import messages
 from rendezvous.local.connection import Connection
-from rendezvous.local.frames import HEADER, FrameError, FrameTooLarge, Kind, frame, pack_error, pack_grants, unpack_ids
-from rendezvous.paths import Hop, Path
+from rendezvous.local.frames import (HEADER, SEND_MANY_BODY, SMALL_BODY, FrameError, FrameTooLarge, Kind, frame,
+                                     pack_error, pack_grants, unpack_ids)
+from rendezvous.paths import Hop
 from rendezvous.rpc.admin import PENDING_BYTES
 from rendezvous.stats import payload_nbytes
-from rendezvous.table import Received
-from rendezvous.dtypes import is_memcpyable
 from rendezvous.tensors import TensorMeta
 from rendezvous.v1 import local_pb2 as lpb
 
+from .placing import Placing
 from .pool import Pool, Segment
 
 if TYPE_CHECKING:
@@ -72,11 +72,9 @@ log = logging.getLogger("rendezvous.daemon")
 UCRED = struct.Struct("3i")
 #: frame bytes beyond a tensor's own (key, dtype, shape and field headers)
 FRAME_SLACK = 1 << 20
-#: the largest frame of an operation that carries no tensor (RECV, LEND, CANCEL,
-#: RELEASE, ABORT, PENDING, HELLO): a key is at most 16,384 characters
-SMALL_FRAME = 1 << 20
-#: copies this big into a segment run on a worker thread (numpy releases the GIL)
-_OFF_LOOP_BYTES = 4 << 20
+#: the largest frame of an operation that carries no tensor (RECV, RECV_MANY, LEND,
+#: CANCEL, RELEASE, ABORT, PENDING, HELLO): a key is at most 16,384 characters
+SMALL_FRAME = SMALL_BODY
 #: bytes of replies a session may leave unread before the daemon stops taking its
 #: frames (one reply larger than this still goes out whole)
 SESSION_HIGH_WATER = 8 << 20
@@ -88,14 +86,6 @@ _MANY_INLINE_BYTES = (1 << 32) - (64 << 20)
 #: the share of the pool's segments, and of max_waiting_calls, one session may hold:
 #: what one client takes, the others still have
 SHARE = 8
-
-
-class Reply(NamedTuple):
-    """A RECV's answer: the LocalRecvResponse bytes, how it crosses the hop, its payload bytes."""
-
-    body: bytes
-    hop: Hop
-    nbytes: int
 
 
 class PoolBuffers(RecvBuffers):
@@ -120,7 +110,7 @@ class PoolBuffers(RecvBuffers):
         return super().empty(dims, dt)
 
 
-class Session:
+class Session(Placing):
     """One client's connection."""
 
     def __init__(self, server: SessionListener, sid: str, sock: socket.socket, pid: int, uid: int) -> None:
@@ -133,14 +123,16 @@ class Session:
         self.hello = False
         self.recvs: dict[int, asyncio.Task] = {}
         self.waiting = 0  # keys those recvs wait for (a RECV_MANY counts each of its keys)
+        self._counted: dict[int, int] = {}  # keys of each recv in flight counted in waiting (none once cancelled)
+        self._reserved = 0  # segments chosen for answers being made, not handed over yet
         self.bad = 0
-        # A tensor's bytes come only in SEND (inline) and RETURN frames; a few frames
-        # are handed over at a time, so a client that reads no replies stops being
-        # read within a few of them (see local.connection.Connection).
+        # A tensor's bytes come only in SEND and RETURN (one tensor each) and SEND_MANY
+        # (small ones packed) frames; every other kind is bounded by SMALL_FRAME, by its
+        # header alone. A few frames are handed over at a time, so a client that reads
+        # no replies stops being read within a few of them (see local.connection.Connection).
         self.conn = Connection(sock, limit=SMALL_FRAME, on_frames=self._frames, on_close=self._closed,
                                          limits={Kind.SEND: server.frame_limit, Kind.RETURN: server.frame_limit,
-                                                 Kind.RECV_MANY: server.frame_limit,
-                                                 Kind.SEND_MANY: server.frame_limit},
+                                                 Kind.SEND_MANY: SEND_MANY_BODY},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
 
@@ -186,6 +178,9 @@ class Session:
         elif kind == Kind.CANCEL:
             task = self.recvs.get(op)
             if task is not None:
+                # a recv given up no longer counts against the share, although it
+                # still unwinds: the client may ask its keys again at once
+                self.waiting -= self._counted.pop(op, 0)
                 task.cancel()
         elif kind == Kind.RELEASE:
             for seg_id in unpack_ids(body):
@@ -296,13 +291,14 @@ class Session:
             raise ResourceExhausted(f"this session already waits for {self.waiting} keys and asks {keys} more (at "
                                     f"most {self.server.recv_share}: 1/{SHARE} of max_waiting_calls)")
         self.waiting += keys
+        self._counted[op] = keys
         task = asyncio.get_running_loop().create_task(answer)
         self.recvs[op] = task
-        task.add_done_callback(lambda t: self._ended(op, keys, t))
+        task.add_done_callback(lambda t: self._ended(op, t))
 
-    def _ended(self, op: int, keys: int, task: asyncio.Task) -> None:
+    def _ended(self, op: int, task: asyncio.Task) -> None:
         self.recvs.pop(op, None)
-        self.waiting -= keys
+        self.waiting -= self._counted.pop(op, 0)
         if task.cancelled():
             # Cancelled before it ever ran (its CANCEL came in the same read as
             # the RECV): its coroutine never reached the CANCELLED answer it
@@ -326,6 +322,8 @@ class Session:
                 self.servicer.give_back(req, item)
                 raise
             self.conn.write(frame(Kind.RECV_REPLY, op, reply.body))
+            # a client that goes away before all of it is written never had it
+            self.conn.on_unsent(self.servicer.give_back, req, item)
             if metrics is not None:
                 metrics.recv_done(path, time.perf_counter() - t0)
                 metrics.local_op("recv", reply.hop, reply.nbytes)
@@ -354,7 +352,8 @@ class Session:
             try:
                 await self.conn.room()
                 places = await self._places([f.item for f in got])
-                parts, hops = self._many_body(got, places)  # no await until the reply is written
+                parts, hops, handed = self._many_body(got, places)  # no await until the reply is written
+                self._hand_over(handed)
             except BaseException:
                 self.servicer.give_back_many(req, [f.item for f in got])
                 raise
@@ -362,6 +361,8 @@ class Session:
             self.conn.write(HEADER.pack(sum(len(p) for p in parts), Kind.RECV_MANY_REPLY, op))
             for part in parts:
                 self.conn.write(part)
+            # a client that goes away before all of it is written never had any of it
+            self.conn.on_unsent(self._unsent_batch, req, got)
             self.servicer.batch_done(got, time.perf_counter() - t0, hops)
         except asyncio.CancelledError:
             self._error(op, Cancelled(f"recv_many of {len(req.rendezvous_keys)} keys (step {req.step_id}) "
@@ -372,89 +373,35 @@ class Session:
             log.error("local recv_many failed", exc_info=exc)
             self._error(op, exc)
 
-    async def _reply(self, item: Received, path: Path) -> Reply:
-        """A fetched tensor as its LocalRecvResponse (see :meth:`_places`)."""
-        places = await self._places([item])
-        return self._replies([(item, path)], places)[0]
-
-    async def _places(self, items: list[Received]) -> list[tuple[np.ndarray, Segment] | None]:
-        """Where each fetched tensor goes to the client: a pool segment (the one it
-        is on, or one it is copied into) or None (the bytes go in the frame:
-        dead, small, not plain bytes, the pool full, or the session at its share
-        of segments). Nothing is handed over yet."""
-        out: list[tuple[np.ndarray, Segment] | None] = []
-        threshold = self.server.threshold
-        room = self.server.segment_share - self.pool.holds(self.id)
-        taken: set[int] = set()  # segments this answer hands over (a tensor sent twice is copied once)
-        for item in items:
-            value = item.value
-            if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
-                    or value.nbytes == 0 or value.nbytes < threshold or len(taken) >= room):
-                out.append(None)
-                continue
-            seg = self.pool.segment_of(value)
-            if seg is None or seg.held_by is not None or seg.id in taken or value.nbytes > seg.size:
-                copy = self.pool.array(value.shape, value.dtype)
-                if copy is None:  # the pool is full: the bytes go in the frame
-                    out.append(None)
-                    continue
-                if value.nbytes >= _OFF_LOOP_BYTES:
-                    await asyncio.get_running_loop().run_in_executor(None, np.copyto, copy, value)
-                else:
-                    np.copyto(copy, value)
-                value = copy
-                seg = self.pool.segment_of(value)
-                assert seg is not None
-            taken.add(seg.id)
-            out.append((value, seg))
-        return out
+    def _unsent_batch(self, req: lpb.LocalRecvManyRequest, got: list[Any]) -> None:
+        """A batch's answer that did not all reach the socket before the session
+        ended: its client never had it, so every tensor is kept for the next
+        recv of its key, in order."""
+        log.warning("client %s (pid %d) went away before its answer to a batch of %d keys (step %d) was written; "
+                    "its tensors are kept for the next recv of each key", self.client_id or self.id, self.pid,
+                    len(got), req.step_id)
+        self.servicer.give_back_many(req, [f.item for f in got], why=None)
 
     def _many_body(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]
-                   ) -> tuple[list, dict[Hop, list[int]]]:
+                   ) -> tuple[list, dict[Hop, list[int]], list[Segment]]:
         """A RECV_MANY's LocalRecvManyResponse (:func:`messages.many_answer`: the
         tensors on segments as replies naming them, the host arrays that go
-        inline packed in one group), and per hop the tensors and bytes that
-        crossed it. Called with no await before the write; an answer too large for
-        one frame is refused before any segment is handed over."""
-        inline = sum(payload_nbytes(f.item.value) for f, place in zip(got, places) if place is None)
-        if inline > _MANY_INLINE_BYTES:
-            raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline} bytes in its "
-                                    f"frame (the shared-memory pool has no room for them); at most "
-                                    f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
-        pooled = [i for i, place in enumerate(places) if place is not None]
-        replies = self._replies([got[i] for i in pooled], [places[i] for i in pooled])
-        prepared = {i: r.body for i, r in zip(pooled, replies) if r.hop is Hop.SHM}
-        hops: dict[Hop, list[int]] = {Hop.SHM: [len(prepared), sum(r.nbytes for r in replies if r.hop is Hop.SHM)]}
+        inline packed in one group), per hop the tensors and bytes that
+        crossed it, and the segments to hand over (:meth:`_hand_over`) before
+        it is written. Called with no await before the write; nothing is
+        handed over here, so an answer that cannot be made (too large for one
+        frame) holds nothing."""
+        prepared, handed = self._pooled(got, places)
+        shm_bytes = sum(places[i][0].nbytes for i in prepared)  # type: ignore[index]
         inline = [f.item for i, f in enumerate(got) if i not in prepared]
-        hops[Hop.INLINE] = [len(inline), sum(payload_nbytes(item.value) for item in inline)]
+        inline_bytes = sum(payload_nbytes(item.value) for item in inline)
+        if inline_bytes > _MANY_INLINE_BYTES:
+            raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline_bytes} bytes in "
+                                    f"its frame (the shared-memory pool has no room for them); at most "
+                                    f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
+        hops = {Hop.SHM: [len(prepared), shm_bytes], Hop.INLINE: [len(inline), inline_bytes]}
         body = messages.many_answer(got, self.servicer.config.max_tensor_bytes, prepared)
-        return body, {hop: t for hop, t in hops.items() if t[0]}
-
-    def _replies(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]) -> list[Reply]:
-        """The LocalRecvResponse of each (item, path) in ``got``, handing over the
-        segments :meth:`_places` chose. Called with no await before the write."""
-        if self.conn.closed:
-            raise Unavailable("the client went away")
-        replies = []
-        handed: list[Segment] = []
-        try:
-            for (item, path), place in zip(got, places):
-                if place is None or place[1].held_by is not None:  # (another answer took it meanwhile)
-                    replies.append(Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(item.value)))
-                    continue
-                value, seg = place
-                self.pool.hand_to(seg, self.id)
-                handed.append(seg)
-                meta = TensorMeta(value.dtype, value.shape)
-                replies.append(Reply(messages.pooled_reply(meta, seg.id, value.nbytes, path), Hop.SHM,
-                                     value.nbytes))
-        except BaseException:
-            for seg in handed:
-                self.pool.release(seg.id, self.id)
-            raise
-        for seg in handed:
-            self._introduce(seg)
-        return replies
+        return body, {hop: t for hop, t in hops.items() if t[0]}, handed
 
     # -- errors and the end -----------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import logging
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 from .frames import MAX_FDS, READ_BYTES, FrameError, FrameReader, close_fds, take_fds
 
 __all__ = ["Connection"]
+
+log = logging.getLogger("rendezvous")
 
 #: frames handed to the owner in one loop turn, at most; the rest wait for the next
 _TURN_FRAMES = 256
@@ -51,7 +54,10 @@ class Connection:
       and nothing more is read while frames wait.
 
     Closing drops everything held for the peer at once (buffers, queued
-    frames, the owner's callbacks): nothing waits for the garbage collector."""
+    frames, the owner's callbacks): nothing waits for the garbage collector.
+    What was written and had not all gone out when the connection closed is
+    told to whoever asked (:meth:`on_unsent`): an answer that carries tensors
+    gives them back."""
 
     def __init__(self, sock: socket.socket, *, limit: int,
                  on_frames: Callable[[list[tuple[int, int, memoryview]], list[int]], None],
@@ -71,6 +77,9 @@ class Connection:
         self._out: collections.deque[tuple[Any, tuple[int, ...]]] = collections.deque()
         self._out_bytes = 0
         self._out_fds = 0
+        self._queued = 0  # bytes ever written (queued), and ever sent: where on_unsent's marks stand
+        self._gone = 0
+        self._unsent: collections.deque[tuple[int, Callable[..., None], tuple]] = collections.deque()
         self._high = high_water
         self._max_fds = max_fds
         self._group = max(1, group)
@@ -184,6 +193,7 @@ class Connection:
             return
         self._out.append((data, tuple(fds)))
         self._out_bytes += len(data)
+        self._queued += len(data)
         self._out_fds += len(fds)
         if not self._flushing and not self._writing:
             self._flushing = True
@@ -191,6 +201,17 @@ class Connection:
         if self.blocked:
             self._room.clear()
             self._read_off()
+
+    def on_unsent(self, lost: Callable[..., None], *args: Any) -> None:
+        """Call ``lost(*args)`` if this connection closes before everything written
+        so far has gone out (the peer went away in the middle of it, or before
+        it): an answer that carries tensors gives them back then. Called at
+        once if the connection is closed already; dropped, uncalled, once those
+        bytes are sent."""
+        if self.closed:
+            lost(*args)
+        elif self._queued > self._gone:
+            self._unsent.append((self._queued, lost, args))
 
     async def room(self) -> None:
         """Return once the peer is reading its replies (at once, unless it is
@@ -250,6 +271,10 @@ class Connection:
 
     def _sent(self, n: int) -> None:
         self._out_bytes -= n
+        self._gone += n
+        unsent = self._unsent
+        while unsent and unsent[0][0] <= self._gone:
+            unsent.popleft()
         while n > 0:
             data, fds = self._out[0]
             close_fds(fds)  # the peer has its own copies now
@@ -315,4 +340,10 @@ class Connection:
             # the owner and this connection refer to each other: let go at once
             self._on_frames = self._on_close = _ignore
             self._farewell = None
+            unsent, self._unsent = self._unsent, collections.deque()
+            for _, lost, args in unsent:  # written, and not all of it went out
+                try:
+                    lost(*args)
+                except Exception as exc:
+                    log.error("giving back what a closed connection did not send failed", exc_info=exc)
             on_close(error)

@@ -35,7 +35,7 @@ from rendezvous.errors import InvalidArgument
 
 __all__ = ["Kind", "HEADER", "frame", "FrameReader", "FrameError", "FrameTooLarge", "pack_ids", "unpack_ids",
            "pack_grants", "unpack_grants", "pack_error", "unpack_error", "MAX_FDS", "take_fds", "close_fds",
-           "READ_BYTES"]
+           "READ_BYTES", "SMALL_BODY", "SEND_MANY_TENSORS", "SEND_MANY_BODY"]
 
 HEADER = struct.Struct("<IBQ")
 _ID = struct.Struct("<Q")
@@ -47,6 +47,13 @@ _BIG = 256 << 10
 READ_BYTES = 256 << 10
 #: descriptors one SEGMENTS frame carries at most
 MAX_FDS = 64
+#: the largest body a client may send in a frame that carries no tensor bytes
+#: (every kind but SEND, RETURN and SEND_MANY; a RECV_MANY's keys included)
+SMALL_BODY = 1 << 20
+#: the tensor bytes, keys and their records a client packs into one SEND_MANY at most
+SEND_MANY_TENSORS = 4 << 20
+#: the largest SEND_MANY body (one run's last tensor may pass SEND_MANY_TENSORS by itself)
+SEND_MANY_BODY = SEND_MANY_TENSORS + (1 << 20)
 
 
 class Kind(enum.IntEnum):

@@ -131,6 +131,8 @@ def send_many_request(keys: list[str], arrays: list[np.ndarray], step_id: int) -
     for key in keys:
         k = key.encode()
         head += [wire.len_field_header(F.SEND_MANY_KEYS, len(k)), k]
+    # the group starts at an aligned offset of the body, and so does its payload
+    head.append(wire.align_pad(sum(map(len, head))))
     return b"".join([*head, *fused.group_parts(range(len(arrays)), arrays, fused.layout(arrays),
                                                field=F.SEND_MANY_GROUP)])
 
@@ -155,7 +157,10 @@ def parse_send_many(raw: bytes | memoryview) -> tuple[int, list[str], list[np.nd
     if group.call_ids != list(range(len(keys))) or group.payload is None:
         raise InvalidArgument(f"a SEND_MANY of {len(keys)} keys carries {len(group.call_ids)} tensors "
                               "(they must be its keys', in order, inside it)")
-    return step_id, keys, fused.views(group, raw, group.payload[0])
+    try:
+        return step_id, keys, fused.views(group, raw, group.payload[0])
+    except (ValueError, TypeError, OverflowError) as exc:  # a shape no array can have
+        raise InvalidArgument(f"a SEND_MANY carries a tensor that cannot be made: {exc}") from None
 
 
 class SendFields(NamedTuple):
@@ -256,6 +261,10 @@ def many_reply(replies: list[bytes], packed: list[int] | None = None, arrays: li
         parts += [wire.len_field_header(F.LOCAL_MANY_REPLIES, len(body)), body]
     if packed:
         assert arrays is not None and paths is not None
+        # the group starts at an aligned offset of the answer, and so does its payload
+        pad = wire.align_pad(sum(map(len, parts)))
+        if pad:
+            parts.append(pad)
         parts += fused.group_parts(packed, arrays, fused.layout(arrays), field=F.LOCAL_MANY_GROUP)
         codes = bytes(_PATH_CODE[p] for p in paths)
         parts += [wire.len_field_header(F.LOCAL_MANY_GROUP_PATHS, len(codes)), codes]
@@ -291,11 +300,12 @@ def many_failed(failures: list[tuple[int, int, str]]) -> bytes:
 
 class ManyReply(NamedTuple):
     """A parsed LocalRecvManyResponse: per key, the byte span of its reply or,
-    for a packed one, its (dtype, shape, offset) in the group's payload and
-    its path; or the failures."""
+    for a packed one, its (dtype, shape, offset) in the answer and its path;
+    or the failures. ``payload``: the span of the packed tensors' bytes."""
 
     answers: list[tuple[int, int] | tuple[np.dtype, tuple[int, ...], int, Path]]
     failures: dict[int, RendezvousError]
+    payload: tuple[int, int] | None = None
 
 
 def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
@@ -335,7 +345,7 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
     for i in range(n):
         if answers[i] is None:
             answers[i] = next(it)
-    return ManyReply(answers, {})
+    return ManyReply(answers, {}, group.payload if group is not None else None)
 
 
 def returned_many(keys: tuple[str, ...], step_id: int, reply: bytes | memoryview) -> list[bytes]:
@@ -345,22 +355,42 @@ def returned_many(keys: tuple[str, ...], step_id: int, reply: bytes | memoryview
     key). None if the batch failed (nothing was taken)."""
     try:
         got = parse_many(reply, len(keys))
+        out = []
+        for key, answer in reversed(list(zip(keys, got.answers))):
+            if len(answer) == 2:
+                out.append(returned(key, step_id, reply[answer[0]:answer[1]]))
+            else:
+                value = packed_view(reply, answer)
+                out.append(returned(key, step_id, inline_reply(Received(value, False), answer[3])))
     except InvalidArgument:
         return []  # not an answer to this batch: nothing of it can be given back
-    out = []
-    for key, answer in reversed(list(zip(keys, got.answers))):
-        if len(answer) == 2:
-            out.append(returned(key, step_id, reply[answer[0]:answer[1]]))
-        else:
-            value = packed_view(reply, answer)
-            out.append(returned(key, step_id, inline_reply(Received(value, False), answer[3])))
     return out
 
 
-def packed_view(raw: bytes | memoryview, answer: tuple) -> np.ndarray:
-    """A packed answer's tensor: a view on ``raw``."""
+def packed_view(raw: bytes | memoryview | np.ndarray, answer: tuple, shift: int = 0) -> np.ndarray:
+    """A packed answer's tensor: a view on ``raw`` (where the answer's byte
+    ``shift`` is; see :func:`packed_base`). A shape no array can have is
+    InvalidArgument."""
     dt, shape, offset, _ = answer
-    return np.frombuffer(raw, dt, math.prod(shape), offset).reshape(shape)
+    try:
+        return np.frombuffer(raw, dt, math.prod(shape), offset - shift).reshape(shape)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidArgument(f"the daemon's packed answer cannot be made into {dt} {shape}: {exc}") from None
+
+
+def packed_base(raw: bytes | memoryview, got: ManyReply) -> tuple[bytes | memoryview | np.ndarray, int]:
+    """Where the views of ``got``'s packed tensors are made so that each is
+    aligned to its dtype (packed tensors lie at multiples of 8 within the
+    payload): ``(raw, 0)`` when the payload lies at an aligned address (the
+    daemon aligns it within the answer, so a body that starts aligned needs
+    nothing), else a copy of the payload, with the offset it starts at."""
+    if got.payload is None:
+        return raw, 0
+    a, b = got.payload
+    payload = np.frombuffer(raw, np.uint8, b - a, a)
+    if b == a or payload.__array_interface__["data"][0] % wire.ALIGN == 0:
+        return raw, 0
+    return payload.copy(), a
 
 
 def _path_field(path: Path) -> bytes:
@@ -368,8 +398,16 @@ def _path_field(path: Path) -> bytes:
 
 
 def inline_reply(item: Received, path: Path) -> bytes:
-    """A LocalRecvResponse with the tensor inside, and how the daemon got it."""
-    return frames.unary_response(item) + _path_field(path)
+    """A LocalRecvResponse with the tensor inside, and how the daemon got it.
+    The tensor's bytes (the last of the tensor's field) start at an aligned
+    offset, so a client whose frame arrives at an aligned address reads them
+    in place."""
+    tensor = frames.unary_response(item)
+    value = item.value
+    pad = b""
+    if not item.is_dead and type(value) is np.ndarray and value.nbytes and is_memcpyable(value):
+        pad = wire.align_pad(len(tensor) - value.nbytes)
+    return b"".join((pad, tensor, _path_field(path)))
 
 
 def pooled_reply(meta: TensorMeta, seg_id: int, nbytes: int, path: Path) -> bytes:
@@ -434,7 +472,10 @@ def parse_reply(raw: bytes | memoryview, view: SegmentView | None = None) -> Loc
         seg = lpb.PoolSlot.FromString(bytes(raw[got.slot[0]:got.slot[1]]))
         meta, _, _ = decode_meta(raw, *got.tensor)
         return LocalReply(Received(view(seg.segment, seg.nbytes, meta), False), got.path, Hop.SHM)
-    return LocalReply(Received(decode_tensor(raw, *got.tensor), False), got.path, Hop.INLINE)
+    value = decode_tensor(raw, *got.tensor)
+    if not value.flags.aligned:  # handed out of the package: aligned to its dtype, or a copy
+        value = value.copy()
+    return LocalReply(Received(value, False), got.path, Hop.INLINE)
 
 
 # -- errors ---------------------------------------------------------------------------------
