@@ -13,7 +13,6 @@ from google.protobuf import any_pb2
 from .v1 import local_pb2 as _local
 from .v1 import rendezvous_pb2 as _rdv
 from .v1 import tensor_pb2 as _tensor
-from .wire import PAD_FIELD
 
 # google.protobuf.Any
 ANY_TYPE_URL = any_pb2.Any.TYPE_URL_FIELD_NUMBER
@@ -73,11 +72,13 @@ STREAM_RESPONSE_ERROR = _rdv.StreamResponse.ERROR_FIELD_NUMBER
 STREAM_RESPONSE_BATCH = _rdv.StreamResponse.BATCH_FIELD_NUMBER
 STREAM_RESPONSE_GROUP = _rdv.StreamResponse.GROUP_FIELD_NUMBER
 
-# Padding: a field neither StreamResponse nor ReplyGroup declares (so every
-# reader skips it), written in both so that the tensor bytes after it start at
-# an aligned offset (see wire.align_pad). One tag byte.
-PAD = PAD_FIELD
-assert PAD not in {f.number for m in (_rdv.StreamResponse, _rdv.ReplyGroup) for f in m.DESCRIPTOR.fields}
+# Padding: a field the messages padded reserve (so every reader skips it),
+# written so that the tensor bytes after it start at an aligned offset (see
+# wire.align_pad). One tag byte.
+PAD = 15
+assert PAD not in {f.number for m in (_rdv.StreamResponse, _rdv.ReplyGroup, _local.LocalRecvResponse,
+                                      _local.LocalRecvManyResponse, _local.LocalSendManyRequest)
+                   for f in m.DESCRIPTOR.fields}
 
 # The local service (local.proto)
 SLOT_SEGMENT = _local.PoolSlot.SEGMENT_FIELD_NUMBER

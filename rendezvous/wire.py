@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .errors import InvalidArgument
+from .fields import PAD
 
 __all__ = [
     "VARINT",
@@ -109,9 +110,9 @@ def varint_field(field_number: int, value: int) -> bytes:
 
 #: what :func:`align_pad` aligns to: the largest alignment of a dtype that travels
 ALIGN = 8
-#: the field number of padding: declared by none of the messages padded (see
-#: fields.PAD, which checks that against the generated modules)
-PAD_FIELD = 15
+#: the field number of padding: declared by none of the messages padded
+#: (fields.PAD checks that against the generated modules)
+PAD_FIELD = PAD
 
 
 def padding(n: int) -> bytes:
