@@ -11,6 +11,10 @@ Switches (``MPI_DISABLED``, ``MPI_OPTIMAL_PATH`` and every boolean field) read
 any case; TensorFlow's reading stays (a value starting with ``1`` is on). Any
 other value is refused at start-up, naming the variable, so that a switch never
 silently means the opposite of what was written.
+
+An empty environment variable is unset: the setting keeps its default (or the
+config file's value). A variable of blanks only (spaces, tabs, newlines) is
+refused, naming it, whatever the setting: it is neither unset nor a value.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def env_flag(value: str) -> bool:
         return True
     if word in _OFF:
         return False
-    raise ValueError(f"{value!r} is not a switch value: use 1, true, yes or on, or 0, false, no or off")
+    blank = " (it is blank: leave it unset for the default)" if not word else ""
+    raise ValueError(f"{value!r} is not a switch value{blank}: use 1, true, yes or on, or 0, false, no or off")
 
 
 def _knob(default: Any, env: str, doc: str, *, parse: Any = None, secret: bool = False) -> Any:
@@ -121,7 +126,12 @@ class Config:
         "", "RENDEZVOUS_TIMELINE",
         "File to write a timeline to: every send and recv (its wait, its transfer, path, bytes, peer) as "
         "Chrome trace events, which Perfetto (ui.perfetto.dev) and chrome://tracing open. `{task_index}` and "
-        "`{job_name}` are replaced, so that each rank writes its own file. Empty: off.")
+        "`{job_name}` are replaced, so that each rank writes its own file (a template that names one file for "
+        "several tasks of the cluster is refused). Empty: off.")
+    timeline_max_bytes: int = _knob(
+        1 << 30, "RENDEZVOUS_TIMELINE_MAX_BYTES",
+        "Largest a timeline file grows: the event that would pass it ends the file instead with a last event, "
+        "`timeline cut`, and the closing bracket; later events are not written. At least 65536.")
     # -- the per-node daemon (rendezvousd; `rendezvous serve` reads the first five too)
     cluster: str = _knob(
         "", "RENDEZVOUS_CLUSTER", "Cluster spec: a JSON file, or inline JSON.")
@@ -203,7 +213,7 @@ class Config:
         None, "RENDEZVOUS_CUDA_AWARE",
         "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory. "
         "Unset or `auto`: probe the MPI library at start-up (the PyPI MPI wheels are not CUDA-aware).",
-        parse=lambda raw: None if raw.strip().lower() in ("", "auto") else env_flag(raw))
+        parse=lambda raw: None if raw == "" or raw.strip().lower() == "auto" else env_flag(raw))
     gpu_staging_chunk_bytes: int = _knob(
         4 << 20, "RENDEZVOUS_GPU_STAGING_CHUNK_BYTES",
         "Size of the pinned host buffers GPU tensors are staged through, and so of each staged MPI message.")
@@ -227,6 +237,9 @@ class Config:
         for f in _FIELDS.values():
             raw = env.get(f.metadata["env"])
             if raw is not None and raw != "":
+                if raw.isspace():
+                    raise InvalidArgument(f"{f.metadata['env']}: {raw!r} is blank: leave it unset (or empty) for "
+                                          f"the default, or give it a value")
                 values[f.name] = _convert(f, raw, f.metadata["env"])
                 sources[f.name] = f"env {f.metadata['env']}"
         for name, value in (overrides or {}).items():
@@ -297,6 +310,10 @@ class Config:
             raise InvalidArgument("tls_cert and tls_key go together: set both or neither")
         if self.tls_client_auth and not (self.tls_cert and self.tls_ca):
             raise InvalidArgument("tls_client_auth needs tls_cert, tls_key and tls_ca")
+        if self.timeline_max_bytes < 64 << 10:
+            raise InvalidArgument(f"timeline_max_bytes must be at least 65536, got {self.timeline_max_bytes}")
+        if self.timeline.isspace():
+            raise InvalidArgument(f"timeline must name a file (empty: off), got {self.timeline!r}")
         if self.max_tensor_bytes < 1:
             raise InvalidArgument(f"max_tensor_bytes must be positive, got {self.max_tensor_bytes}")
         for name in ("grace", "stall_warning"):

@@ -19,8 +19,14 @@ meaning:
 
 A :class:`Deadlines` belongs to the loop it is first used on (an object of
 a server, handed to its parts); a block entered on another loop while
-entries of the first are live falls back to asyncio's own timer. Timers fire
-at the loop timer's resolution (uvloop's is a millisecond), as asyncio's do.
+entries of the first are live falls back to asyncio's own timer.
+
+An entry never fires before its time: it fires once the loop's clock
+(``loop.time()``) has reached it, as an ``asyncio.timeout`` block is never
+cancelled before its deadline, and every entry whose time has come fires in
+that same firing (a little late, never early). A loop timer that wakes before
+the earliest entry's time (uvloop rounds a delay to the nearest millisecond)
+is set again, :data:`_AGAIN` later than that time, and fires nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ __all__ = ["Deadlines", "Timeout", "Timer"]
 #: given-up entries kept in the heap before it is rebuilt without them, at
 #: least; beyond it, when they outnumber the live ones
 _COMPACT_AT = 256
-#: an entry due within this of the loop's time fires now: a loop timer may
-#: wake up to its resolution early (asyncio's clock_resolution; uvloop's ms)
-_EARLY = 1e-3
+#: how much later than the earliest entry's time the loop timer is set again
+#: after it woke too early: uvloop rounds a delay to the nearest millisecond, so
+#: half of one more is never early there (asyncio wakes early by at most its
+#: clock's resolution, a nanosecond)
+_AGAIN = 5e-4
 
 # states of a Timeout
 _IDLE, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
@@ -233,9 +241,9 @@ class Deadlines:
     def _fire(self) -> None:
         self._handle = None
         heap = self._heap
-        due = self._loop.time() + _EARLY  # type: ignore[union-attr]
+        now = self._loop.time()  # type: ignore[union-attr]
         fired: list[_Entry] = []
-        while heap and (heap[0][0] <= due or not heap[0][2].live):
+        while heap and (heap[0][0] <= now or not heap[0][2].live):
             _, _, entry = heapq.heappop(heap)
             if entry.live:
                 entry.live = False
@@ -244,7 +252,9 @@ class Deadlines:
             else:
                 self._dead -= 1
         if heap:
-            self._arm(heap[0][0])
+            when = heap[0][0]
+            # not due yet though the timer was set for it: the timer woke early
+            self._arm(when + _AGAIN if when <= self._armed else when)
         # after the heap is whole again: a callback may add entries, or cancel
         # one due in this same firing (which then does not run, as with asyncio)
         for entry in fired:

@@ -57,6 +57,22 @@ trace.
   ``key``, ``step_id``, ``peer`` (the consuming task), ``bytes``, ``dead``,
   ``outcome``.
 
+**One file per rank, made safely, bounded.** :meth:`Timeline.for_task`
+refuses a template that names one file for two tasks of the cluster (a
+template without ``{task_index}``, or without ``{job_name}`` when several jobs
+have a task of that index): ranks would take one file from each other. The
+file is always made new, never opened through a link planted at its path,
+held with a lock while written (a second timeline on a file in use, another
+job's, is refused), and grows to ``max_bytes`` (the ``timeline_max_bytes``
+setting) at most, ending then with a last event, ``timeline cut``, and its
+closing bracket: see :mod:`rendezvous.trace_file`.
+
+**Never an error for a send or a recv.** Recording is called after the state
+changed (a tensor put into the table, a tensor taken for a recv): nothing in
+it raises. A write that fails (a full disk) ends the file there and logs one
+warning; what was not written is counted (:attr:`Timeline.lost`), and so are
+failures (:attr:`Timeline.failures`).
+
 **Cost.** Off, a server holds no timeline (``None``) and every place that
 records checks that and nothing else (the traced forms of the table, the
 planes, the servicer's ``take`` and the receiver's ``fetch`` are only put in
@@ -72,10 +88,10 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .cluster import ClusterSpec
@@ -84,6 +100,7 @@ from .keys import Key, TaskName, as_key
 from .paths import Path
 from .stats import payload_nbytes
 from .table import Received, WaitingTable
+from .trace_file import TraceFile, merge, read_trace
 from .transport import Arrival, Fetched, Planes, Reply
 
 __all__ = ["Timeline", "RecvSpan", "TracedTable", "TracedPlanes", "timeline_path", "read_trace", "merge",
@@ -97,6 +114,9 @@ CLOCK = ("microseconds since the Unix epoch: time.perf_counter_ns (CLOCK_MONOTON
 LANES = 100_000
 #: keys whose names and JSON a timeline keeps, for the recvs and for the sends and serves
 KEYS = 4096
+#: the largest a file grows by default (the ``timeline_max_bytes`` setting)
+MAX_BYTES = 1 << 30
+log = logging.getLogger("rendezvous")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
@@ -138,19 +158,15 @@ class Timeline:
     """One rank's timeline file. Use on the server's event loop thread only."""
 
     def __init__(self, path: str, task: TaskName, pid: int, *, flush_events: int = 1024,
-                 flush_interval: float = 1.0) -> None:
+                 flush_interval: float = 1.0, max_bytes: int = MAX_BYTES) -> None:
         self.path = path
         self.task = task
         self.pid = pid
         self.flush_events = flush_events
         self.flush_interval = flush_interval
-        folder = os.path.dirname(path)
-        try:
-            if folder:
-                os.makedirs(folder, exist_ok=True)
-            self._file: Any = open(path, "wb", buffering=0)
-        except OSError as exc:
-            raise InvalidArgument(f"cannot write the timeline to {path!r}: {exc.strerror or exc}") from None
+        self._closed = False
+        #: events that could not be recorded (a bug's exception, logged once)
+        self._unrecorded = 0
         #: added to now() to count from the Unix epoch
         self._offset = time.time_ns() - now()
         self._events: list[str] = []
@@ -168,24 +184,59 @@ class Timeline:
         head = [self._meta("process_name", pid * LANES, "name", str(task)),
                 self._meta("process_sort_index", pid * LANES, "sort_index", pid),
                 *lane, self._instant("timeline started", "timeline", self._send_tid, now(), started)]
-        self._write("[\n" + ",\n".join(head))
+        self._out = TraceFile(path, "[\n" + ",\n".join(head), max_bytes, self._cut_event)
 
     @classmethod
     def for_task(cls, template: str, cluster: ClusterSpec, task: TaskName, **kwargs: Any) -> "Timeline":
-        """The timeline of ``task`` (in ``cluster``), in the file ``template`` names for it."""
-        pid = next(i for i, t in enumerate(cluster.tasks(), 1) if t == task)
-        return cls(timeline_path(template, task), task, pid, **kwargs)
+        """The timeline of ``task`` (in ``cluster``), in the file ``template`` names
+        for it. InvalidArgument if that is the file of another task of the
+        cluster too: each rank writes its own."""
+        path = timeline_path(template, task)
+        pid = 0
+        sharing: list[TaskName] = []
+        for i, t in enumerate(cluster.tasks(), 1):
+            if t == task:
+                pid = i
+            elif timeline_path(template, t) == path:
+                sharing.append(t)
+        if sharing:
+            more = f" (and {len(sharing) - 1} more)" if len(sharing) > 1 else ""
+            raise InvalidArgument(
+                f"the timeline template {template!r} names one file, {path!r}, for {task} and {sharing[0]}{more}: "
+                "put {task_index} in it (and {job_name}, when the cluster has several jobs), so that each rank "
+                "writes its own")
+        if not pid:
+            raise InvalidArgument(f"the timeline's task {task} is not in the cluster")
+        return cls(path, task, pid, **kwargs)
 
     # -- writing ------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
-        return self._file is None
+        return self._closed
+
+    @property
+    def lost(self) -> int:
+        """Events not written: past the file's cap, after a write that failed, or
+        that could not be recorded."""
+        return self._out.lost + self._unrecorded
+
+    @property
+    def failures(self) -> int:
+        """Writes that failed, and events that could not be recorded."""
+        return self._out.failures + self._unrecorded
+
+    @property
+    def ended(self) -> str | None:
+        """Why the file ended before the timeline closed (its cap, a failed write), or None."""
+        return self._out.ended
 
     def _add(self, event: str) -> None:
         """Buffer one event (its JSON text)."""
-        if self._file is None:
-            return  # closed: the server stopped; a late recv's end goes nowhere
+        if not self._out.writing:
+            if not self._closed:
+                self._out.lost += 1  # the file ended (its cap, a failed write)
+            return  # or closed: the server stopped; a late recv's end goes nowhere
         events = self._events
         events.append(event)
         if len(events) >= self.flush_events:
@@ -207,24 +258,33 @@ class Timeline:
             self._timer.cancel()
             self._timer = None
         events, self._events = self._events, []
-        if events and self._file is not None:
-            self._write(",\n" + ",\n".join(events))
+        if events:
+            self._out.write(events)
 
     def close(self) -> None:
-        """Write the rest and the closing bracket: the file is then plain JSON. Idempotent."""
-        if self._file is None:
+        """Write the rest and the closing bracket: the file is then plain JSON.
+        Idempotent; never raises."""
+        if self._closed:
             return
         self.flush()
-        self._write("\n]\n")
-        self._file.close()
-        self._file = None
+        self._closed = True
+        self._out.close()
         self._watched.clear()
         self._serving = None
 
-    def _write(self, text: str) -> None:
-        data = memoryview(text.encode())
-        while data:
-            data = data[self._file.write(data):]
+    def _cut_event(self, left: int) -> str:
+        """The last event of a file that reached its cap (``left`` events of the
+        batch did not fit)."""
+        args = (f',"args":{{"max_bytes":{self._out.max_bytes},"events_not_written":{left},'
+                '"why":"the file reached its cap (timeline_max_bytes): later events are not written"}')
+        return self._instant("timeline cut", "timeline", self._send_tid, now(), args)
+
+    def _unrecordable(self, what: str, exc: BaseException) -> None:
+        """An event could not be recorded (a bug): counted, the first one logged."""
+        self._unrecorded += 1
+        if self._unrecorded == 1:
+            log.warning("timeline %s: could not record %s (later failures are only counted)", self.path, what,
+                        exc_info=exc)
 
     def _span(self, name: str, cat: str, tid: int, start: int, end: int, args: str = "") -> None:
         """A complete event (``X``) from ``start`` to ``end``; ``args``: its
@@ -290,7 +350,17 @@ class Timeline:
     def recv_done(self, span: RecvSpan, key: Key | str, step_id: int, fetched: Fetched | None = None,
                   error: BaseException | None = None) -> None:
         """The recv of ``span`` (of ``key``, as the caller gave it) ended: with
-        ``fetched``, or with ``error``. InvalidKey if ``key`` is not one."""
+        ``fetched``, or with ``error``. Nothing is recorded if ``key`` is not one
+        (no recv happened). Never raises."""
+        try:
+            self._recv_done(span, key, step_id, fetched, error)
+        except RendezvousError:
+            pass  # not a key
+        except Exception as exc:
+            self._unrecordable("a recv", exc)
+
+    def _recv_done(self, span: RecvSpan, key: Key | str, step_id: int, fetched: Fetched | None,
+                   error: BaseException | None) -> None:
         end = now()
         start = span.start
         group, name, head = self._recv_key(key)
@@ -348,22 +418,32 @@ class Timeline:
         reply is planned next, in the same turn of the loop (:meth:`served`).
         ``start``: when the request began to wait (None: it did not)."""
         taken = now()
-        self._serving = _Serving(request, key, item, taken if start is None else start, taken)
+        try:
+            self._serving = _Serving(request, key, item, taken if start is None else start, taken)
+        except Exception as exc:
+            self._serving = None
+            self._unrecordable("a reply served", exc)
 
     def served(self, request: Any, path: Path | None, error: BaseException | None = None) -> None:
         """The reply to ``request`` was planned (on ``path``), or failed with ``error``."""
         serving, self._serving = self._serving, None
         if serving is None or serving.request is not request:
             return
-        if error is None:
-            how = f'"path":"{path}","bytes":{serving.nbytes},"outcome":"{"dead" if serving.dead else "ok"}"}}'
-            self._serve_span(serving.start, serving.key, request.step_id, serving.taken, "", how)
-        else:
-            self._serve_span(serving.start, serving.key, request.step_id, serving.taken, *_failed("", error))
+        try:
+            if error is None:
+                how = f'"path":"{path}","bytes":{serving.nbytes},"outcome":"{"dead" if serving.dead else "ok"}"}}'
+                self._serve_span(serving.start, serving.key, request.step_id, serving.taken, "", how)
+            else:
+                self._serve_span(serving.start, serving.key, request.step_id, serving.taken, *_failed("", error))
+        except Exception as exc:
+            self._unrecordable("a reply served", exc)
 
     def serve_failed(self, request: Any, start: int, error: BaseException) -> None:
         """``request`` ended without a tensor (cancelled, aborted, refused)."""
-        self._serve_span(start, request.rendezvous_key, request.step_id, None, *_failed("", error))
+        try:
+            self._serve_span(start, request.rendezvous_key, request.step_id, None, *_failed("", error))
+        except Exception as exc:
+            self._unrecordable("a reply served", exc)
 
     def _serve_span(self, start: int, key: str, step_id: int, taken: int | None, suffix: str, how: str) -> None:
         end = now()
@@ -377,15 +457,18 @@ class Timeline:
     # -- send ---------------------------------------------------------------
 
     def sent(self, key: Any, step_id: int, value: Any, is_dead: bool, error: BaseException | None = None) -> None:
-        """A tensor was produced under ``key`` (or refused with ``error``)."""
-        name, _, head = self._produced_key(str(key))
-        if error is None:
-            name, how = f"send {name}", '"outcome":"ok"}'
-        else:
-            name, how = _failed(f"send {name}", error)
-        args = (f'{head},"step_id":{step_id},"bytes":{0 if is_dead else payload_nbytes(value)},'
-                f'"dead":{"true" if is_dead else "false"},{how}')
-        self._add(self._instant(name, "send", self._send_tid, now(), args))
+        """A tensor was produced under ``key`` (or refused with ``error``). Never raises."""
+        try:
+            name, _, head = self._produced_key(str(key))
+            if error is None:
+                name, how = f"send {name}", '"outcome":"ok"}'
+            else:
+                name, how = _failed(f"send {name}", error)
+            args = (f'{head},"step_id":{step_id},"bytes":{0 if is_dead else payload_nbytes(value)},'
+                    f'"dead":{"true" if is_dead else "false"},{how}')
+            self._add(self._instant(name, "send", self._send_tid, now(), args))
+        except Exception as exc:
+            self._unrecordable("a send", exc)
 
 
 def _failed(name: str, error: BaseException | None) -> tuple[str, str]:
@@ -471,47 +554,3 @@ class TracedPlanes(Planes):
         arrival = super().receive(reply, head, placement)
         self.timeline.answered(placement, at, arrival.value is None)
         return arrival
-
-
-# -- reading --------------------------------------------------------------------
-
-
-def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The events of a trace file, read as Perfetto reads one: the object form,
-    or the array form with or without its closing bracket (a process that died
-    left it open), every complete event up to a partial last one."""
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    body = text.lstrip()
-    if body.startswith("{"):
-        return list(json.loads(body)["traceEvents"])
-    if not body.startswith("["):
-        raise ValueError(f"{os.fspath(path)} is not a trace: it starts with neither [ nor {{")
-    return list(_array_events(body))
-
-
-def _array_events(body: str) -> Iterator[dict[str, Any]]:
-    decoder = json.JSONDecoder()
-    i, n = 1, len(body)
-    while True:
-        while i < n and body[i] in " \t\r\n,":
-            i += 1
-        if i >= n or body[i] == "]":
-            return
-        try:
-            event, i = decoder.raw_decode(body, i)
-        except json.JSONDecodeError:
-            if body.find("\n", i) == -1:
-                return  # the partial last event of a file cut short
-            raise
-        yield event
-
-
-def merge(paths: Iterable[str | os.PathLike[str]], out: str | os.PathLike[str]) -> int:
-    """Write the events of ``paths`` (one rank each) as one trace file; the count."""
-    events = [e for p in paths for e in read_trace(p)]
-    with open(out, "w", encoding="utf-8") as fh:
-        fh.write("[\n")
-        fh.write(",\n".join(_dumps(e) for e in events))
-        fh.write("\n]\n")
-    return len(events)

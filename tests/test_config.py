@@ -93,3 +93,46 @@ def test_readme_defaults_are_the_real_defaults():
             wrong.append((env, default, shown))
     assert len(checked) >= 30, sorted(set(ENV_VARS) - checked)  # the rest show a blank or words ("see above")
     assert not wrong, f"README's defaults differ from Config's: {wrong}"
+
+
+BLANKS = [" ", "   ", "\t", "\n", " \t\r\n "]
+
+
+@pytest.mark.parametrize("env", BOOLEAN_VARIABLES)
+def test_a_blank_switch_is_refused_naming_it_and_an_empty_one_is_unset(env, tmp_path):
+    """A switch of blanks (MPI_OPTIMAL_PATH=" ") is neither on nor unset: refused
+    at start-up with the variable named, from the environment, an argument or
+    a config file. An empty variable keeps the default."""
+    name, default, _ = ENV_VARS[env]
+    for blank in BLANKS:
+        with pytest.raises(InvalidArgument, match=f"^{env}: "):
+            Config.load(env={env: blank})
+        with pytest.raises(InvalidArgument, match=f"^{name}: "):
+            Config.load({name: blank}, env={})
+    path = tmp_path / "c.toml"
+    path.write_text(f'{name} = " "\n')
+    with pytest.raises(InvalidArgument, match=f"c.toml: {name}: "):
+        Config.load(env={}, file=path)
+    assert getattr(Config.load(env={env: ""}), name) == default
+
+
+@pytest.mark.parametrize("blank", BLANKS)
+def test_env_flag_says_a_blank_value_is_not_a_switch(blank):
+    with pytest.raises(ValueError, match=r"not a switch value \(it is blank"):
+        env_flag(blank)
+
+
+@pytest.mark.parametrize("env", sorted(ENV_VARS))
+def test_a_blank_variable_of_any_setting_is_refused_naming_it(env):
+    """Blanks are never a value: RENDEZVOUS_TIMELINE=" " named a file " ", and a
+    blank token or address meant nothing either. Empty stays unset."""
+    with pytest.raises(InvalidArgument, match=f"^{env}: ' ' is blank"):
+        Config.load(env={env: " "})
+    assert Config.load(env={env: ""}).sources[ENV_VARS[env][0]] == "default"
+
+
+def test_the_timeline_cap_is_a_setting_with_a_floor():
+    assert Config.load(env={}).timeline_max_bytes == 1 << 30
+    assert Config.load(env={"RENDEZVOUS_TIMELINE_MAX_BYTES": "65536"}).timeline_max_bytes == 65536
+    with pytest.raises(InvalidArgument, match="timeline_max_bytes must be at least 65536"):
+        Config.load({"timeline_max_bytes": 4096}, env={})

@@ -285,3 +285,85 @@ def test_an_entry_given_up_holds_nothing_of_its_caller():
         assert arg_ref() is None, "a cancelled timer kept its arguments alive"
 
     run(main())
+
+
+def _loops():
+    yield pytest.param(asyncio.new_event_loop, id="asyncio")
+    try:
+        import uvloop
+    except ImportError:
+        return
+    yield pytest.param(uvloop.new_event_loop, id="uvloop")
+
+
+@pytest.mark.parametrize("new_loop", list(_loops()))
+def test_no_deadline_fires_before_its_time(new_loop):
+    """asyncio.timeout's meaning: a block is never cancelled before its
+    deadline, a timer never runs before its time. Entries spread over 50 ms,
+    a quarter of a millisecond apart, each checked against the loop's clock
+    as it fires (an entry due soon after another must wait for its own time,
+    not fire with the earlier one)."""
+    spread, step = 0.05, 0.00025
+
+    async def main():
+        d = Deadlines()
+        loop = asyncio.get_running_loop()
+        start = loop.time() + 0.005
+        early: list[tuple[str, float]] = []
+        timers_done = asyncio.Event()
+        count = int(spread / step)
+        fired = 0
+        assert d._adopt()
+
+        def timer(when: float) -> None:
+            nonlocal fired
+            now = loop.time()
+            if now < when:
+                early.append(("timer", when - now))
+            fired += 1
+            if fired == count:
+                timers_done.set()
+
+        for i in range(count):
+            when = start + i * step
+            d._push(when, dl.Timer(d, timer, (when,)))
+
+        async def block(when: float) -> None:
+            try:
+                async with d.timeout_at(when):
+                    await loop.create_future()
+            except TimeoutError:
+                now = loop.time()
+                if now < when:
+                    early.append(("timeout", when - now))
+
+        blocks = [loop.create_task(block(start + (i + 0.5) * step)) for i in range(count)]
+        await asyncio.gather(*blocks)
+        await asyncio.wait_for(timers_done.wait(), 10)
+        assert not early, f"{len(early)} entries fired early, by up to {max(e for _, e in early) * 1e3:.3f} ms"
+        assert len(d) == 0
+
+    loop = new_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), 20))
+    finally:
+        loop.close()
+
+
+def test_a_timer_that_wakes_early_is_set_again_and_fires_nothing_yet():
+    """A loop timer that comes before the earliest entry's time (uvloop rounds a
+    delay to the millisecond) fires nothing, and the timer is set again for
+    after that time."""
+    async def main():
+        d = Deadlines()
+        loop = asyncio.get_running_loop()
+        fired = []
+        when = loop.time() + LONG
+        assert d._adopt()
+        d._push(when, dl.Timer(d, fired.append, ("x",)))
+        d._fire()  # as the loop would, woken early
+        assert fired == [] and len(d) == 1
+        assert d._armed > when and d._handle is not None
+        d._heap[0][2].cancel()
+
+    run(main())

@@ -95,6 +95,10 @@ class _BlockingLink(Router):
         self._rlock = threading.Lock()
         self._cond = threading.Condition()
         self._error: RendezvousError | None = None
+        #: the frames of the read being routed: the last one routed whole, and
+        #: the one begun (its position, and the waiting call it answers, if any)
+        self._routed = -1
+        self._routing: tuple[int, Pending | None] = (-1, None)
         hello = lpb.AttachRequest(client_id=client_id, pid=os.getpid()).SerializeToString()
         try:
             self.info = lpb.AttachResponse.FromString(bytes(self.call(Op(Kind.HELLO, hello, timeout))))
@@ -203,15 +207,47 @@ class _BlockingLink(Router):
         if frames is None:
             self._fail(Unavailable("the daemon closed the session (it stopped or restarted)"))
             raise self._error
-        for kind, op_id, body in frames:
-            self._frame(kind, op_id, body)
+        self._route_all(frames)
 
-    def _frame(self, kind: int, op_id: int, body: memoryview) -> None:
+    def _route_all(self, frames: list[tuple[int, int, memoryview]]) -> None:
+        """Route the frames of one read, read for every caller. A caller
+        interrupted here (Ctrl-C) finishes first: the answer whose routing the
+        interrupt cut short is marked answered (so that its caller, when it is
+        this one, gives it back: see :meth:`call`), and the frames after it are
+        routed (other callers wait for them)."""
+        self._routed = -1
+        try:
+            for i, (kind, op_id, body) in enumerate(frames):
+                self._frame(i, kind, op_id, body)
+        except BaseException:
+            self._finish(frames)
+            raise
+
+    def _frame(self, i: int, kind: int, op_id: int, body: memoryview) -> None:
         with self._cond:  # routed and marked done at once: see _give_up
+            self._routing = (i, self._ops.get(op_id))
             entry = self._route(kind, op_id, body)
             if entry is not None:
                 entry.answered(kind, body)
                 self._cond.notify_all()
+            self._routed = i  # the last step: nothing left to finish for this frame
+
+    def _finish(self, frames: list[tuple[int, int, memoryview]]) -> None:
+        """Route what an interrupt left of ``frames`` (see :meth:`_route_all`)."""
+        cut = self._routed + 1
+        if cut >= len(frames):
+            return
+        kind, op_id, body = frames[cut]
+        at, waiting = self._routing
+        with self._cond:
+            if at != cut or (waiting is not None and self._ops.get(op_id) is waiting):
+                self._frame(cut, kind, op_id, body)  # not begun, or not taken off the waiting calls yet
+            elif waiting is not None and not waiting.done:
+                waiting.answered(kind, body)  # taken off the waiting calls, not marked: its caller gives it back
+                self._cond.notify_all()
+            # else a frame of segments, or a late answer, cut short inside: left as it is
+            for i in range(cut + 1, len(frames)):
+                self._frame(i, *frames[i])
 
     def _fail(self, error: RendezvousError) -> None:
         with self._cond:

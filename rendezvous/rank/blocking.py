@@ -4,6 +4,13 @@ For plain training scripts. ``start()`` returns once the server is serving.
 Every method may be called from any thread; each hands its work to the loop
 thread and waits for the answer, so errors (Aborted, DeadlineExceeded, ...)
 are raised in the caller.
+
+A caller interrupted while it waits (Ctrl-C) loses nothing, wherever the
+interrupt lands: the loop's task is cancelled if it still runs, and what a
+recv received and its caller did not get, because the task had ended before
+the interrupt or ends with its tensors after it, is kept for the next recv of
+each key (:class:`_Call`). The tensors count as the caller's only once the
+method returns them.
 """
 
 from __future__ import annotations
@@ -28,6 +35,84 @@ from rendezvous.table import PendingEntry, Received
 
 __all__ = ["Server", "new_event_loop"]
 T = TypeVar("T")
+
+
+class _Call:
+    """One blocking method's coroutine, run as a task on the loop, and its outcome.
+
+    The caller's thread waits on :attr:`future`. A caller that stops before the
+    result is in its hands (Ctrl-C, a timeout, an error while converting it)
+    has :meth:`abandon` run on the loop: the task is cancelled if it still
+    runs, and a result it ended with, before or after, goes to ``orphaned``
+    (on the loop) unless the caller marked it :attr:`delivered`. Every step
+    but ``delivered`` runs on the loop's thread, so none races another: a
+    result goes to the caller or to ``orphaned``, never to neither."""
+
+    __slots__ = ("future", "delivered", "why", "launched", "_coro", "_orphaned", "_task", "_finished",
+                 "_abandoned")
+
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        #: set on the caller's thread, last thing before the result is returned to its caller
+        self.delivered = False
+        #: why a result goes to ``orphaned`` (for its log; None: the caller's error says it)
+        self.why: str | None = "was received after its caller was interrupted"
+        #: handed to a loop (set before, so that a caller stopped at once still gives it up)
+        self.launched = False
+        self._coro: Coroutine[Any, Any, Any] | None = None
+        self._orphaned: Callable[[Any, str | None], None] | None = None
+        self._task: asyncio.Task | None = None
+        self._finished = False
+        self._abandoned = False
+
+    def launch(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
+               orphaned: Callable[[Any, str | None], None] | None) -> None:
+        """Run ``coro`` on ``loop`` (from any thread); RuntimeError if the loop is closed."""
+        self._coro = coro
+        self._orphaned = orphaned
+        self.launched = True
+        loop.call_soon_threadsafe(self._start, loop)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        coro, self._coro = self._coro, None
+        if coro is None:
+            return
+        if self._abandoned:
+            coro.close()
+            return
+        self._task = loop.create_task(coro)
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._finished = True
+        if self._abandoned:
+            self._orphan()
+        elif task.cancelled():
+            self.future.cancel()
+        elif task.exception() is not None:
+            self.future.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            self.future.set_result(task.result())
+
+    def abandon(self) -> None:
+        """The caller stopped waiting without the result (on the loop's thread)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if self._coro is not None:  # never started
+            self._coro.close()
+            self._coro = None
+        elif self._finished:
+            self._orphan()  # ended before the caller stopped: its result is still nobody's
+        elif self._task is not None:
+            self._task.cancel()  # a result it still ends with goes to _orphan (_done)
+
+    def _orphan(self) -> None:
+        task = self._task
+        if self.delivered or self._orphaned is None or task is None or task.cancelled() \
+                or task.exception() is not None:
+            return
+        self._orphaned(task.result(), self.why)
 
 
 class Server:
@@ -56,34 +141,42 @@ class Server:
     # -- plumbing -----------------------------------------------------------
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
-              orphaned: Callable[[T], None] | None = None, attended: bool = False) -> T:
+              orphaned: Callable[[T, str | None], None] | None = None, attended: bool = False,
+              call: _Call | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result. Interrupted here
-        (Ctrl-C, ``timeout``), the coroutine is cancelled; if it had finished
-        already, its result goes to ``orphaned`` on the loop (a recv's tensor is
-        kept for the next recv of its key, never dropped). ``attended``: the
-        loop polls MPI while this caller waits (see aio.Server.attending)."""
+        (Ctrl-C, ``timeout``), the coroutine is cancelled, and a result it had
+        or still ends with goes to ``orphaned(result, why)`` on the loop (a
+        recv's tensors are kept for the next recv of their keys, never
+        dropped): see :class:`_Call`. ``call``: the caller's own, when it must
+        still be able to give the result up after this returns (it then marks
+        it delivered itself). ``attended``: the loop polls MPI while this
+        caller waits (see aio.Server.attending)."""
         self._check_running(coro)
         if threading.current_thread() is self._thread:
             coro.close()
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
         runs = self._aio.attending(coro) if attended else coro
+        if call is None:
+            call = _Call()
         try:
-            fut = asyncio.run_coroutine_threadsafe(runs, self._loop)
+            call.launch(self._loop, runs, orphaned)  # type: ignore[arg-type]
         except RuntimeError:  # the loop closed in between: the server stopped
             runs.close()
             coro.close()
             raise self._stopped_error() from None
         try:
-            return fut.result(timeout)
+            return call.future.result(timeout)
         except BaseException:
-            # KeyboardInterrupt or a timeout here: stop the remote wait too
-            if not fut.cancel() and orphaned is not None and fut.done() and not fut.cancelled() \
-                    and fut.exception() is None:
-                try:
-                    self._loop.call_soon_threadsafe(orphaned, fut.result())
-                except RuntimeError:
-                    pass  # the loop is closed: the server stopped, and its tensors with it
+            self._abandon(call)  # KeyboardInterrupt or a timeout here: stop the remote wait too
             raise
+
+    def _abandon(self, call: _Call) -> None:
+        """``call``'s caller stopped without its result (see :class:`_Call`)."""
+        if call.launched and not call.delivered:
+            try:
+                self._loop.call_soon_threadsafe(call.abandon)  # type: ignore[union-attr]
+            except RuntimeError:
+                pass  # the loop is closed: the server stopped, and its tensors with it
 
     def _check_running(self, coro: Coroutine[Any, Any, Any] | None = None) -> None:
         """Raise FailedPrecondition before start() and Unavailable after stop()."""
@@ -206,17 +299,35 @@ class Server:
             raise self._stopped_error() from None
         done.result()
 
+    # Each recv method marks its call delivered as the last thing before it
+    # returns (no call in between, so no interrupt lands in between); stopped
+    # anywhere before, it gives the call up and the tensors are kept.
+
     def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
              device: str | None = None, framework: str | None = None) -> Any:
         """Block until the tensor is here (None if dead): numpy, or a cupy array when
         the key's dst_device (or ``device="gpu:N"``) is a GPU, or a torch tensor
         sharing that memory with ``framework="torch"``; errors as in the aio form."""
-        return self.recv_item(key, step_id, timeout, device, framework).value
+        call = _Call()
+        try:
+            value = self._received(call, [key], step_id, timeout, device, framework, one=True)[0].value
+            call.delivered = True
+            return value
+        except BaseException:
+            self._abandon(call)
+            raise
 
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                   device: str | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        return self._received([key], step_id, timeout, device, framework, one=True)[0]
+        call = _Call()
+        try:
+            item = self._received(call, [key], step_id, timeout, device, framework, one=True)[0]
+            call.delivered = True
+            return item
+        except BaseException:
+            self._abandon(call)
+            raise
 
     def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """Produce many tensors at once (see :meth:`rendezvous.aio.Server.send_many`):
@@ -230,30 +341,48 @@ class Server:
                   device: str | None = None, framework: str | None = None) -> list[Any]:
         """Many tensors in one call, under one deadline, all or none (see
         :meth:`rendezvous.aio.Server.recv_many`): one trip to the loop for the batch."""
-        return [item.value for item in self.recv_many_items(keys, step_id, timeout, device, framework)]
+        call = _Call()
+        try:
+            values = [item.value for item in self._received(call, keys, step_id, timeout, device, framework,
+                                                            one=False)]
+            call.delivered = True
+            return values
+        except BaseException:
+            self._abandon(call)
+            raise
 
     def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                         device: str | None = None, framework: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
-        return self._received(keys, step_id, timeout, device, framework, one=False)
+        call = _Call()
+        try:
+            items = self._received(call, keys, step_id, timeout, device, framework, one=False)
+            call.delivered = True
+            return items
+        except BaseException:
+            self._abandon(call)
+            raise
 
-    def _received(self, keys: Sequence[Key | str], step_id: int, timeout: float | None, device: str | None,
-                  framework: str | None, one: bool) -> list[Received]:
+    def _received(self, call: _Call, keys: Sequence[Key | str], step_id: int, timeout: float | None,
+                  device: str | None, framework: str | None, one: bool) -> list[Received]:
         """The items of ``keys`` (``one``: a single key, received as :meth:`recv`
-        does), converted to ``framework`` here, on the caller's thread. What was
-        received and is not handed over (the caller interrupted, or no such
-        form) is kept for the next recv of its key."""
+        does), converted to ``framework`` here, on the caller's thread, by
+        ``call``: what was received and is not handed over (the caller
+        interrupted, or no such form) is kept for the next recv of its key
+        once the caller gives ``call`` up."""
         interop.check_framework(framework)  # before anything is taken
         canonical = [canonical_key(k) for k in keys]  # cached: a step asks the same keys again
 
-        def give_back(items: list[Received], why: str | None = None) -> None:
+        def give_back(items: list[Received], why: str | None) -> None:
             self._aio.give_back(step_id, canonical, items, why)
+
+        def not_convertible(_: list[Received]) -> None:
+            call.why = None  # given back when the caller gives call up; its error says why
 
         fetching = (_recv_one(self._aio, canonical[0], step_id, timeout, device) if one
                     else self._aio.recv_many_items(canonical, step_id, timeout, device))
-        items = self._call(fetching, orphaned=lambda got: give_back(got, "was received after its caller was "
-                                                                         "interrupted"), attended=True)
-        return interop.hand_over(items, framework, lambda back: self._call(_as_coro(give_back, back)))
+        items = self._call(fetching, orphaned=give_back, attended=True, call=call)
+        return interop.hand_over(items, framework, not_convertible)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
