@@ -154,6 +154,7 @@ def test_bad_joins_are_refused_and_the_job_still_forms():
         port = free_port()
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}
         zero = aio.Server.from_env(env=env)
+        one = aio.Server.from_env(env={**env, "RANK": "1"})
         starting = asyncio.ensure_future(zero.start())
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         join = channel.unary_unary(JOIN_METHOD, request_serializer=None, response_deserializer=None)
@@ -167,26 +168,28 @@ def test_bad_joins_are_refused_and_the_job_still_forms():
             return json.dumps({"job": "worker", "rank": 1, "world_size": 2, "address": "127.0.0.1:1234",
                                **changes}).encode()
 
-        assert await refused(b"\xff garbage") is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(b"[1, 2]") is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(body(job="other")) is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(body(world_size=3)) is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(body(rank=0)) is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(body(rank=2)) is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(body(address="127.0.0.1:0")) is grpc.StatusCode.INVALID_ARGUMENT
-        assert await refused(body(address="no port")) is grpc.StatusCode.INVALID_ARGUMENT
-        assert not starting.done()
-        # a real rank 1 joins; a second process claiming rank 1 elsewhere is refused
-        one = aio.Server.from_env(env={**env, "RANK": "1"})
-        await one.start()
-        await starting
-        assert await refused(body(address="127.0.0.1:1")) is grpc.StatusCode.ALREADY_EXISTS
-        # a repeated join (a retry) gets the same answer
-        again = json.loads(await join(body(address=one.target), timeout=10))
-        assert again == {"addresses": [zero.target, one.target]}
-        one.send(key(1, 0, "after"), np.arange(3))
-        assert (await zero.recv(key(1, 0, "after"), timeout=10)).tolist() == [0, 1, 2]
-        await channel.close()
-        await one.stop(0)
-        await zero.stop(0)
+        try:
+            assert await refused(b"\xff garbage") is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(b"[1, 2]") is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(job="other")) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(world_size=3)) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(rank=0)) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(rank=2)) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(address="127.0.0.1:0")) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(address="no port")) is grpc.StatusCode.INVALID_ARGUMENT
+            assert not starting.done()
+            # a real rank 1 joins; after that, Join is retired
+            await one.start()
+            await starting
+            assert await refused(body(address="127.0.0.1:1")) is grpc.StatusCode.FAILED_PRECONDITION
+            # a repeated join (a retry) gets the same answer
+            again = json.loads(await join(body(address=one.target), timeout=10))
+            assert again == {"addresses": [zero.target, one.target]}
+            one.send(key(1, 0, "after"), np.arange(3))
+            assert (await zero.recv(key(1, 0, "after"), timeout=10)).tolist() == [0, 1, 2]
+        finally:
+            await channel.close()
+            await one.stop(0)
+            await zero.stop(0)
+            starting.cancel()
     run(main())

@@ -33,7 +33,9 @@ thread is the rank server's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -51,17 +53,18 @@ from rendezvous.local.address import parse_local_address, session_path
 from rendezvous.local.segments import available as shm_available
 from rendezvous.paths import AddressKind
 from rendezvous.rank.server import Server, add_port
-from rendezvous.rpc.admin import ADMIN_SERVICE, Admin
+from rendezvous.rpc.admin import ADMIN_SERVICE, Admin, pending_entries
 from rendezvous.rpc.options import SERVICE as RANK_SERVICE
 from rendezvous.rpc.options import server_options
+from rendezvous.v1 import local_pb2 as lpb
 
 from .service import SERVICE as LOCAL_SERVICE
 from .service import LocalServicer
 from .listener import SessionListener
 from .pool import Pool
 from .sessions import PoolBuffers
-from .setup import claim_socket, descriptor_budget, grpc_security, local_address, need_extra, pool_limit, \
-    resolve_identity
+from .setup import check_local_tls, claim_socket, descriptor_budget, grpc_security, local_address, need_extra, \
+    pool_limit, resolve_identity
 
 __all__ = ["Daemon", "run"]
 
@@ -86,6 +89,7 @@ class Daemon:
         setup = dataclasses.replace(setup, services=(self._add_rank_services,))
         self.local_address, _ = local_address(config, job, index)
         self._kind, self._where = parse_local_address(self.local_address)
+        check_local_tls(config, self._kind, self._where)
         #: the shared-memory pool of the session socket (Unix local sockets only)
         self.pool: Pool | None = None
         self.shm_threshold = config.shm_threshold if self._kind is AddressKind.UNIX and shm_available() else -1
@@ -103,9 +107,9 @@ class Daemon:
         #: Admin and health on the remote (rank) port: the rank server's own,
         #: answering for the whole node
         self.rank_admin: Admin = self.server.admin
-        self.rank_admin.provide(pending=self.local.pending, extra_stats=self.node_stats)
+        self.rank_admin.provide(pending=self.node_pending, extra_stats=self.node_stats)
         #: Admin and health on the local socket
-        self.local_admin = Admin(self.server, pending=self.local.pending, extra_stats=self.node_stats,
+        self.local_admin = Admin(self.server, pending=self.node_pending, extra_stats=self.node_stats,
                                  health_names=(RANK_SERVICE, LOCAL_SERVICE, ADMIN_SERVICE))
         self.sessions: SessionListener | None = None
         self._local_grpc: grpc.aio.Server | None = None
@@ -113,6 +117,7 @@ class Daemon:
         self.local_target = ""
         self.metrics_url = ""
         self._stall_task: asyncio.Task | None = None
+        self._keeper: asyncio.Task | None = None
         self._stalled_table: set[tuple[int, str]] = set()
         self._state = State.NEW
         self._stopped: asyncio.Event | None = None
@@ -161,7 +166,27 @@ class Daemon:
         await self._set_health(True)
         self._stall_task = asyncio.create_task(self._watch_stalls(), name="rendezvousd-stalls")
         self._state = State.SERVING
+        self._keeper = asyncio.create_task(self._keep(), name="rendezvousd-keeper")
         log.info("rendezvousd %s serving on %s; local clients at %s", self.task, self.target, self.local_target)
+
+    async def _keep(self) -> None:
+        """Lives while the daemon serves: a loop that ends with the daemon never
+        stopped stops it (its ports close, its socket files go)."""
+        assert self._stopped is not None
+        try:
+            await self._stopped.wait()
+        except asyncio.CancelledError:
+            if not self._state.ending:
+                log.warning("rendezvousd %s: its event loop is ending and it was never stopped; stopping it",
+                            self.task)
+                # gRPC's own tasks end with the loop too: the local port is closed
+                # first (the rank server's keeper closes its own), then the rest.
+                if self._local_grpc is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._local_grpc.stop(0)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.stop(0)
+            raise
 
     async def _start_local(self) -> None:
         limit = self.config.max_tensor_bytes + (1 << 20)  # an inline send carries its tensor
@@ -230,6 +255,20 @@ class Daemon:
             "oldest": max((e.oldest_age_s for e in entries), default=0.0),
             **self.node_stats(),
         }
+
+    def node_pending(self, limit: int) -> tuple[list[lpb.PendingEntry], int]:
+        """What waits on this node, for Pending: the rank server's rows (its table,
+        its kept tensors), then the local clients' recvs waiting for another task
+        (``"remote"``); at most ``limit`` rows, and how many there are at most."""
+        entries = pending_entries(self.server, limit)
+        if len(entries) < limit:
+            me = str(self.task)
+            now = time.monotonic()
+            remote = (w for w in self.local.waits.values() if w.producer != me)
+            entries.extend(lpb.PendingEntry(step_id=w.step_id, rendezvous_key=w.key, kind="remote", count=1,
+                                            oldest_age_seconds=now - w.started, producer=w.producer)
+                           for w in itertools.islice(remote, limit - len(entries)))
+        return entries, self.server.pending_count() + len(self.local.waits)
 
     def node_stats(self) -> dict[str, Any]:
         """What the daemon adds to its rank server's counters: local clients' recvs

@@ -1,10 +1,12 @@
 """What a daemon needs before it starts: who it is, its logging, its limits,
-its socket and its local address, how its gRPC port is secured, and the
-effective configuration shown by ``--print-config``. ``rendezvous serve``
-uses the identity, logging and security parts for a plain rank server too."""
+its socket and its local address, and the effective configuration shown by
+``--print-config``. Its gRPC port is secured as every rank server's is
+(:func:`rendezvous.rank.setup.grpc_security`). ``rendezvous serve`` uses the
+identity and logging parts for a plain rank server too."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -15,13 +17,13 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rendezvous import auth
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rendezvous.local.address import default_daemon_address
-from rendezvous.rank.setup import GrpcSetup
+from rendezvous.paths import AddressKind
+from rendezvous.rank.setup import grpc_security  # noqa: F401  (a daemon's gRPC port: the rank servers' setup)
 
-__all__ = ["need_extra", "Identity", "resolve_identity", "local_address", "grpc_security",
+__all__ = ["need_extra", "Identity", "resolve_identity", "local_address", "grpc_security", "check_local_tls",
            "json_formatter", "setup_logging", "render_config", "pool_limit", "Descriptors", "descriptor_budget",
            "claim_socket"]
 
@@ -92,15 +94,21 @@ def local_address(config: Config, job_name: str = "", task_index: int | None = N
     return address, source if address == given else f"{source}: {given}"
 
 
-def grpc_security(config: Config, on_reject: Any = None) -> tuple[GrpcSetup, str]:
-    """A rank's :class:`GrpcSetup` from its TLS and token settings, and the token
-    (empty: none). ``on_reject(method)`` is called for each call refused for
-    its token."""
-    token = auth.load_token(config)
-    interceptors = (auth.TokenInterceptor(token, on_reject=on_reject),) if token else ()
-    return GrpcSetup(server_credentials=auth.server_credentials(config),
-                     channel_credentials=auth.channel_credentials(config),
-                     metadata=auth.token_metadata(token), interceptors=interceptors), token
+def check_local_tls(config: Config, kind: AddressKind, where: str) -> None:
+    """InvalidArgument for TLS set with a TCP local address off loopback: the
+    local service has no TLS (its clients speak plain gRPC), so TLS would not
+    apply there."""
+    if kind is not AddressKind.TCP or not config.tls_cert:
+        return
+    host = where.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise InvalidArgument(f"TLS is set, and the local address {where} is TCP off loopback: the local service "
+                              "has no TLS. Use a Unix socket (the default) or a loopback address such as "
+                              "127.0.0.1:7070")
 
 
 # -- logging ----------------------------------------------------------------------

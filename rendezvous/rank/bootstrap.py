@@ -23,15 +23,24 @@ at ``MASTER_PORT`` too: give rendezvous another port with
 
 Rank 0's collection is bounded by ``connect_timeout``: a rank that never
 joins fails every rank's ``start()`` with UNAVAILABLE naming the missing
-ranks. A join repeated (a retry after a broken connection) gets the same
-answer; a join that contradicts an earlier one, or names another job, world
-size or a rank outside the world, is refused with INVALID_ARGUMENT or
-ALREADY_EXISTS, and the server goes on.
+ranks. Join is served behind the same token and TLS as every call to rank
+0's port, and the joiner sends the token and uses TLS as a peer does; what
+rank 0 takes (an address on the caller's own host, never one another rank
+has, the first claim of each rank, and nothing once the job formed) is
+:mod:`rendezvous.rank.joins`.
+
+Through torchrun's store the addresses are exchanged as torch has them: the
+store has no authentication. With a token set, each rank signs its entry
+with it and checks every other rank's signature, so a process without the
+token cannot point the job at itself there either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -42,17 +51,16 @@ from typing import Any
 import grpc
 
 from rendezvous.cluster import parse_address
-from rendezvous.errors import AlreadyExists, InvalidArgument, RendezvousError, Unavailable, from_status
+from rendezvous.errors import InvalidArgument, Unauthenticated, Unavailable, from_status
 
-__all__ = ["Bootstrap", "JOIN_METHOD", "SERVICE", "BOOTSTRAP_VARIABLES"]
+from .joins import JOIN_METHOD, SERVICE, JoinTable, never_joined
 
-SERVICE = "rendezvous.v1.Bootstrap"
-JOIN_METHOD = f"/{SERVICE}/Join"
+__all__ = ["Bootstrap", "JoinTable", "JOIN_METHOD", "SERVICE", "BOOTSTRAP_VARIABLES"]
+
 #: what torchrun (and torch.distributed's env:// init) sets for every process
 BOOTSTRAP_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 #: rank 0's port for rendezvous alone, where MASTER_PORT is torch's
 PORT_OVERRIDE = "RENDEZVOUS_MASTER_PORT"
-_MAX_JOIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,12 @@ def local_host_towards(master_addr: str) -> str:
     """The address of this host on the route to ``master_addr``: what rank 0 (and
     the others, on the same network) can reach this rank at. Found by asking the
     kernel for a route (a UDP socket's connect sends nothing)."""
+    return route_towards(master_addr)[0]
+
+
+def route_towards(master_addr: str) -> tuple[str, str]:
+    """(this host's address on the route to ``master_addr``, the address of
+    ``master_addr`` that route reaches): the first of its addresses with a route."""
     try:
         infos = socket.getaddrinfo(master_addr, 9, type=socket.SOCK_DGRAM)
     except OSError as exc:
@@ -143,76 +157,44 @@ def local_host_towards(master_addr: str) -> str:
             except OSError as exc:
                 last = exc
                 continue
-            return probe.getsockname()[0]
+            return probe.getsockname()[0], where[0]
     raise Unavailable(f"no route to MASTER_ADDR {master_addr!r}: {last}")
 
 
-class JoinTable:
-    """Rank 0's side: the joins so far, answered all at once when complete."""
+def _join_target(boot: Bootstrap, address: str) -> tuple[str, list[tuple[str, str]]]:
+    """Where a join goes, and its channel options: rank 0's address that the
+    route from ``address``'s host reaches, so that rank 0 sees the join come
+    from the host it names (a name with several addresses could otherwise be
+    reached over another one); TLS still checks rank 0's certificate against
+    MASTER_ADDR."""
+    host = parse_address(address)[0].strip("[]")
+    try:
+        local, remote = route_towards(boot.master_addr)
+    except Unavailable:
+        return boot.master, []
+    if local != host or remote == boot.master_addr:
+        return boot.master, []
+    return _address(remote, boot.master_port), [("grpc.ssl_target_name_override", boot.master_addr)]
 
-    def __init__(self, boot: Bootstrap, job_name: str) -> None:
-        self.boot = boot
-        self.job_name = job_name
-        self.addresses: dict[int, str] = {}
-        self.complete = asyncio.Event()
 
-    def set_own(self, address: str) -> None:
-        self.addresses[0] = address
-        self._check()
-
-    def _check(self) -> None:
-        if len(self.addresses) == self.boot.world_size:
-            self.complete.set()
-
-    def missing(self) -> list[int]:
-        return [r for r in range(self.boot.world_size) if r not in self.addresses]
-
-    def join(self, body: Mapping[str, Any]) -> None:
-        """Record one join; raises InvalidArgument/AlreadyExists for a bad one."""
-        job, rank, world, address = (body.get(k) for k in ("job", "rank", "world_size", "address"))
-        if job != self.job_name:
-            raise InvalidArgument(f"join for job {job!r}; this bootstrap is job {self.job_name!r}")
-        if world != self.boot.world_size:
-            raise InvalidArgument(f"join with WORLD_SIZE {world!r}; rank 0 has {self.boot.world_size}")
-        if type(rank) is not int or not 1 <= rank < self.boot.world_size:
-            raise InvalidArgument(f"join from rank {rank!r}: not in [1, {self.boot.world_size})")
-        if not isinstance(address, str):
-            raise InvalidArgument("join without an address")
+async def exchange_addresses(boot: Bootstrap, job_name: str, own: str, joins: JoinTable | None, limit: float,
+                             setup: Any, token: str) -> list[str]:
+    """Every rank's address, for the rank at ``own``: rank 0 collects the joins
+    (``joins``, served on its port), the others join it (over ``setup``'s TLS,
+    with its token), or all exchange through torchrun's store; each bounded by
+    ``limit`` seconds."""
+    if joins is not None:  # rank 0: wait for the others' joins
+        joins.set_own(own)
         try:
-            host, port = parse_address(address)
-        except RendezvousError as exc:
-            raise InvalidArgument(f"join from rank {rank} with a bad address: {exc}") from None
-        if port == 0:
-            raise InvalidArgument(f"join from rank {rank} with port 0: join after binding")
-        known = self.addresses.get(rank)
-        if known is not None and known != address:
-            raise AlreadyExists(f"rank {rank} joined already at {known}; now {address} claims it (two processes "
-                                "with the same RANK?)")
-        self.addresses[rank] = address
-        self._check()
-
-    def answer(self) -> bytes:
-        return json.dumps({"addresses": [self.addresses[r] for r in range(self.boot.world_size)]}).encode()
-
-    def handlers(self) -> grpc.GenericRpcHandler:
-        async def join(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            if len(request) > _MAX_JOIN_BYTES:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join message too large")
-            try:
-                body = json.loads(request)
-                if not isinstance(body, dict):
-                    raise ValueError("not an object")
-            except (ValueError, UnicodeDecodeError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"join is not a JSON object: {exc}")
-            try:
-                self.join(body)
-            except RendezvousError as exc:
-                await context.abort(exc.code, str(exc))
-            await self.complete.wait()
-            return self.answer()
-
-        handler = grpc.unary_unary_rpc_method_handler(join, request_deserializer=None, response_serializer=None)
-        return grpc.method_handlers_generic_handler(SERVICE, {"Join": handler})
+            await asyncio.wait_for(joins.done.wait(), limit)
+        except TimeoutError:
+            joins.fail(never_joined(joins, limit, own))
+        if joins.error is not None:
+            raise copy.copy(joins.error)
+        return [joins.addresses[r] for r in range(boot.world_size)]
+    if boot.agent_store:  # torchrun's agent hosts a store at the master address
+        return await asyncio.to_thread(exchange_through_store, boot, job_name, own, limit, token)
+    return await join(boot, job_name, own, limit, credentials=setup.channel_credentials, metadata=setup.metadata)
 
 
 async def join(boot: Bootstrap, job_name: str, address: str, timeout: float, *,
@@ -220,8 +202,8 @@ async def join(boot: Bootstrap, job_name: str, address: str, timeout: float, *,
                metadata: tuple[tuple[str, str], ...] = ()) -> list[str]:
     """A rank > 0's side: tell rank 0 ``address`` and get every rank's, waiting
     up to ``timeout`` seconds for rank 0 to come up and the others to join."""
-    target = boot.master
-    channel = (grpc.aio.secure_channel(target, credentials) if credentials is not None
+    target, options = _join_target(boot, address)
+    channel = (grpc.aio.secure_channel(target, credentials, options=options) if credentials is not None
                else grpc.aio.insecure_channel(target))
     body = json.dumps({"job": job_name, "rank": boot.rank, "world_size": boot.world_size,
                        "address": address}).encode()
@@ -243,9 +225,12 @@ async def join(boot: Bootstrap, job_name: str, address: str, timeout: float, *,
     return addresses
 
 
-def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout: float) -> list[str]:
+def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout: float,
+                           token: str = "") -> list[str]:
     """Every rank's address through the TCPStore torchrun's agent hosts at
-    ``MASTER_ADDR:MASTER_PORT`` (blocking: run it off the event loop)."""
+    ``MASTER_ADDR:MASTER_PORT`` (blocking: run it off the event loop). With a
+    ``token`` each entry carries its signature (:func:`sign_entry`) and every
+    rank's is checked: UNAUTHENTICATED for one not signed with the token."""
     from datetime import timedelta
 
     try:
@@ -257,9 +242,9 @@ def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout
     names = [f"{prefix}{r}" for r in range(boot.world_size)]
     try:
         store = TCPStore(boot.master_addr, boot.master_port, is_master=False, timeout=timedelta(seconds=timeout))
-        store.set(names[boot.rank], address)
+        store.set(names[boot.rank], sign_entry(token, names[boot.rank], address))
         store.wait(names, timedelta(seconds=timeout))
-        return [store.get(n).decode() for n in names]
+        entries = [store.get(n).decode("utf-8", "replace") for n in names]
     except RuntimeError as exc:  # torch's store errors (DistStoreError and its kin) are RuntimeErrors
         missing = ""
         try:
@@ -269,3 +254,27 @@ def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout
         raise Unavailable(f"rank {boot.rank} could not exchange addresses through torchrun's store at "
                           f"{boot.master} within {timeout:g}s" + (f"; rank(s) {missing} never joined" if missing
                                                                   else "") + f": {exc}") from None
+    return [read_entry(token, n, e, r) for r, (n, e) in enumerate(zip(names, entries))]
+
+
+def sign_entry(token: str, name: str, address: str) -> str:
+    """A store entry: ``address``, and with a token its HMAC-SHA256 over the entry's
+    name (run, job and rank) and the address, after a space."""
+    if not token:
+        return address
+    mac = hmac.new(token.encode(), f"{name}\n{address}".encode(), hashlib.sha256).hexdigest()
+    return f"{address} {mac}"
+
+
+def read_entry(token: str, name: str, entry: str, rank: int) -> str:
+    """The address of a store entry, its signature checked against ``token``."""
+    address, _, mac = entry.partition(" ")
+    if not token:
+        if mac:
+            raise InvalidArgument(f"rank {rank}'s entry in torchrun's store is signed with a token, and this rank "
+                                  "has none: set the same RENDEZVOUS_TOKEN (or RENDEZVOUS_TOKEN_FILE) on every rank")
+        return address
+    if not hmac.compare_digest(sign_entry(token, name, address), entry):
+        raise Unauthenticated(f"rank {rank}'s entry in torchrun's store ({address!r}) is not signed with this "
+                              "job's token: a rank with another token, or a process that is not one of the job's")
+    return address

@@ -23,6 +23,8 @@ handed to the others at construction:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import sys
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -31,7 +33,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from rendezvous import frames, interop
+from rendezvous import auth, frames, interop
 from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
@@ -54,12 +56,14 @@ from rendezvous.timeline import Timeline, TracedPlanes, TracedTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane
 
-from .bootstrap import Bootstrap, JoinTable, exchange_through_store, join as bootstrap_join
+from . import pending as pending_rows
+from .bootstrap import Bootstrap, exchange_addresses
+from .joins import JoinTable
 from .kept import Kept
 from .launch import launcher_rank
 from .peers import Peers
 from .receiver import Receiver
-from .setup import GrpcSetup, add_port
+from .setup import GrpcSetup, add_port, grpc_security
 
 T = TypeVar("T")
 
@@ -128,7 +132,14 @@ class Server:
         #: large receive buffers, reused once dropped (see rendezvous.buffers)
         self.buffers = buffers if buffers is not None else RecvBuffers(cfg.recv_cache_bytes)
         self._staging = (cfg.gpu_staging_chunk_bytes, cfg.gpu_staging_depth)
-        self._setup = grpc_setup or GrpcSetup()
+        # TLS and the token, applied to every service on this server's port and
+        # to every channel it opens (a setup given must apply what cfg sets)
+        if grpc_setup is None:
+            grpc_setup, self._token = grpc_security(cfg)
+        else:
+            grpc_setup.check(cfg)
+            self._token = auth.load_token(cfg)
+        self._setup = grpc_setup
         self._retry = RetryCache(cfg.retry_window, cfg.retry_cache_bytes)
         #: the data planes, most preferred first: MPI's joins at start under grpc+mpi
         inline = InlinePlane(chunk_bytes=cfg.chunk_bytes, buffers=self.buffers, devices=self.devices,
@@ -159,6 +170,7 @@ class Server:
         #: a daemon, which watches its recvs itself, sets 0
         self.stall_warning = cfg.stall_warning
         self._stopped: asyncio.Event | None = None
+        self._keeper: asyncio.Task | None = None
         self._state = State.NEW
 
     @classmethod
@@ -212,46 +224,54 @@ class Server:
         except BaseException:
             self._state = State.NEW  # nothing started: start() may be tried again
             raise
-        await server.start()
-        self._grpc = server
-        self._target = f"{host}:{port}"
-        self.cluster = self.cluster.with_address(self.task, self._target)
         try:
+            await server.start()
+            self._grpc = server
+            self._target = f"{host}:{port}"
+            self.cluster = self.cluster.with_address(self.task, self._target)
             if self.bootstrap is not None:
                 await self._join(joins)
             if self.mpi is not None:
                 await self._start_mpi()
         except BaseException:
-            await server.stop(0)
+            # A start that failed (or was cancelled) leaves nothing listening;
+            # the joins refused meanwhile get a moment to say why.
+            await server.stop(0.5 if joins is not None else 0)
             self._state = State.NEW
             raise
         self._state = State.SERVING
+        self._keeper = asyncio.create_task(self._keep(), name=f"rendezvous-server-{self.task}")
         await self.admin.set_serving(True)
         log.info("task %s serving on %s (protocol %s)", self.task, self._target, self.protocol)
         if self.protocol is Protocol.GRPC_MPI:
             sys.stderr.write(self.describe() + "\n")  # one write: ranks' lines must not interleave
             sys.stderr.flush()
 
+    async def _keep(self) -> None:
+        """Lives while the server serves: a loop that ends (``asyncio.run``
+        cancels what is left) with the server never stopped stops it, so no
+        gRPC server is left listening on a closed loop."""
+        assert self._stopped is not None and self._grpc is not None
+        try:
+            await self._stopped.wait()
+        except asyncio.CancelledError:
+            if not self._state.ending:
+                log.warning("task %s: its event loop is ending and the server was never stopped; stopping it",
+                            self.task)
+                # gRPC's own tasks end with the loop too: its port is closed
+                # first (the shutdown begins before the first await), then the rest.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._grpc.stop(0)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.stop(0)
+            raise
+
     async def _join(self, joins: JoinTable | None) -> None:
-        """Learn every rank's address from rank 0 (:mod:`rendezvous.rank.bootstrap`)."""
+        """Learn every rank's address (:mod:`rendezvous.rank.bootstrap`)."""
         boot = self.bootstrap
         assert boot is not None
-        limit = self.config.connect_timeout
-        if joins is not None:  # rank 0: wait for the others' joins
-            joins.set_own(self._target or self.bind_address)
-            try:
-                await asyncio.wait_for(joins.complete.wait(), limit)
-            except TimeoutError:
-                raise Unavailable(f"rank(s) {', '.join(map(str, joins.missing()))} of {boot.world_size} never "
-                                  f"joined at {self._target} within {limit:g}s (connect_timeout)") from None
-            addresses = [joins.addresses[r] for r in range(boot.world_size)]
-        elif boot.agent_store:  # torchrun's agent hosts a store at the master address
-            addresses = await asyncio.to_thread(exchange_through_store, boot, self.task.job,
-                                                self._target or self.bind_address, limit)
-        else:
-            addresses = await bootstrap_join(boot, self.task.job, self._target or self.bind_address, limit,
-                                             credentials=self._setup.channel_credentials,
-                                             metadata=self._setup.metadata)
+        addresses = await exchange_addresses(boot, self.task.job, self._target or self.bind_address, joins,
+                                             self.config.connect_timeout, self._setup, self._token)
         self.cluster = ClusterSpec.from_any({self.task.job: addresses})
         log.info("task %s: the job's %d ranks joined through %s", self.task, boot.world_size, boot.master)
 
@@ -557,9 +577,17 @@ class Server:
         snap["gpu"] = {**self._stats.gpu_snapshot(), "cuda_aware": mpi["cuda_aware"]}
         return snap
 
-    def pending(self) -> list[PendingEntry]:
-        """Every non-empty queue of the waiting table: what it holds, how many, the oldest's age."""
-        return self.table.pending()
+    def pending(self, limit: int | None = None) -> list[PendingEntry]:
+        """What waits here: every non-empty queue of the waiting table (kind
+        ``"tensor"`` or ``"waiter"``: what it holds, how many, the oldest's age),
+        then the tensors fetched and kept for the next recv of their key
+        (``"kept"``); the first ``limit`` of those rows only, when given."""
+        rows = pending_rows.walk(self.table, self.kept)
+        return list(rows if limit is None else itertools.islice(rows, limit))
+
+    def pending_count(self) -> int:
+        """How many rows :meth:`pending` may have, counted without building them."""
+        return pending_rows.count(self.table, self.kept)
 
     def _make_peer(self, task: TaskName) -> PeerClient:
         return PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,

@@ -12,8 +12,10 @@ from the moment it drains.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -27,43 +29,74 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .options import SERVICE as RANK_SERVICE
 
-__all__ = ["Admin", "ADMIN_SERVICE", "HEALTH_SERVICE", "PENDING_BYTES", "pending_entries", "bounded_pending"]
+__all__ = ["Admin", "ADMIN_SERVICE", "HEALTH_SERVICE", "PENDING_BYTES", "PENDING_ROWS", "pending_entries",
+           "bounded_pending", "PendingSource"]
 
 ADMIN_SERVICE = apb.DESCRIPTOR.services_by_name["Admin"].full_name  # rendezvous.v1.Admin
 HEALTH_SERVICE = "grpc.health.v1.Health"
 #: a Pending answer lists at most this many bytes of entries, and says how many it left out
 PENDING_BYTES = 1 << 20
+#: a Pending answer is made from at most this many rows, however many wait:
+#: its cost does not grow with the table
+PENDING_ROWS = 1000
+#: what answers Pending: ``source(limit)`` -> (at most ``limit`` entries, how
+#: many rows there are in all, counted without building them)
+PendingSource = Callable[[int], "tuple[list[lpb.PendingEntry], int]"]
 
 log = logging.getLogger("rendezvous.server")
 
 
-def pending_entries(server: Any) -> list[lpb.PendingEntry]:
-    """A rank server's waiting table as PendingEntry messages, each with the task
-    that produces its key."""
+def pending_entries(server: Any, limit: int | None = None) -> list[lpb.PendingEntry]:
+    """A rank server's pending rows (its waiting table, then its kept tensors;
+    the first ``limit`` only, when given) as PendingEntry messages, each with
+    the task that produces its key."""
     me = str(server.task)
+    producers: dict[str, str] = {}  # a key's producer follows from its source device, its first field
     out = []
-    for e in server.pending():
-        try:
-            producer = str(parse_key(e.key).src_task or me)
-        except RendezvousError:
-            producer = me
-        out.append(lpb.PendingEntry(step_id=e.step_id, rendezvous_key=str(e.key), kind=e.kind, count=e.count,
+    for e in server.pending(limit):
+        key = str(e.key)
+        source = key.split(";", 1)[0]
+        producer = producers.get(source)
+        if producer is None:
+            try:
+                producer = str(parse_key(key).src_task or me)
+            except RendezvousError:
+                producer = me
+            producers[source] = producer
+        out.append(lpb.PendingEntry(step_id=e.step_id, rendezvous_key=key, kind=e.kind, count=e.count,
                                     oldest_age_seconds=e.oldest_age_s, producer=producer))
     return out
 
 
-def bounded_pending(entries: list[lpb.PendingEntry], max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
-    """One answer of at most about ``max_bytes``: the oldest entries first, and
-    the count of those left out."""
+def rank_pending(server: Any) -> PendingSource:
+    """A rank server's rows as a :data:`PendingSource`."""
+    return lambda limit: (pending_entries(server, limit), server.pending_count())
+
+
+def _age(entry: lpb.PendingEntry) -> float:
+    return entry.oldest_age_seconds
+
+
+def bounded_pending(entries: Iterable[lpb.PendingEntry], max_bytes: int = PENDING_BYTES, *,
+                    total: int | None = None, rows: int = PENDING_ROWS) -> lpb.PendingResponse:
+    """One answer of at most about ``max_bytes`` and ``rows`` entries, the oldest
+    first, and how many were left out (of ``total``, when ``entries`` are not all
+    the rows there are). From a list the oldest ``rows`` are chosen; from any
+    other iterable only its first ``rows`` are read."""
+    if isinstance(entries, list):
+        total = max(total or 0, len(entries))
+        chosen = heapq.nlargest(rows, entries, key=_age)
+    else:
+        chosen = sorted(itertools.islice(entries, rows), key=_age, reverse=True)
+        total = max(total or 0, len(chosen))
     reply = lpb.PendingResponse()
     size = 0
-    ordered = sorted(entries, key=lambda e: -e.oldest_age_seconds)
-    for i, entry in enumerate(ordered):
+    for entry in chosen:
         size += entry.ByteSize() + 4
         if size > max_bytes:
-            reply.omitted = len(ordered) - i
             break
         reply.entries.append(entry)
+    reply.omitted = total - len(reply.entries)
     return reply
 
 
@@ -71,12 +104,14 @@ class Admin:
     """The Admin and Health services of one rank server (``rendezvous.aio.Server``:
     its ``task``, ``protocol``, ``stats()``, ``pending()`` and ``table``).
 
-    ``pending``: the entries a Pending call lists (default: the server's
-    waiting table); ``extra_stats``: what a Stats call adds under ``daemon``
-    (default: nothing). A daemon sets both (:meth:`provide`) to answer for the
-    node. ``health_names``: the services health reports besides ``""``."""
+    ``pending``: what a Pending call lists (a :data:`PendingSource`; default:
+    the server's waiting table and kept tensors); ``extra_stats``: what a Stats
+    call adds under ``daemon`` (default: nothing). A daemon sets both
+    (:meth:`provide`) to answer for the node. ``health_names``: the services
+    health reports besides ``""``. Every service here but health is behind the
+    port's token, when it has one (:mod:`rendezvous.auth`)."""
 
-    def __init__(self, server: Any, *, pending: Callable[[], list[lpb.PendingEntry]] | None = None,
+    def __init__(self, server: Any, *, pending: PendingSource | None = None,
                  extra_stats: Callable[[], dict[str, Any]] | None = None,
                  health_names: tuple[str, ...] = (RANK_SERVICE, ADMIN_SERVICE)) -> None:
         self.server = server
@@ -86,7 +121,7 @@ class Admin:
         #: gRPC's health servicer (grpc.health.v1.Health)
         self.health = health.aio.HealthServicer()
 
-    def provide(self, *, pending: Callable[[], list[lpb.PendingEntry]] | None = None,
+    def provide(self, *, pending: PendingSource | None = None,
                 extra_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         """Answer Pending from ``pending()`` and add ``extra_stats()`` to Stats."""
         if pending is not None:
@@ -142,10 +177,14 @@ class Admin:
             reply.daemon.update(self._extra_stats())
         return reply
 
-    def pending(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
-        """What Pending answers now (at most about ``max_bytes`` of entries)."""
-        entries = self._pending() if self._pending is not None else pending_entries(self.server)
-        return bounded_pending(entries, max_bytes)
+    def pending(self, max_bytes: int = PENDING_BYTES, rows: int = PENDING_ROWS) -> lpb.PendingResponse:
+        """What Pending answers now: at most about ``max_bytes`` of entries, made
+        from at most ``rows`` rows (the first the source gives: the table's
+        oldest steps and keys first), the oldest of them first, and how many
+        rows were left out."""
+        source = self._pending if self._pending is not None else rank_pending(self.server)
+        entries, total = source(rows)
+        return bounded_pending(iter(entries), max_bytes, total=total, rows=rows)
 
     def _unary(self, request_type: Any, answer: Callable[[], Any]) -> Callable[..., Awaitable[bytes]]:
         """A handler that checks its request is a ``request_type`` and answers
