@@ -124,7 +124,8 @@ class Server:
         #: needs no GIL, and its reply is taken at the loop's pace.
         self.poll_on_loop: bool | str = True
         #: this rank's timeline (rendezvous.timeline; the ``timeline`` setting), or None: off
-        self.timeline = Timeline.for_task(cfg.timeline, self.cluster, self.task) if cfg.timeline else None
+        self.timeline = (Timeline.for_task(cfg.timeline, self.cluster, self.task, max_bytes=cfg.timeline_max_bytes)
+                         if cfg.timeline else None)
         self.table = WaitingTable() if self.timeline is None else TracedTable(self.timeline)
         self._stats = stats if stats is not None else Stats()
         #: GPU backends and their pinned pools (cupy by default, imported only when used)
