@@ -27,7 +27,7 @@ item already handed to it but not yet seen by the cancelled task goes back to
 the front of its queue (or to the next waiter), unless its step was aborted,
 cleaned up or the table closed meanwhile.
 
-One class of about 390 lines: the queues, the tombstones, the items in
+One class of about 460 lines: the queues, the tombstones, the items in
 flight to cancelled waiters and the step-end generations are one invariant,
 kept without locks by one loop; split up, each part would reach into the
 others' state.
@@ -203,6 +203,13 @@ class WaitingTable:
             if err is not None:
                 raise copy.copy(err)
         self._put(step_id, key, item, True)
+
+    def has_waiter(self, step_id: int, key: Hashable) -> bool:
+        """Whether a receiver (not one cancelled and still queued) waits for
+        ``key``: then :meth:`requeue` hands an item to it."""
+        keys = self._steps.get(step_id)
+        q = keys.get(key) if keys is not None else None
+        return type(q) is _Waiters and any(not entry[0].done() for entry in q)
 
     def _put(self, step_id: int, key: Hashable, item: Received, front: bool) -> None:
         steps = self._steps

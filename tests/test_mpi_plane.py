@@ -638,3 +638,62 @@ def test_a_host_receive_is_posted_in_the_replys_own_turn():
         await deliver(producer_engine.sends[-1], consumer_engine.recvs[0])
         np.testing.assert_array_equal(await fut, arr)
     run(main(), 20)
+
+
+# --- a completed large send lets its answer go ------------------------------------
+
+def test_a_completed_send_of_a_megabyte_or_more_releases_its_request_id_and_no_other_does():
+    """The plane says a request's answer was delivered (the retry cache lets it
+    go) only once a send of at least DELIVERED_BYTES completed: not when it
+    is posted, not for a smaller send (its bytes may wait in the consumer's
+    MPI buffers), not for a send that failed, and never for a group's buffer."""
+    from rendezvous.mpi.plane import DELIVERED_BYTES
+
+    async def main():
+        engine = FakeEngine()
+        plane = make_plane(FakeWorld(rank=0), engine)
+        released: list[int] = []
+        plane.delivered = released.append
+
+        def asked(request_id: int) -> pb.RecvTensorRequest:
+            req = request()
+            req.request_id = request_id
+            return req
+
+        large = np.zeros(DELIVERED_BYTES, np.uint8)
+        planned(plane, asked(11), Received(large, False))
+        planned(plane, asked(12), Received(np.zeros(DELIVERED_BYTES - 1, np.uint8), False))
+        planned(plane, asked(13), Received(large, False))
+        carry = plane.plan_group(request(), [large], fused.layout([large]))
+        carry.start()
+        big, small, failing, group = engine.sends
+        assert released == []  # posted, not completed
+        await complete(small.future)
+        await complete(failing.future, error=RuntimeError("MPI_ERR_OTHER"))
+        await complete(group.future)
+        assert released == []
+        await complete(big.future)
+        assert released == [11]
+    run(main(), 20)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("requests", ["grpc", "mpi"])
+def test_a_completed_large_send_on_the_optimal_path_leaves_the_retry_cache_under_mpiexec(requests):
+    """Two ranks under mpiexec, the optimal path on (requests over gRPC, or
+    over MPI): once the producer's 2 MiB send completed, its retry cache
+    holds only the 64 KiB answer (held for its window); before the release
+    was wired end to end, the 2 MiB answer (a daemon's pool segment, on a
+    daemon) stayed for the whole window."""
+    from pathlib import Path as FsPath
+
+    from test_mpi import launch
+
+    env = {"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": "1" if requests == "mpi" else "0"}
+    script = str(FsPath(__file__).resolve().parent / "mpi_release.py")
+    _, results, out = launch(2, "held", env=env, timeout=180, script=script)
+    producer = next(r for r in results if r["rank"] == 1)
+    consumer = next(r for r in results if r["rank"] == 0)
+    assert consumer["transfers"] == 2, out[-3000:]  # both came by MPI
+    assert producer["held"] == 1 and producer["held_bytes"] == 64 << 10, producer

@@ -11,7 +11,7 @@ from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument
 from rendezvous.table import WaitingTable
 from rendezvous.rpc.retry import Handed, RetryCache
 
-from conftest import run
+from conftest import run, until
 
 
 def test_retry_gets_the_same_answer_and_expired_ids_never_consume():
@@ -322,6 +322,41 @@ def test_descriptors_handed_over_for_a_batchs_ids_are_resent_once_each():
         cache.restore(42, again)
         assert cache.take_resend(42) is again
         assert cache.held() == 3
+        cache.close()
+
+    run(main())
+
+
+def test_a_retry_answers_at_once_when_held_and_a_refused_one_withdraws_the_take_still_waiting():
+    """What a producer with no room for waiting recvs needs: whether a retry of
+    an id would wait (``answers_at_once``: not when its answer, or its error,
+    is held, or the id was released), and, when it refuses one that would,
+    the take still waiting for the id withdrawn (``withdraw``): its callers
+    get the refusal, nothing is taken for the id, and the id is forgotten."""
+    from rendezvous.errors import ResourceExhausted
+
+    async def main():
+        table = WaitingTable()
+        cache = RetryCache(window=60, max_bytes=1 << 30)
+        table.send(1, "k", np.array([1]))
+        table.send(1, "g", np.array([2]))
+        await cache.run(1, 1, lambda: table.recv(1, "k"), "k")
+        cache.record_many(1, [2], [table.try_take(1, "g")], ["g"])
+        assert cache.answers_at_once(1) and cache.answers_at_once(2)  # held, alone or in a batch's group
+        cache.delivered(1)
+        assert cache.answers_at_once(1)  # released: refused at once with FAILED_PRECONDITION
+        assert not cache.answers_at_once(3)  # unknown: a new request
+        waiting = asyncio.ensure_future(cache.run(1, 4, lambda: table.recv(1, "w"), "w"))
+        await until(lambda: table.stats()["waiters"] == 1, what="the take to wait")
+        assert not cache.answers_at_once(4)
+        cache.withdraw(4, ResourceExhausted("full"))
+        with pytest.raises(ResourceExhausted, match="full"):
+            await waiting
+        assert table.stats()["waiters"] == 0 and not cache.known(4)
+        table.send(1, "w", np.array([4]))
+        assert table.stats()["tensors"] == 1  # nothing taken for the refused id
+        cache.withdraw(2, ResourceExhausted("full"))  # a held answer is never withdrawn
+        assert cache.answers_at_once(2) and cache.held() == 1
         cache.close()
 
     run(main())

@@ -5,18 +5,24 @@ cancel), that could not be placed on its device, or that a daemon's local
 client never took is still the next tensor of its key and step: fetched is
 never lost. The rank server keeps it here, per (step, key) in order, hands
 it to the next recv of that key and step before asking anyone, and drops it
-with its step.
+with its step. A recv of that key and step already waiting when a tensor is
+kept takes it at once (``offer``, the receiver's: see
+:meth:`Kept.hand_over`), oldest tensor to the oldest recv.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import ItemsView, ValuesView
+from collections.abc import Callable, ItemsView, ValuesView
+from typing import Any
 
-from rendezvous.table import Received
+from rendezvous.errors import RendezvousError
+from rendezvous.paths import Path
+from rendezvous.table import Received, WaitingTable
+from rendezvous.transport import Fetched
 
-__all__ = ["Kept"]
+__all__ = ["Kept", "to_table", "to_stream"]
 
 log = logging.getLogger("rendezvous")
 
@@ -26,16 +32,35 @@ class Kept:
 
     def __init__(self) -> None:
         self._items: dict[tuple[int, str], collections.deque[Received]] = {}
+        #: ``offer(step_id, key, queue)``: hands the tensors of ``queue`` (kept for
+        #: ``key`` in ``step_id``, oldest first) to the recvs of that key and step
+        #: already waiting, oldest first, taking from its left what it hands
+        #: over (set by the rank's receiver, which knows where recvs wait)
+        self.offer: Callable[[int, str, collections.deque[Received]], None] | None = None
 
     def keep(self, step_id: int, key: str, item: Received, *, front: bool = False,
-             why: str | None = "could not place the tensor") -> None:
+             why: str | None = "could not place the tensor", offer: bool = True) -> None:
         """Hold ``item`` for the next recv of ``key`` in ``step_id``: behind what is
-        held already, or in ``front`` (it was the oldest). Logged with ``why``,
-        unless None (the caller's error says it already)."""
+        held already, or in ``front`` (it was the oldest); a recv of it already
+        waiting takes it at once (unless not ``offer``: the caller keeps more
+        for the key first, then calls :meth:`hand_over`). Logged with ``why``,
+        unless None (the caller's error says it already), when it stays here."""
         queue = self._items.setdefault((step_id, key), collections.deque())
         queue.appendleft(item) if front else queue.append(item)
-        if why is not None:
+        if offer:
+            self.hand_over(step_id, key)
+        if why is not None and self.has(step_id, key):
             log.warning("recv of %r (step %d) %s; kept for the next recv", key, step_id, why)
+
+    def hand_over(self, step_id: int, key: str) -> None:
+        """What is held for ``key`` in ``step_id`` goes to the recvs of it already
+        waiting, the oldest first, as far as they go (see ``offer``)."""
+        queue = self._items.get((step_id, key))
+        if queue is None or self.offer is None:
+            return
+        self.offer(step_id, key, queue)
+        if not queue and self._items.get((step_id, key)) is queue:
+            del self._items[(step_id, key)]
 
     def has(self, step_id: int, key: str) -> bool:
         return (step_id, key) in self._items
@@ -68,3 +93,29 @@ class Kept:
 
     def __bool__(self) -> bool:
         return bool(self._items)
+
+
+def to_table(table: WaitingTable, step_id: int, key: str, queue: collections.deque[Received]) -> None:
+    """Kept tensors of a key this rank produces (``queue``, oldest first) to the
+    receivers waiting for it in its table (its own recvs, and other tasks'
+    served from it), one each, the oldest first; the rest stay in ``queue``."""
+    try:
+        while queue and table.has_waiter(step_id, key):
+            table.requeue(step_id, key, queue.popleft())  # to its oldest waiter
+    except RendezvousError:
+        queue.clear()  # the step ended meanwhile: its tensors are dropped anyway
+
+
+def to_stream(stream: Any, step_id: int, key: str, queue: collections.deque[Received]) -> None:
+    """Kept tensors of another task's key (``queue``, oldest first) to the recvs
+    of it waiting on ``stream`` (the live stream to that task, or None), one
+    each, the oldest first, as an orphan's reply is handed over: the recv is
+    answered and its own request cancelled (whatever answers that then is
+    handed on in turn, or kept). The rest stay in ``queue``."""
+    while queue and stream is not None:
+        taker = stream._waiting_for(step_id, key)
+        if taker is None:
+            return
+        call_id, pending = taker
+        pending.future.set_result(Fetched(queue.popleft(), Path.LOCAL, placed=False))
+        stream.cancel(call_id, pending)

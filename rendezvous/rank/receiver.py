@@ -6,7 +6,8 @@ key this rank produces, its own table; otherwise the producing task's
 server, through the peer clients. The tensor then lands where the recv
 wants it (the key's ``dst_device``, or the caller's ``device``), copied off
 the loop when it must move between host and GPU. Whatever was fetched and
-could not be delivered is kept, never lost.
+could not be delivered is kept, never lost, or handed at once to a recv of
+its key and step already waiting.
 
 With a timeline (:mod:`rendezvous.timeline`) each recv is a span: from the
 call until the producer's answer (or the table's tensor) came, until the
@@ -35,7 +36,7 @@ from rendezvous.timeline import RecvSpan, Timeline, now
 from rendezvous.rpc.peer import BatchFailed
 from rendezvous.transport import Fetched
 
-from .kept import Kept
+from .kept import Kept, to_stream, to_table
 from .peers import Peers
 
 __all__ = ["Receiver"]
@@ -116,6 +117,7 @@ class Receiver:
         self.timeline = timeline
         if timeline is not None:
             self.fetch = self._fetch_traced  # type: ignore[method-assign]  # off, fetch is all there is
+        kept.offer = self._offer_kept  # a tensor kept goes to a recv of its key already waiting
 
     def fetch(self, key: Key | str, step_id: int, timeout: float | None,
               device: str | Placement | None, span: RecvSpan | None = None) -> Awaitable[Fetched]:
@@ -329,13 +331,14 @@ class Receiver:
                 for i in (idx if t.cancelled() else ()):
                     if self.kept.has(step_id, canonical[i]):
                         got[i] = Fetched(self.kept.take(step_id, canonical[i]), Path.LOCAL, True)
-                    else:  # dropped meanwhile (the server is stopping)
+                    else:  # dropped meanwhile (the server is stopping), or a recv of it took it
                         failures[i] = DeadlineExceeded(f"timed out after {timeout:g}s")
             if not failures:
                 return [got[i] for i in range(len(canonical))]
             arrived = [(i, f) for i, f in got.items() if i not in failures]
-        for i, fetched in sorted(arrived, key=lambda x: x[0], reverse=True):
-            self.keep(step_id, canonical[i], fetched.item, why=None)  # in front, in order; the error says so
+        arrived.sort(key=lambda x: x[0])
+        # in front, in order, then to recvs of their keys already waiting; the error says so
+        self.give_back(step_id, [canonical[i] for i, _ in arrived], [f.item for _, f in arrived], why=None)
         # All of it is kept now. The error raised next carries this frame in its
         # traceback (a cancelled task keeps its error), so the frame lets go of
         # every tensor: a tensor delivered later must not stay alive through it
@@ -457,19 +460,46 @@ class Receiver:
             out.append(Fetched(item, fetched.path, True))
         return out
 
-    def keep(self, step_id: int, key: str, item: Received, why: str | None) -> None:
+    def keep(self, step_id: int, key: str, item: Received, why: str | None, offer: bool = True) -> None:
         """Hold ``item``, fetched by a recv but never delivered (a daemon's local
         client went away), for the next recv of ``key`` in ``step_id``, in front:
-        it was the oldest. Dropped if the step is over."""
+        it was the oldest. A recv of it already waiting takes it (unless not
+        ``offer``, see Kept.keep). Dropped if the step is over."""
         if self._state().ending or self.table.aborted(step_id) is not None:
             return
-        self.kept.keep(step_id, key, item, front=True, why=why)
+        self.kept.keep(step_id, key, item, front=True, why=why, offer=offer)
+
+    def give_back(self, step_id: int, keys: Sequence[str], items: Sequence[Received], why: str | None) -> None:
+        """:meth:`keep` for ``items``, received for ``keys`` (canonical) in that
+        order: all kept first, in their order, then handed to recvs of their
+        keys already waiting (the oldest tensor of a key to its oldest recv)."""
+        for key, item in reversed(list(zip(keys, items))):
+            self.keep(step_id, key, item, why, offer=False)
+        for key in dict.fromkeys(keys):
+            self.kept.hand_over(step_id, key)
 
     def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived after its recv gave up (deadline, cancel)."""
         if self._state().ending or self.table.aborted(step_id) is not None:
             return  # the step (or the server) is over: its tensors are dropped anyway
         self.kept.keep(step_id, key, fetched.item, why="timed out or was cancelled while it was on its way")
+
+    def _offer_kept(self, step_id: int, key: str, queue: collections.deque[Received]) -> None:
+        """Tensors kept for ``key`` in ``step_id`` (``queue``, oldest first) to the
+        recvs of it already waiting (see Kept.offer): in this rank's own table
+        for its own key, else on the producer's stream."""
+        try:
+            _, src, _ = self._route(key)
+        except RendezvousError:
+            return
+        if src is None:
+            to_table(self.table, step_id, key, queue)
+            return
+        try:
+            peer = self.peers[src]
+        except KeyError:
+            return  # never asked: nothing waits for it
+        to_stream(peer.live_stream(), step_id, key, queue)
 
     def _requeue(self, step_id: int, key: str, item: Received) -> None:
         try:

@@ -372,11 +372,16 @@ class ProducerStream:
             self._reply_error(call_id, req, exc)
             return
         if taken is None:
-            try:
-                self.s.check_room()
-            except RendezvousError as exc:
-                self._reply_error(call_id, req, exc)
-                return
+            # A retry whose answer is held is answered at once, never refused for
+            # room: the refusal would settle its id at the consumer, and the
+            # answer held for it would never be delivered.
+            if not (req.request_id and self.s.retry.answers_at_once(req.request_id)):
+                try:
+                    self.s.check_room()
+                except RendezvousError as exc:
+                    self.s.refused(req, exc)
+                    self._reply_error(call_id, req, exc)
+                    return
             if type(req) is KeyRequest:  # a batch's key: it waits in the table, no task
                 waiting = _Waiting(self, call_id, req)
                 try:
@@ -516,7 +521,7 @@ class ProducerStream:
                 asyncio.get_running_loop().call_soon(self._reply_late)
             self._late.append((call_id, req, item, key))
             return
-        self._reply(call_id, req, item, key)
+        self._reply(call_id, req, item, key, in_send=True)
 
     def _wait_failed(self, call_id: int, req: Any, error: RendezvousError) -> None:
         """A batch key's step ended while it waited: its error is the answer."""
@@ -560,7 +565,9 @@ class ProducerStream:
         for members in by_offer.values():
             self._reply_groups(members, members[0][1])
 
-    def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str) -> None:
+    def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str,
+               in_send: bool = False) -> None:
+        plan = None
         try:
             plan = self.s.planes.plan(req, item)
             if plan.prepare is not None:
@@ -568,10 +575,27 @@ class ProducerStream:
                 return
             outgoing = self._outgoing(call_id, req, key, plan)
         except Exception as exc:
-            self._reply_error(call_id, req, exc)
+            if plan is not None and plan.carry is not None:
+                plan.carry.release()  # its transfer never starts
+            self._not_made(call_id, req, key, item, exc, in_send)
             return
         self.s.stats.served(self._path(plan.path), payload_nbytes(item.value))
         self._ready(call_id, outgoing)
+
+    def _not_made(self, call_id: int, req: Any, key: str, item: Received, exc: BaseException,
+                  in_send: bool = False) -> None:
+        """The reply for ``item`` could not be made (its planning failed, a GPU
+        tensor's copy to the host for one): nothing was sent, so the tensor
+        goes back to the table (unless a retry of its request_id on another
+        stream carries it), and the call is answered with the error. Inside
+        the send that produced the tensor (``in_send``) it goes back once that
+        send has returned: put back there, it would go on at once to the key's
+        next waiter, whose reply may fail in turn, all within the one call."""
+        if in_send:
+            asyncio.get_running_loop().call_soon(self.s.put_back, req, key, item, self)
+        else:
+            self.s.put_back(req, key, item, self)
+        self._reply_error(call_id, req, exc)
 
     async def _prepared_reply(self, call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> None:
         """A reply that needs work off the loop first (a GPU tensor copied to the host)."""
@@ -584,7 +608,10 @@ class ProducerStream:
                 self.s.put_back(req, key, item, self)  # nothing was sent: the tensor stays for a later recv
             raise
         except Exception as exc:
-            self._reply_error(call_id, req, exc)
+            if item is not None:
+                self._not_made(call_id, req, key, item, exc)
+            else:
+                self._reply_error(call_id, req, exc)
             return
         finally:
             self._done_waiting(call_id)
@@ -753,7 +780,7 @@ class _Waiting(Waiter):
             stream._answered(self.call_id, self.req, item, self.key)
         except Exception as exc:  # pragma: no cover - a defect; logged with its traceback
             log.error("answering call %d failed", self.call_id, exc_info=exc)
-            stream._reply_error(self.call_id, self.req, exc)
+            stream._not_made(self.call_id, self.req, self.key, item, exc, in_send=True)
 
     def set_exception(self, error: BaseException) -> None:
         self.settled = True
@@ -791,6 +818,17 @@ class _Waiting(Waiter):
                 joined.set_exception(error)
             else:
                 joined.set_result(item)
+
+    def fail(self, error: BaseException) -> None:
+        """A retry of its request_id was refused (see RetryCache.withdraw): the
+        take is withdrawn, and its call (if its stream still waits for it)
+        and any retry that joined it are answered with ``error``."""
+        self.servicer.table.withdraw(self.req.step_id, self.key, self)
+        self.settle(None, error)
+        stream = self.stream
+        self.stream = None
+        if stream is not None and stream.waiting.get(self.call_id) is self:
+            stream._wait_failed(self.call_id, self.req, error)  # type: ignore[arg-type]
 
 
 class _BadStream(Exception):

@@ -60,7 +60,9 @@ class Pending(Protocol):
     produced yet, see :meth:`RetryCache.wait_for`): not done until the
     waiter's call answers it (:meth:`RetryCache.answered`, :meth:`~RetryCache.failed`).
     ``cancel`` withdraws the take (nobody wants it any more); a retry of the id
-    that joins it awaits ``future()``, made only then, which ``settle`` ends."""
+    that joins it awaits ``future()``, made only then, which ``settle`` ends;
+    ``fail`` withdraws the take and answers its call and every joined retry
+    with an error (a retry of the id was refused: see :meth:`RetryCache.withdraw`)."""
 
     def done(self) -> bool: ...
 
@@ -69,6 +71,8 @@ class Pending(Protocol):
     def future(self) -> asyncio.Future: ...
 
     def settle(self, item: Received | None, error: BaseException | None) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
 
 def _pending(task: Any) -> bool:
@@ -301,6 +305,45 @@ class RetryCache:
     def held(self) -> int:
         """Answers held now (completed, kept for retries)."""
         return self._done_count
+
+    def held_bytes(self) -> int:
+        """Bytes of the answers held now."""
+        return self._done_bytes
+
+    def answers_at_once(self, request_id: int) -> bool:
+        """Whether a retry of ``request_id`` is answered without waiting: its
+        answer (a tensor or an error) is held, or it was released (the retry
+        is refused with FAILED_PRECONDITION). Such a retry adds no waiting
+        recv: the server's room for them never refuses it (a refusal would
+        settle the id at its consumer and strand the answer held for it)."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return request_id in self._answered
+        if type(entry) is _Group:
+            return True
+        task = entry.task
+        return task.done() if _pending(task) else task.done() and not task.cancelled()
+
+    def withdraw(self, request_id: int, error: RendezvousError) -> None:
+        """A retry of ``request_id`` whose take still waits is refused with
+        ``error``: its consumer counts the id as settled and never asks with it
+        again, so nothing may be taken for it any more. The take is
+        withdrawn (a tensor the table handed over at that moment goes back,
+        as for any cancelled take), the callers still awaiting it get
+        ``error``, and the id is forgotten (a request that uses it later takes
+        afresh). Nothing to do when its answer is held or it is unknown."""
+        entry = self._entries.get(request_id)
+        if entry is None or type(entry) is _Group or entry.task.done():
+            return
+        del self._entries[request_id]
+        if self._resends:
+            self._resends.pop(request_id, None)
+        entry.withdrawn = error
+        task = entry.task
+        if _pending(task):
+            task.fail(error)  # type: ignore[union-attr]  # out of the table; its call and joined retries answered
+        else:
+            task.cancel()  # its awaiting callers raise ``withdrawn`` (see run)
 
     def has(self, request_id: int) -> bool:
         return request_id in self._entries

@@ -110,6 +110,15 @@ class RecvTensorServicer:
             raise ResourceExhausted(f"server {self.task} already holds {self.max_waiting} waiting recvs "
                                     "(max_waiting_calls); try again later")
 
+    def refused(self, req: Any, error: RendezvousError) -> None:
+        """``req`` was refused (no room for it to wait): its consumer counts its
+        request_id as settled. A take still waiting for that id (the request
+        is a retry, its first call's take not answered yet) is withdrawn, so
+        nothing is ever taken, and then held unseen, for an id nobody will
+        ask with again."""
+        if req.request_id:
+            self.retry.withdraw(req.request_id, error)
+
     def begin_drain(self) -> None:
         """From now on only tensors already produced (or answers already given)
         are served; a recv that would wait gets UNAVAILABLE."""
@@ -294,35 +303,38 @@ class RecvTensorServicer:
 
     async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:
-            self.check_room()
-        except RendezvousError as exc:
-            self.stats.error(Path.GRPC)
-            await context.abort(exc.code, exc.message)
-        self._unary_active += 1
-        try:
-            return await self._unary_call(request, context)
-        finally:
-            self._unary_active -= 1
-
-    async def _unary_call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        try:
             req = pb.RecvTensorRequest.FromString(request)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed RecvTensorRequest: {exc}")
+        # A retry whose answer is held is answered, never refused for room (see
+        # ProducerStream._ask).
+        if not (req.request_id and self.retry.answers_at_once(req.request_id)):
+            try:
+                self.check_room()
+            except RendezvousError as exc:
+                self.refused(req, exc)
+                self.stats.error(Path.GRPC)
+                await context.abort(exc.code, exc.message)
+        self._unary_active += 1
+        try:
+            return await self._unary_call(req, context)
+        finally:
+            self._unary_active -= 1
+
+    async def _unary_call(self, req: pb.RecvTensorRequest, context: grpc.aio.ServicerContext) -> bytes:
         try:
             try:
-                item, _ = await self.take(req)
+                item, key = await self.take(req)
             except asyncio.CancelledError:
                 self.reclaim(req)  # the caller's deadline or cancel: nothing is consumed
                 raise
-            # A dead-line shorter than the wait is enforced by gRPC itself. Unary
-            # replies are always inline: TensorFlow's clients know no descriptors.
-            plan = self.planes.inline.plan(req, item)
-            if self.timeline is not None:
-                self.timeline.served(req, plan.path)
-            if plan.prepare is not None:
-                plan = await self.prepared(req, plan)
-            reply = plan.unary()
+            try:
+                reply = await self._unary_reply(req, item)
+            except BaseException:
+                # not made (a GPU copy that failed, say) or the call ended first:
+                # nothing was sent, the tensor stays for a later recv
+                self.put_back(req, key, item)
+                raise
         except RendezvousError as exc:
             self.stats.error(Path.GRPC)
             await context.abort(exc.code, exc.message)
@@ -335,6 +347,17 @@ class RecvTensorServicer:
             await context.abort(code, message)
         self.stats.served(Path.GRPC, payload_nbytes(item.value))
         return reply
+
+    async def _unary_reply(self, req: pb.RecvTensorRequest, item: Received) -> bytes:
+        """The RecvTensorResponse for ``item``. A deadline shorter than the wait is
+        enforced by gRPC itself. Unary replies are always inline: TensorFlow's
+        clients know no descriptors."""
+        plan = self.planes.inline.plan(req, item)
+        if self.timeline is not None:
+            self.timeline.served(req, plan.path)
+        if plan.prepare is not None:
+            plan = await self.prepared(req, plan)
+        return plan.unary()
 
     async def prepared(self, req: Any, plan: Reply) -> Reply:
         """The reply ``plan.prepare()`` makes (a GPU tensor copied to the host);
