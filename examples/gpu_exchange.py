@@ -46,7 +46,7 @@ def main() -> int:
         gpus = Devices()  # cupy's
 
     def key(src: int, dst: int, name: str, dst_type: str = "GPU") -> str:
-        return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000000001;"
+        return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000000000;"
                 f"/job:worker/replica:0/task:{dst}/device:{dst_type}:0;{name};0:0")
 
     n = args.mib << 20

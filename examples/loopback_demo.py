@@ -19,7 +19,7 @@ REPS = 3  # the first transfer of a pair also sets up the connection: report the
 
 
 def _key(src: str, dst: str, name: str) -> str:
-    return f"{src}/device:CPU:0;0000000000000001;{dst}/device:CPU:0;{name};0:0"
+    return f"{src}/device:CPU:0;0000000000000000;{dst}/device:CPU:0;{name};0:0"
 
 
 def rank(server):

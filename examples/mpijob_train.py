@@ -35,7 +35,8 @@ from rendezvous.client import Client
 from rendezvous.cluster import ClusterSpec
 
 SAMPLES_PER_NODE = 64
-INCARNATION = 0x5EED
+#: keys of incarnation 0 are taken by any incarnation of their producer's daemon
+INCARNATION = 0
 
 
 def shard(node: int, features: int) -> tuple[np.ndarray, np.ndarray]:

@@ -89,7 +89,7 @@ def worker_task(i: int) -> str:
 
 
 def key(src: str, dst: str, name: str) -> str:
-    return f"{src}/device:CPU:0;0000000000000001;{dst}/device:CPU:0;{name};0:0"
+    return f"{src}/device:CPU:0;0000000000000000;{dst}/device:CPU:0;{name};0:0"
 
 
 def run_ps(server, steps: int) -> None:

@@ -3,6 +3,10 @@
 A cluster is TensorFlow's shape: ``{"worker": ["host:port", ...], "ps": [...]}``
 (a job may also map task indices to addresses: ``{"ps": {"0": "host:port"}}``),
 given as a dict, a :class:`ClusterSpec`, or the path of a JSON file holding one.
+A task may be written ``{"address": "host:port", "incarnation": N}`` to publish
+its incarnation too (a number below 2**64, or a ``0x`` hex string): that task's
+server takes it as its own, and its consumers put it in their keys (see
+``Server.incarnation_of``).
 An address with port 0 means "let the OS choose" for the local task; the
 chosen port is published to peers by :meth:`ClusterSpec.with_address` (the MPI
 world does this with an allgather).
@@ -14,7 +18,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
@@ -37,9 +41,11 @@ def parse_address(address: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """An immutable map of job name -> task index -> ``host:port``."""
+    """An immutable map of job name -> task index -> ``host:port``, and the
+    incarnations known of its tasks."""
 
     jobs: Mapping[str, Mapping[int, str]]
+    incarnations: Mapping[TaskName, int] = field(default_factory=dict)
 
     @classmethod
     def from_any(cls, spec: "ClusterLike") -> "ClusterSpec":
@@ -62,6 +68,7 @@ class ClusterSpec:
         if not isinstance(spec, Mapping):
             raise InvalidArgument(f"a cluster is a mapping of job name to addresses, not {type(spec).__name__}")
         jobs: dict[str, dict[int, str]] = {}
+        incarnations: dict[TaskName, int] = {}
         seen: dict[str, str] = {}
         for job, tasks in spec.items():
             if not isinstance(job, str) or not _JOB_RE.match(job):
@@ -81,6 +88,10 @@ class ClusterSpec:
             for idx, addr in items:
                 if idx < 0:
                     raise InvalidArgument(f"job {job!r}: negative task index {idx}")
+                if isinstance(addr, Mapping):
+                    addr, incarnation = _entry(job, idx, addr)
+                    if incarnation:
+                        incarnations[TaskName(job, 0, idx)] = incarnation
                 _, port = parse_address(addr)
                 if port != 0:
                     other = seen.get(addr)
@@ -89,7 +100,7 @@ class ClusterSpec:
                     seen[addr] = f"/job:{job}/task:{idx}"
                 table[idx] = addr
             jobs[job] = table
-        return cls(jobs)
+        return cls(jobs, incarnations)
 
     def address(self, task: TaskName) -> str:
         """The address serving ``task``; UnknownTask if the cluster lacks it."""
@@ -107,21 +118,53 @@ class ClusterSpec:
             for idx in sorted(self.jobs[job]):
                 yield TaskName(job, 0, idx)
 
-    def with_address(self, task: TaskName, address: str) -> "ClusterSpec":
+    def incarnation(self, task: TaskName) -> int:
+        """The incarnation published for ``task``; 0: none known."""
+        return self.incarnations.get(task, 0)
+
+    def with_address(self, task: TaskName, address: str, incarnation: int | None = None) -> "ClusterSpec":
+        """This cluster with ``task`` at ``address`` (and, unless None, of ``incarnation``)."""
         parse_address(address)
         jobs = {j: dict(t) for j, t in self.jobs.items()}
         jobs.setdefault(task.job, {})[task.task] = address
-        return ClusterSpec(jobs)
+        incarnations = dict(self.incarnations)
+        if incarnation is not None:
+            incarnations[task] = _incarnation(incarnation, task)
+        return ClusterSpec(jobs, incarnations)
 
-    def as_dict(self) -> dict[str, list[str] | dict[str, str]]:
+    def as_dict(self) -> dict[str, list[Any] | dict[str, Any]]:
+        """The JSON form (a task whose incarnation is known as ``{"address", "incarnation"}``)."""
         out: dict[str, Any] = {}
         for job, tasks in self.jobs.items():
-            idx = sorted(tasks)
-            out[job] = [tasks[i] for i in idx] if idx == list(range(len(idx))) else {str(i): tasks[i] for i in idx}
+            entries = {}
+            for i, addr in tasks.items():
+                inc = self.incarnations.get(TaskName(job, 0, i), 0)
+                entries[i] = {"address": addr, "incarnation": inc} if inc else addr
+            idx = sorted(entries)
+            out[job] = [entries[i] for i in idx] if idx == list(range(len(idx))) else {str(i): entries[i] for i in idx}
         return out
 
     def describe(self) -> str:
         return ", ".join(f"{j}[{len(t)}]" for j, t in sorted(self.jobs.items())) or "none"
+
+
+def _incarnation(value: Any, task: Any) -> int:
+    try:
+        number = int(value, 0) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if type(number) is not int or not 0 <= number < 1 << 64:
+        raise InvalidArgument(f"{task}: incarnation {value!r} is not a number in [0, 2**64)")
+    return number
+
+
+def _entry(job: str, idx: int, entry: Mapping[str, Any]) -> tuple[Any, int]:
+    """``{"address": ..., "incarnation": ...}``: the address and the incarnation (0: none)."""
+    unknown = set(entry) - {"address", "incarnation"}
+    if "address" not in entry or unknown:
+        raise InvalidArgument(f"/job:{job}/task:{idx}: a task is \"host:port\" or {{\"address\": \"host:port\", "
+                              f"\"incarnation\": N}}, not {dict(entry)!r}")
+    return entry["address"], _incarnation(entry.get("incarnation", 0), f"/job:{job}/task:{idx}")
 
 
 ClusterLike = Union[ClusterSpec, Mapping[str, Any], str, "os.PathLike[str]"]

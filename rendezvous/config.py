@@ -182,6 +182,11 @@ class Config:
         "send it too. Empty: no token.", secret=True)
     token_file: str = _knob(
         "", "RENDEZVOUS_TOKEN_FILE", "File holding the token (read at start-up; wins over `token`).")
+    incarnation: int = _knob(
+        0, "RENDEZVOUS_INCARNATION",
+        "This server's incarnation (below 2**64; decimal or 0x hex), published with its address; a key naming "
+        "another incarnation of this task is refused with ABORTED. 0: a random one at every start, so that a "
+        "restarted producer is told apart from the one its consumers knew.", parse=lambda raw: int(raw, 0))
     mpi_disabled: bool = _knob(
         False, "MPI_DISABLED",
         "`1`: protocol grpc+mpi never initializes MPI nor imports mpi4py; everything goes over gRPC.",
@@ -314,6 +319,8 @@ class Config:
             raise InvalidArgument(f"timeline_max_bytes must be at least 65536, got {self.timeline_max_bytes}")
         if self.timeline.isspace():
             raise InvalidArgument(f"timeline must name a file (empty: off), got {self.timeline!r}")
+        if not 0 <= self.incarnation < 1 << 64:
+            raise InvalidArgument(f"incarnation must be in [0, 2**64), got {self.incarnation}")
         if self.max_tensor_bytes < 1:
             raise InvalidArgument(f"max_tensor_bytes must be positive, got {self.max_tensor_bytes}")
         for name in ("grace", "stall_warning"):

@@ -32,9 +32,10 @@ from __future__ import annotations
 import functools
 import operator
 import re
+import secrets
 from dataclasses import dataclass
 
-from .errors import FailedPrecondition, InvalidKey
+from .errors import Aborted, FailedPrecondition, InvalidKey
 
 __all__ = [
     "TaskName",
@@ -45,6 +46,7 @@ __all__ = [
     "make_key",
     "as_key",
     "OwnKeys",
+    "new_incarnation",
     "MAX_INCARNATION",
     "MAX_FRAME_ID",
     "MAX_ITER_ID",
@@ -453,16 +455,20 @@ class OwnKeys:
     ``max_chars`` characters are remembered, all forgotten at once when full
     (keys of old steps do not come again). A key of another task is
     FAILED_PRECONDITION, saying ``refusal`` (a format of ``key``, ``src`` and
-    ``task``), and is never remembered."""
+    ``task``), and is never remembered. With ``incarnation`` (not 0), a key
+    naming another incarnation of ``task`` than 0 or this one is ABORTED: it was
+    made for a server of ``task`` that is gone (TensorFlow's "worker job was
+    probably restarted")."""
 
-    __slots__ = ("task", "refusal", "limit", "max_chars", "known")
+    __slots__ = ("task", "refusal", "limit", "max_chars", "known", "incarnation")
 
     def __init__(self, task: TaskName | None, refusal: str, limit: int = 1 << 13,
-                 max_chars: int = _CACHEABLE) -> None:
+                 max_chars: int = _CACHEABLE, incarnation: int = 0) -> None:
         self.task = task
         self.refusal = refusal
         self.limit = limit
         self.max_chars = max_chars
+        self.incarnation = incarnation
         #: key string -> its canonical form, checked already
         self.known: dict[str, str] = {}
 
@@ -477,6 +483,12 @@ class OwnKeys:
         canonical = k.format()
         if src is not None and self.task is not None and src != self.task:
             raise FailedPrecondition(self.refusal.format(key=canonical, src=src, task=self.task))
+        stale = k.src_incarnation
+        if stale and self.incarnation and stale != self.incarnation:
+            raise Aborted(f"key {canonical!r} names incarnation {stale:#x} of {self.task}, whose server is now "
+                          f"incarnation {self.incarnation:#x}: its producer was restarted (or the key was made for "
+                          f"another run); make keys with the producer's current incarnation "
+                          f"(Server.incarnation_of) or 0")
         if type(key) is str and len(key) <= self.max_chars:
             if len(self.known) >= self.limit:
                 self.known.clear()
@@ -496,6 +508,11 @@ def make_key(src_device: str | DeviceName, dst_device: str | DeviceName, name: s
                incarnation,
                str(dst_device) if isinstance(dst_device, DeviceName) else dst_device,
                name, frame_id, iter_id)
+
+
+def new_incarnation() -> int:
+    """A random incarnation for a server that starts (never 0: 0 means "any")."""
+    return secrets.randbits(64) or 1
 
 
 def as_key(key: Key | str) -> Key:

@@ -47,7 +47,7 @@ def dev(job: str, task: int, kind: str = "CPU") -> str:
 
 def key(src: int, dst: int, name: str, job: str = "worker") -> str:
     """A key produced by task ``src`` for task ``dst`` of ``job``."""
-    return make_key(dev(job, src), dev(job, dst), name, incarnation=0x1234).format()
+    return make_key(dev(job, src), dev(job, dst), name).format()
 
 
 @contextlib.asynccontextmanager

@@ -37,7 +37,7 @@ def device(node: int, client: int) -> str:
 
 
 def key(src: tuple[int, int], dst: tuple[int, int], name: str) -> str:
-    return f"{device(*src)};0000000000000001;{device(*dst)};{name};0:0"
+    return f"{device(*src)};0000000000000000;{device(*dst)};{name};0:0"
 
 
 def pattern(nbytes: int, seed: int) -> np.ndarray:

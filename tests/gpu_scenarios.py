@@ -23,7 +23,7 @@ from rendezvous.fakegpu import FakeBackend, FakeCudaError
 
 
 def gkey(src: int, dst: int, name: str, dst_kind: str = "GPU") -> str:
-    return (f"{worker(src)}/device:GPU:0;0000000000000001;"
+    return (f"{worker(src)}/device:GPU:0;0000000000000000;"
             f"{worker(dst)}/device:{dst_kind}:0;{name};0:0")
 
 

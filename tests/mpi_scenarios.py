@@ -35,7 +35,7 @@ threading.excepthook = lambda args: _abort_job(args.exc_type, args.exc_value, ar
 
 
 def key(src: str, dst: str, name: str) -> str:
-    return f"{src}/device:CPU:0;0000000000000001;{dst}/device:CPU:0;{name};0:0"
+    return f"{src}/device:CPU:0;0000000000000000;{dst}/device:CPU:0;{name};0:0"
 
 
 def worker(i: int) -> str:
@@ -829,6 +829,39 @@ def network_peers(api: str = "aio") -> None:
     result(rank=me, remote=sorted(server.aio.mpi.world.remote_ranks), loop_peers=sorted(engine.loop_peers),
            home=engine.home is server.loop, mpi_transfers=server.stats()["mpi"]["transfers"],
            attended=engine.attended)
+    server.stop(5)
+
+
+def incarnations() -> None:
+    """Each rank learns the other's incarnation from MPI's exchange (checked
+    against an allgather of its own): a key of that incarnation is served, a
+    key of another is ABORTED naming both, over whichever request path the
+    environment picks, and nothing is consumed by the refusal."""
+    from mpi4py import MPI
+
+    server = start(2)
+    me, other = server.task.task, 1 - server.task.task
+    theirs = MPI.COMM_WORLD.allgather(server.incarnation)[other]
+    known = server.incarnation_of(TaskName("worker", 0, other))
+    assert known == theirs != 0, (known, theirs)
+
+    def k(name: str, src: int, dst: int, incarnation: int) -> str:
+        return rendezvous.make_key(f"{worker(src)}/device:CPU:0", f"{worker(dst)}/device:CPU:0", name,
+                                   incarnation=incarnation).format()
+
+    mine = server.incarnation
+    for n in (16, 2 << 20):  # inline, and (optimal path) a descriptor and an MPI transfer
+        server.send(k(f"t{n}", me, other, mine), pattern(n, me), step_id=1)
+    got = [server.recv(k(f"t{n}", other, me, known), step_id=1, timeout=60) for n in (16, 2 << 20)]
+    assert all(np.array_equal(g, pattern(n, other)) for g, n in zip(got, (16, 2 << 20)))
+    try:
+        server.recv(k("t16", other, me, known ^ 0x5A5A), step_id=2, timeout=60)
+        refusal = ""
+    except rendezvous.errors.Aborted as exc:
+        refusal = str(exc)
+    finish(server)
+    result(rank=me, refusal=refusal, known=f"{known:#x}", stale=f"{known ^ 0x5A5A:#x}",
+           path=server.config.mpi_requests, pending=len(server.pending()))
     server.stop(5)
 
 

@@ -24,7 +24,7 @@ from test_daemon import daemons, key, sockdir  # noqa: F401  (sockdir: a fixture
 pytestmark = pytest.mark.timeout(60)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-WORKER_KEY = ("/job:worker/replica:0/task:0/device:CPU:0;0000000000000001;"
+WORKER_KEY = ("/job:worker/replica:0/task:0/device:CPU:0;0000000000000000;"
               "/job:worker/replica:0/task:1/device:CPU:0;{};0:0")
 
 

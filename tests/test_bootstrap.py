@@ -177,6 +177,8 @@ def test_bad_joins_are_refused_and_the_job_still_forms():
             assert await refused(body(rank=2)) is grpc.StatusCode.INVALID_ARGUMENT
             assert await refused(body(address="127.0.0.1:0")) is grpc.StatusCode.INVALID_ARGUMENT
             assert await refused(body(address="no port")) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(incarnation=-1)) is grpc.StatusCode.INVALID_ARGUMENT
+            assert await refused(body(incarnation="0x5")) is grpc.StatusCode.INVALID_ARGUMENT
             assert not starting.done()
             # a real rank 1 joins; after that, Join is retired
             await one.start()
@@ -184,7 +186,8 @@ def test_bad_joins_are_refused_and_the_job_still_forms():
             assert await refused(body(address="127.0.0.1:1")) is grpc.StatusCode.FAILED_PRECONDITION
             # a repeated join (a retry) gets the same answer
             again = json.loads(await join(body(address=one.target), timeout=10))
-            assert again == {"addresses": [zero.target, one.target]}
+            assert again == {"addresses": [zero.target, one.target],
+                             "incarnations": [zero.incarnation, one.incarnation]}
             one.send(key(1, 0, "after"), np.arange(3))
             assert (await zero.recv(key(1, 0, "after"), timeout=10)).tolist() == [0, 1, 2]
         finally:

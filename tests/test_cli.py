@@ -27,7 +27,7 @@ from test_admin import serving_rank, stop_rank
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
-KEY = ("/job:worker/replica:0/task:1/device:CPU:0;0000000000000001;"
+KEY = ("/job:worker/replica:0/task:1/device:CPU:0;0000000000000000;"
        "/job:worker/replica:0/task:0/device:CPU:0;weights;0:0")
 
 
@@ -243,7 +243,7 @@ def test_serve_applies_the_token_and_get_names_the_key_when_refused():
 # -- stats, pending, health ---------------------------------------------------------------------------
 
 
-WORKER_KEY = ("/job:worker/replica:0/task:0/device:CPU:0;0000000000000001;"
+WORKER_KEY = ("/job:worker/replica:0/task:0/device:CPU:0;0000000000000000;"
               "/job:worker/replica:0/task:1/device:CPU:0;{};0:0")
 
 

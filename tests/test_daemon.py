@@ -51,7 +51,7 @@ def dev(task: int, device: int = 0) -> str:
 
 
 def key(src: int, dst: int, name: str, src_dev: int = 0, dst_dev: int = 1) -> str:
-    return f"{dev(src, src_dev)};0000000000000001;{dev(dst, dst_dev)};{name};0:0"
+    return f"{dev(src, src_dev)};0000000000000000;{dev(dst, dst_dev)};{name};0:0"
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ TRAINER = textwrap.dedent("""
     import numpy as np
     from rendezvous.client import Client
 
-    k = "/job:node/replica:0/task:0/device:CPU:0;1;/job:node/replica:0/task:0/device:CPU:1;x;0:0"
+    k = "/job:node/replica:0/task:0/device:CPU:0;0;/job:node/replica:0/task:0/device:CPU:1;x;0:0"
     with Client() as c:
         c.send(k, np.arange(4))
         got = c.recv(k, timeout=20).tolist()

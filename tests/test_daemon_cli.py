@@ -27,7 +27,7 @@ READY = re.compile(r"rendezvousd: (\S+) serving on (\S+) .*; local (\S+); .*pid 
 
 
 def key(name: str, src: int = 0) -> str:
-    return f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;/job:node/replica:0/task:0/device:CPU:1;{name};0:0"
+    return f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000000;/job:node/replica:0/task:0/device:CPU:1;{name};0:0"
 
 
 class Proc:

@@ -90,7 +90,7 @@ def test_two_daemons_under_mpiexec_with_local_clients(procs, sockdir):  # noqa: 
 
     # a recv in flight on node 0 for a tensor node 1 never produces, and a tensor
     # on node 1 nobody takes
-    never = ("/job:node/replica:0/task:1/device:CPU:0;0000000000000001;"
+    never = ("/job:node/replica:0/task:1/device:CPU:0;0000000000000000;"
              "/job:node/replica:0/task:0/device:CPU:0;never;0:0")
     waiter = Proc([sys.executable, str(HERE / "daemon_clients.py"), "waiter", nodes[0]["local"], never])
     procs.append(waiter)

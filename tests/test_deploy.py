@@ -531,7 +531,7 @@ def test_installed_service_serves_over_tls_and_stops_on_its_kill_signal(installe
         assert match, "ready line"
         target, local = match.group(2), match.group(3)
         assert local == argv[argv.index("--local") + 1]
-        key = ("/job:node/replica:0/task:0/device:CPU:0;0000000000000001;"
+        key = ("/job:node/replica:0/task:0/device:CPU:0;0000000000000000;"
                "/job:node/replica:0/task:0/device:CPU:1;t;0:0")
         with Client(local) as c:
             c.send(key, np.arange(1 << 17, dtype=np.int32), step_id=1)

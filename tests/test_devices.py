@@ -27,7 +27,7 @@ def fake():
 
 
 def gkey(src: int, dst: int, name: str, dst_kind: str = "GPU") -> str:
-    return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000001234;"
+    return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:{dst}/device:{dst_kind}:0;{name};0:0")
 
 

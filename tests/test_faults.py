@@ -22,7 +22,7 @@ from conftest import run
 
 pytestmark = pytest.mark.timeout(90)
 
-KEY = "/job:worker/replica:0/task:1/cpu:0;0000000000000001;/job:worker/replica:0/task:0/cpu:0;x;0:0"
+KEY = "/job:worker/replica:0/task:1/cpu:0;0000000000000000;/job:worker/replica:0/task:0/cpu:0;x;0:0"
 
 
 async def _with_producer_process(consumer: aio.Server, keepalive: str | None = "1"):
@@ -222,9 +222,9 @@ def test_a_producer_killed_mid_reply_fails_the_recv_promptly():
             with pytest.raises(PeerUnavailable):
                 await asyncio.wait_for(waiting, 30)
             assert time.monotonic() - killed < 15
-            consumer.send("/job:worker/replica:0/task:0/cpu:0;0000000000000001;/job:worker/replica:0/task:0/cpu:0;"
+            consumer.send("/job:worker/replica:0/task:0/cpu:0;0000000000000000;/job:worker/replica:0/task:0/cpu:0;"
                           "local;0:0", np.ones(2))
-            assert (await consumer.recv("/job:worker/replica:0/task:0/cpu:0;0000000000000001;"
+            assert (await consumer.recv("/job:worker/replica:0/task:0/cpu:0;0000000000000000;"
                                         "/job:worker/replica:0/task:0/cpu:0;local;0:0", timeout=5)).sum() == 2
         finally:
             if child.poll() is None:

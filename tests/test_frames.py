@@ -316,7 +316,7 @@ def test_descriptor_response():
 
 @pytest.mark.parametrize("step_id", [0, 1, 2**40, -3])
 def test_recv_request(step_id):
-    key = "/job:w/replica:0/task:0/device:CPU:0;0000000000001234;/job:w/replica:0/task:1/device:CPU:0;t;0:0"
+    key = "/job:w/replica:0/task:0/device:CPU:0;0000000000000000;/job:w/replica:0/task:1/device:CPU:0;t;0:0"
     data = frames.recv_request(12, step_id, key.encode(), request_id=2**62 + 5)
     msg = pb.StreamRequest.FromString(data)
     assert msg.call_id == 12

@@ -87,7 +87,7 @@ KEY_FIELDS = frozenset({"key", "src_device", "src_incarnation", "dst_device", "n
 QUOTED = 10 * keys._QUOTE_LIMIT + 100
 W0 = "/job:worker/replica:0/task:0/device:CPU:0"
 W1 = "/job:worker/replica:0/task:1/device:CPU:0"
-VALID_KEY = f"{W1};0000000000000001;{W0};edge_1;0:0"
+VALID_KEY = f"{W1};0000000000000000;{W0};edge_1;0:0"
 Code = grpc.StatusCode
 
 
@@ -271,7 +271,7 @@ def test_fuzz_canonical_keys_parse_and_format_back_to_themselves(s):
        st.text(min_size=1, max_size=12))
 def test_fuzz_keys_longer_than_the_limit_always_raise(length, as_name, ch, junk):
     if as_name:  # a valid key but for its length: the name makes it long
-        head, tail = f"{W1};0000000000000001;{W0};", ";0:0"
+        head, tail = f"{W1};0000000000000000;{W0};", ";0:0"
         s = head + ch * (length - len(head) - len(tail)) + tail
     else:
         s = (junk * (length // len(junk) + 1))[:length]
@@ -754,14 +754,14 @@ INPUT_CODES = frozenset({Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.N
 
 def _key_text(src: int, dst: int, name: str, job: str = "worker") -> str:
     """conftest's key, written out: the name may be one no key can have."""
-    return f"{dev(job, src)};0000000000001234;{dev(job, dst)};{name};0:0"
+    return f"{dev(job, src)};0000000000000000;{dev(job, dst)};{name};0:0"
 
 
 _request_keys = st.one_of(
     _NAMES.map(lambda n: _key_text(1, 0, n)),             # b's own: would wait
     _NAMES.map(lambda n: _key_text(1, 0, n)),
     _NAMES.map(lambda n: _key_text(0, 1, n)),             # a's: not this server's
-    _NAMES.map(lambda n: f"/cpu:0;1;/cpu:0;{n};0:0"),     # no task: this server's, would wait
+    _NAMES.map(lambda n: f"/cpu:0;0;/cpu:0;{n};0:0"),     # no task: this server's, would wait
     _NAMES.map(lambda n: _key_text(1, 0, n, job="ps")),   # not in the cluster
     _key_texts(), st.text(max_size=30), _mutated_text(VALID_KEY),
     st.just(VALID_KEY + "x" * keys.MAX_KEY_LENGTH),
@@ -983,7 +983,7 @@ LEND_CLASSES = sorted({shm.size_class(n) for n in range(1, LIMIT + 1, 4096)} | {
 
 
 def _node_key(name: str, src: str = NODE0) -> str:
-    return f"{src};0000000000000001;{NODE0};{name};0:0"
+    return f"{src};0000000000000000;{NODE0};{name};0:0"
 
 
 _local_keys = st.one_of(
@@ -991,7 +991,7 @@ _local_keys = st.one_of(
     _NAMES.map(_node_key),
     _NAMES.map(_node_key),
     _NAMES.map(lambda n: _node_key(n, NODE1)),            # a task not in its cluster
-    _NAMES.map(lambda n: f"/cpu:0;1;/cpu:0;{n};0:0"),     # no task: the daemon's
+    _NAMES.map(lambda n: f"/cpu:0;0;/cpu:0;{n};0:0"),     # no task: the daemon's
     _NAMES.map(lambda n: _key_text(0, 1, n)),             # another job
     _key_texts(), st.text(max_size=20), _mutated_text(_node_key("edge_1")),
 )

@@ -23,7 +23,7 @@ from test_mpi import HERE, launch  # noqa: E402
 
 
 def gkey(src, dst, name, kind="GPU"):
-    return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000001234;"
+    return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:{dst}/device:{kind}:0;{name};0:0")
 
 
@@ -176,7 +176,7 @@ def test_a_tensor_moves_from_gpu0_to_gpu1_after_its_producer():
 
 @two_gpus
 def test_a_local_recv_onto_the_other_gpu():
-    key = ("/job:worker/replica:0/task:0/device:GPU:0;0000000000001234;"
+    key = ("/job:worker/replica:0/task:0/device:GPU:0;0000000000000000;"
            "/job:worker/replica:0/task:0/device:GPU:1;moved;0:0")
 
     async def main():

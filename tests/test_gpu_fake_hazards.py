@@ -341,7 +341,7 @@ def test_the_pinned_pools_of_a_server_keep_a_bounded_amount_idle(fake):
 
 
 def gkey(src: int, dst: int, name: str, dst_dev: str = "GPU:0") -> str:
-    return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000001234;"
+    return (f"/job:worker/replica:0/task:{src}/device:GPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:{dst}/device:{dst_dev};{name};0:0")
 
 

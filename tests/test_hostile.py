@@ -25,9 +25,9 @@ CONSUMER = "/job:worker/replica:0/task:0/device:CPU:0"
 def test_a_key_longer_than_the_limit_is_refused_naming_the_limit():
     long_name = "n" * keys.MAX_KEY_LENGTH
     with pytest.raises(InvalidKey, match=f"more than the {keys.MAX_KEY_LENGTH}"):
-        keys.parse_key(f"{PRODUCER};0000000000000001;{CONSUMER};{long_name};0:0")
+        keys.parse_key(f"{PRODUCER};0000000000000000;{CONSUMER};{long_name};0:0")
     fits = "n" * (keys.MAX_KEY_LENGTH - 200)
-    assert keys.parse_key(f"{PRODUCER};0000000000000001;{CONSUMER};{fits};0:0").name == fits
+    assert keys.parse_key(f"{PRODUCER};0000000000000000;{CONSUMER};{fits};0:0").name == fits
 
 
 def test_long_keys_are_refused_and_nothing_keeps_them():
@@ -40,14 +40,14 @@ def test_long_keys_are_refused_and_nothing_keeps_them():
             async with grpc.aio.insecure_channel(b.target) as channel:
                 call = channel.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
                 for i in range(20):
-                    huge = f"{PRODUCER};0000000000000001;{CONSUMER};{str(i % 10) * 100_000};0:0"
+                    huge = f"{PRODUCER};0000000000000000;{CONSUMER};{str(i % 10) * 100_000};0:0"
                     request = pb.RecvTensorRequest(step_id=1, rendezvous_key=huge).SerializeToString()
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call(request, timeout=10)
                     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                     assert "characters" in info.value.details()
                 # a key of ordinary length is still served
-                ok = f"{PRODUCER};0000000000000001;{CONSUMER};fine;0:0"
+                ok = f"{PRODUCER};0000000000000000;{CONSUMER};fine;0:0"
                 b.send(ok, np.array([1]), step_id=1)
                 reply = pb.RecvTensorResponse.FromString(
                     await call(pb.RecvTensorRequest(step_id=1, rendezvous_key=ok).SerializeToString(), timeout=10))
@@ -75,13 +75,13 @@ def test_requests_larger_than_a_request_needs_are_refused_before_they_cost_memor
             async with grpc.aio.insecure_channel(b.target) as channel:
                 call = channel.unary_unary("/rendezvous.v1.Rendezvous/RecvTensor")
                 for i in range(60):
-                    huge = f"{PRODUCER};0000000000000001;{CONSUMER};{str(i % 10) * 4_000_000};0:0"
+                    huge = f"{PRODUCER};0000000000000000;{CONSUMER};{str(i % 10) * 4_000_000};0:0"
                     request = pb.RecvTensorRequest(step_id=1, rendezvous_key=huge).SerializeToString()
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call(request, timeout=10)
                     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                     del request, huge
-                ok = f"{PRODUCER};0000000000000001;{CONSUMER};fine;0:0"
+                ok = f"{PRODUCER};0000000000000000;{CONSUMER};fine;0:0"
                 b.send(ok, np.array([1]), step_id=1)
                 reply = pb.RecvTensorResponse.FromString(
                     await call(pb.RecvTensorRequest(step_id=1, rendezvous_key=ok).SerializeToString(), timeout=10))
@@ -90,7 +90,7 @@ def test_requests_larger_than_a_request_needs_are_refused_before_they_cost_memor
             # this process is the client too (its 4 MB requests); the server used to add ~250 MB
             assert _rss_mib() - before < 120, f"grew {_rss_mib() - before:.0f} MiB"
             # a consumer's own requests stay within every producer's limit, however many are queued
-            keys_ = [f"{PRODUCER};0000000000000001;{CONSUMER};{'n' * 16_000}{i};0:0" for i in range(200)]
+            keys_ = [f"{PRODUCER};0000000000000000;{CONSUMER};{'n' * 16_000}{i};0:0" for i in range(200)]
             for k in keys_:
                 b.send(k, np.array([2]), step_id=2)
             got = await asyncio.gather(*(a.recv(k, step_id=2, timeout=30) for k in keys_))
@@ -101,7 +101,7 @@ def test_requests_larger_than_a_request_needs_are_refused_before_they_cost_memor
 def test_long_keys_that_are_valid_are_served_but_not_cached():
     async def main():
         async with cluster(2) as (a, b):
-            k = f"{PRODUCER};0000000000000001;{CONSUMER};{'x' * 8000};0:0"
+            k = f"{PRODUCER};0000000000000000;{CONSUMER};{'x' * 8000};0:0"
             b.send(k, np.array([7]), step_id=1)
             assert (await a.recv(k, step_id=1, timeout=10))[0] == 7
             assert all(len(raw) <= 1024 for raw in b.servicer._canonical)
@@ -119,7 +119,7 @@ def test_waiting_recvs_are_bounded_per_server():
     async def main():
         async with cluster(2, max_waiting_calls=50) as (a, b):
             def k(i):
-                return f"{PRODUCER};0000000000000001;{CONSUMER};w{i};0:0"
+                return f"{PRODUCER};0000000000000000;{CONSUMER};w{i};0:0"
             waits = [asyncio.ensure_future(a.recv(k(i), step_id=1, timeout=30)) for i in range(60)]
             await until(lambda: sum(w.done() for w in waits) >= 10 and b.servicer.waiting_calls() == 50,
                         what="the recvs over the limit to be refused")

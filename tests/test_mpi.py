@@ -498,6 +498,15 @@ def test_long_task_names_and_duplicate_tasks():
         assert r["duplicate_error"] and "claimed by MPI ranks 0 and 1" in r["duplicate_error"]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])
+def test_incarnations_are_exchanged_and_a_stale_one_is_aborted(requests):
+    _, results, _ = launch(2, "incarnations", timeout=100, env={"RENDEZVOUS_MPI_REQUESTS": requests})
+    for r in results:
+        assert r["known"] in r["refusal"] and r["stale"] in r["refusal"], r
+        assert "restarted" in r["refusal"] and r["pending"] == 0
+
+
 @pytest.mark.huge
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("requests", ["0", "1"], ids=["grpc-requests", "mpi-requests"])

@@ -127,12 +127,13 @@ def _world(rank: int, contributions: list) -> MpiWorld:
     return MpiWorld(ScriptedMPI(comm), None, rank, len(contributions), "MULTIPLE", 0, "test")
 
 
-def test_exchange_maps_every_task_to_its_rank_and_address_and_agrees_on_a_world_id():
-    others = [("worker", 0, 0, "10.0.0.1:5000"), ("worker", 0, 1, "10.0.0.2:5000"), ("ps", 0, 0, "10.0.0.3:1")]
-    table = _world(1, others).exchange(TaskName("worker", 0, 1), "10.0.0.2:5000")
-    assert table == {TaskName("worker", 0, 0): RankAddress(0, "10.0.0.1:5000"),
-                     TaskName("worker", 0, 1): RankAddress(1, "10.0.0.2:5000"),
-                     TaskName("ps", 0, 0): RankAddress(2, "10.0.0.3:1")}
+def test_exchange_maps_every_task_to_its_rank_address_and_incarnation_and_agrees_on_a_world_id():
+    others = [("worker", 0, 0, "10.0.0.1:5000", 11), ("worker", 0, 1, "10.0.0.2:5000", 12),
+              ("ps", 0, 0, "10.0.0.3:1", 0)]
+    table = _world(1, others).exchange(TaskName("worker", 0, 1), "10.0.0.2:5000", 12)
+    assert table == {TaskName("worker", 0, 0): RankAddress(0, "10.0.0.1:5000", 11),
+                     TaskName("worker", 0, 1): RankAddress(1, "10.0.0.2:5000", 12),
+                     TaskName("ps", 0, 0): RankAddress(2, "10.0.0.3:1", 0)}
     root = _world(0, others)
     root.exchange(TaskName("worker", 0, 0), "10.0.0.1:5000")
     assert root.world_id % 2 == 1 and root.comm is not None  # rank 0 draws it (odd: never 0)
@@ -145,7 +146,7 @@ def test_exchange_names_the_ranks_on_other_nodes_and_frees_what_it_asked_with():
     """Ranks 0 and 2 share a node, rank 1 and 3 are elsewhere: rank 2 reaches 1
     and 3 over the network (what its loop polls with gRPC requests); the
     node's communicator and both groups are freed."""
-    tasks = [("worker", 0, i, f"10.0.0.{i}:1") for i in range(4)]
+    tasks = [("worker", 0, i, f"10.0.0.{i}:1", 0) for i in range(4)]
     comm = ScriptedComm(2, tasks, nodes=["a", "b", "a", "c"])
     world = MpiWorld(ScriptedMPI(comm), None, 2, 4, "MULTIPLE", 0, "test")
     world.exchange(TaskName("worker", 0, 2), "10.0.0.2:1")
@@ -162,7 +163,7 @@ def test_the_node_finds_whether_a_single_copy_moves_large_messages(lands_after, 
     of MPI for a while: landed long before that pause ends, a single copy moved
     it (the engine then never spins for this node's transfers); after it, the
     message moved only as the sender polled. Rank 0 judges, every rank gets it."""
-    tasks = [("worker", 0, i, f"10.0.0.{i}:1") for i in range(3)]
+    tasks = [("worker", 0, i, f"10.0.0.{i}:1", 0) for i in range(3)]
     comm = ScriptedComm(0, tasks, nodes=["a", "a", "b"])
     comm.lands_after = lands_after
     world = MpiWorld(ScriptedMPI(comm), None, 0, 3, "MULTIPLE", 0, "test")
@@ -179,7 +180,7 @@ def test_the_node_finds_whether_a_single_copy_moves_large_messages(lands_after, 
 
 
 def test_two_ranks_claiming_one_task_is_an_error_naming_both():
-    same = [("worker", 0, 0, "a:1"), ("worker", 0, 0, "b:1")]
+    same = [("worker", 0, 0, "a:1", 0), ("worker", 0, 0, "b:1", 0)]
     with pytest.raises(InvalidArgument, match="claimed by MPI ranks 0 and 1"):
         _world(0, same).exchange(TaskName("worker", 0, 0), "a:1")
 

@@ -64,7 +64,7 @@ def hosts(net):
 
 
 def key(src: int, dst: int, name: str, step: int = 0) -> str:
-    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:node/replica:0/task:{dst}/device:CPU:0;{name};0:0")
 
 

@@ -12,7 +12,7 @@ SIZES = [0, 1, 1000, 1 << 16, (1 << 20) + 7, 16 << 20, 256 << 20]
 
 
 def _k(src: int, dst: int, name: str) -> str:
-    return (f"/job:worker/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:worker/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:{dst}/device:CPU:0;{name};0:0")
 
 

@@ -481,7 +481,7 @@ def test_get_called_through_main_with_token_warns(sockdir, capsys):
 
 
 def _gpu_key(src: int, dst: int, name: str) -> str:
-    return (f"/job:worker/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:worker/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:{dst}/device:GPU:0;{name};0:0")
 
 

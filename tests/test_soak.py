@@ -35,7 +35,7 @@ SIZES = (64, 4 << 10, 256 << 10, 1 << 20)  # inline and shared memory on the loc
 
 
 def key(src: int, dst: int, name: str) -> str:
-    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:node/replica:0/task:{dst}/device:CPU:0;{name};0:0")
 
 

@@ -432,10 +432,20 @@ def test_decode_tensor_copies_nothing():
 
 # --- views -----------------------------------------------------------------------
 
+def _aligned_in(buf_type, data: bytes, nbytes: int):
+    """``data`` (an encoded tensor) placed in a new ``buf_type`` after as many
+    bytes as put its content at a multiple of 8 (a fresh buffer's own start is):
+    (the buffer, its span)."""
+    pad = -(len(data) - nbytes) % 8
+    buf = buf_type(bytes(pad) + data)
+    assert np.frombuffer(buf, np.uint8).ctypes.data % 8 == 0
+    return buf, pad, pad + len(data)
+
+
 def test_decode_is_a_view_on_a_bytearray():
     arr = np.arange(8, dtype=np.int32)
-    buf = bytearray(encode_tensor(arr))
-    out = decode_tensor(buf)
+    buf, start, end = _aligned_in(bytearray, encode_tensor(arr), arr.nbytes)
+    out = decode_tensor(buf, start, end)
     assert np.shares_memory(out, np.frombuffer(buf, dtype=np.uint8))
     assert out.flags.writeable
     buf[-4:] = np.int32(-5).tobytes()
@@ -447,10 +457,22 @@ def test_decode_is_a_view_on_a_bytearray():
 
 
 def test_decode_is_a_read_only_view_on_bytes():
-    data = encode_tensor(np.arange(8, dtype=np.float32))
-    out = decode_tensor(data)
+    arr = np.arange(8, dtype=np.float32)
+    data, start, end = _aligned_in(bytes, encode_tensor(arr), arr.nbytes)
+    out = decode_tensor(data, start, end)
     assert not out.flags.writeable
     assert not out.flags.owndata
+
+
+@pytest.mark.parametrize("shift", range(1, 8))
+def test_decode_copies_content_that_lies_misaligned_for_its_dtype(shift):
+    arr = sample(np.dtype(np.float64), (3, 5))
+    data, start, end = _aligned_in(bytearray, encode_tensor(arr), arr.nbytes)
+    buf = bytearray(shift) + data  # the content now lies `shift` bytes past a multiple of 8
+    out = decode_tensor(buf, start + shift, end + shift)
+    assert_same(out, arr)
+    assert out.ctypes.data % out.dtype.alignment == 0
+    assert not np.shares_memory(out, np.frombuffer(buf, dtype=np.uint8))
 
 
 def test_decode_inside_a_larger_message():
@@ -460,9 +482,10 @@ def test_decode_inside_a_larger_message():
     resp = rendezvous_pb2.RecvTensorResponse.FromString(
         wire.varint_field(2, 0) + wire.varint_field(3, 99) + wire.len_field_header(1, len(tensor)) + tensor)
     data = resp.SerializeToString()
-    buf = bytearray(data)
-    [(s, e)] = [(a, b) for num, _, a, b in wire.iter_fields(buf) if num == 1]
-    out = decode_tensor(buf, s, e)
+    [(s, e)] = [(a, b) for num, _, a, b in wire.iter_fields(data) if num == 1]
+    content = data.find(arr.tobytes())
+    buf, pad, _ = _aligned_in(bytearray, data, len(data) - content)
+    out = decode_tensor(buf, s + pad, e + pad)
     assert_same(out, arr)
     assert np.shares_memory(out, np.frombuffer(buf, dtype=np.uint8))
     assert_same(decode_tensor(memoryview(data), s, e), arr)

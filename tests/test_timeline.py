@@ -217,7 +217,7 @@ def test_the_file_name_takes_the_job_and_task_and_the_blocking_server_records_it
     monkeypatch.setenv("RENDEZVOUS_TIMELINE", str(tmp_path / "tl" / "{job_name}.{task_index}.json"))
     spec = {"ps": ["127.0.0.1:0"], "worker": ["127.0.0.1:0", "127.0.0.1:0"]}
     with rendezvous.Server(spec, "worker", 1) as server:  # the blocking Server: sends go through its loop
-        k = "/job:worker/replica:0/task:1/device:CPU:0;0000000000000001;/job:worker/replica:0/task:1/device:CPU:0;x;0:0"
+        k = "/job:worker/replica:0/task:1/device:CPU:0;0000000000000000;/job:worker/replica:0/task:1/device:CPU:0;x;0:0"
         server.send(k, np.arange(3), step_id=5)
         assert list(server.recv(k, step_id=5, timeout=10)) == [0, 1, 2]
         assert server.aio.timeline.path == str(tmp_path / "tl" / "worker.1.json")

@@ -50,13 +50,13 @@ class MpiRank:
         """Join the MPI job (initializing MPI at the thread level the engine needs)."""
         return cls(MpiWorld.join(), config)
 
-    async def start(self, task: TaskName, address: str, *, servicer: Any, stats: Any, buffers: Any, devices: Any,
-                    delivered: Callable[[int], None], loop_polls: bool | str) -> dict[TaskName, str]:
-        """Start the progress engine, exchange every rank's task and address (the
-        job's collective), and make the MPI data plane (``self.plane``, for the
-        server's planes) and, with ``mpi_requests``, the request path served by
-        ``servicer``. Returns each task of the job with its address. On failure
-        everything started is stopped again."""
+    async def start(self, task: TaskName, address: str, *, incarnation: int = 0, servicer: Any, stats: Any, buffers: Any, devices: Any,
+                    delivered: Callable[[int], None], loop_polls: bool | str) -> dict[TaskName, tuple[str, int]]:
+        """Start the progress engine, exchange every rank's task, address and
+        incarnation (the job's collective), and make the MPI data plane
+        (``self.plane``, for the server's planes) and, with ``mpi_requests``, the
+        request path served by ``servicer``. Returns each task of the job with its
+        address and incarnation. On failure everything started is stopped again."""
         cfg = self.config
         engine = ProgressEngine(poll_min_us=cfg.mpi_poll_min_us, poll_max_us=cfg.mpi_poll_max_us)
         # The aio server's loop polls every transfer while traffic is expected
@@ -77,7 +77,7 @@ class MpiRank:
         atexit.register(engine.stop, 5.0)
         try:
             world = self.world
-            found = await engine.call(lambda: world.exchange(task, address))
+            found = await engine.call(lambda: world.exchange(task, address, incarnation))
             engine.attach(world.comm)
             if world.single_copy:  # this node's large messages need no polling to move
                 engine.copied_peers = frozenset(range(world.size)) - world.remote_ranks - {world.rank}
@@ -95,7 +95,7 @@ class MpiRank:
         except BaseException:
             await self.stop(0)
             raise
-        return {t: where.address for t, where in found.items()}
+        return {t: (where.address, where.incarnation) for t, where in found.items()}
 
     def open_call(self, task: TaskName) -> Callable[[], Any] | None:
         """How a peer client opens its stream to ``task`` over MPI (requests over

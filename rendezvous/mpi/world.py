@@ -33,10 +33,12 @@ _PROBE_TAG = 7
 
 
 class RankAddress(NamedTuple):
-    """Where a task of the job is: its MPI rank and its gRPC address."""
+    """Where a task of the job is: its MPI rank, its gRPC address, and the
+    incarnation of its server."""
 
     rank: int
     address: str
+    incarnation: int = 0
 
 
 def _loaded_mpi_libraries() -> list[str]:
@@ -182,20 +184,20 @@ class MpiWorld:
             verdict = landed - local.recv(source=1, tag=_PROBE_TAG) < SINGLE_COPY_PROBE_PAUSE / 2
         return bool(local.bcast(verdict, root=0))
 
-    def exchange(self, task: TaskName, address: str) -> dict[TaskName, RankAddress]:
-        """Collective (run on the engine thread): {task: (rank, address)} for the whole job."""
+    def exchange(self, task: TaskName, address: str, incarnation: int = 0) -> dict[TaskName, RankAddress]:
+        """Collective (run on the engine thread): {task: (rank, address, incarnation)} for the whole job."""
         world = self.MPI.COMM_WORLD
         self.comm = world.Dup()
         self.control = self.comm.Dup()  # requests and replies: never matched by a data transfer
         self.world_id = self.comm.bcast(secrets.randbits(63) | 1 if self.rank == 0 else None, root=0)
         self.remote_ranks, self.single_copy = self._node()
-        entries = self.comm.allgather((task.job, task.replica, task.task, address))
+        entries = self.comm.allgather((task.job, task.replica, task.task, address, incarnation))
         table: dict[TaskName, RankAddress] = {}
-        for rank, (job, replica, index, addr) in enumerate(entries):
+        for rank, (job, replica, index, addr, inc) in enumerate(entries):
             t = TaskName(job, replica, index)
             if t in table:
                 raise InvalidArgument(
                     f"task {t} is claimed by MPI ranks {table[t].rank} and {rank}; "
                     "each rank must run a different task")
-            table[t] = RankAddress(rank, addr)
+            table[t] = RankAddress(rank, addr, inc)
         return table

@@ -220,6 +220,16 @@ class Server:
         """Every task's address as this rank knows it (real ports once started)."""
         return self._aio.cluster
 
+    @property
+    def incarnation(self) -> int:
+        """This server's incarnation (see :attr:`rendezvous.aio.Server.incarnation`)."""
+        return self._aio.incarnation
+
+    def incarnation_of(self, task: TaskName | str) -> int:
+        """``task``'s incarnation as this server knows it; 0 if unknown (see
+        :meth:`rendezvous.aio.Server.incarnation_of`)."""
+        return self._aio.incarnation_of(task)
+
     # -- lifecycle ----------------------------------------------------------
 
     def start(self) -> None:

@@ -178,35 +178,38 @@ def _join_target(boot: Bootstrap, address: str) -> tuple[str, list[tuple[str, st
 
 
 async def exchange_addresses(boot: Bootstrap, job_name: str, own: str, joins: JoinTable | None, limit: float,
-                             setup: Any, token: str) -> list[str]:
-    """Every rank's address, for the rank at ``own``: rank 0 collects the joins
+                             setup: Any, token: str, incarnation: int = 0) -> list[tuple[str, int]]:
+    """Every rank's address and incarnation, for the rank at ``own`` (of
+    ``incarnation``): rank 0 collects the joins
     (``joins``, served on its port), the others join it (over ``setup``'s TLS,
     with its token), or all exchange through torchrun's store; each bounded by
     ``limit`` seconds."""
     if joins is not None:  # rank 0: wait for the others' joins
-        joins.set_own(own)
+        joins.set_own(own, incarnation)
         try:
             await asyncio.wait_for(joins.done.wait(), limit)
         except TimeoutError:
             joins.fail(never_joined(joins, limit, own))
         if joins.error is not None:
             raise copy.copy(joins.error)
-        return [joins.addresses[r] for r in range(boot.world_size)]
+        return [(joins.addresses[r], joins.incarnations.get(r, 0)) for r in range(boot.world_size)]
     if boot.agent_store:  # torchrun's agent hosts a store at the master address
-        return await asyncio.to_thread(exchange_through_store, boot, job_name, own, limit, token)
-    return await join(boot, job_name, own, limit, credentials=setup.channel_credentials, metadata=setup.metadata)
+        return await asyncio.to_thread(exchange_through_store, boot, job_name, own, limit, token, incarnation)
+    return await join(boot, job_name, own, limit, credentials=setup.channel_credentials, metadata=setup.metadata,
+                      incarnation=incarnation)
 
 
 async def join(boot: Bootstrap, job_name: str, address: str, timeout: float, *,
                credentials: grpc.ChannelCredentials | None = None,
-               metadata: tuple[tuple[str, str], ...] = ()) -> list[str]:
-    """A rank > 0's side: tell rank 0 ``address`` and get every rank's, waiting
-    up to ``timeout`` seconds for rank 0 to come up and the others to join."""
+               metadata: tuple[tuple[str, str], ...] = (), incarnation: int = 0) -> list[tuple[str, int]]:
+    """A rank > 0's side: tell rank 0 ``address`` (and ``incarnation``) and get
+    every rank's, waiting up to ``timeout`` seconds for rank 0 to come up and
+    the others to join."""
     target, options = _join_target(boot, address)
     channel = (grpc.aio.secure_channel(target, credentials, options=options) if credentials is not None
                else grpc.aio.insecure_channel(target))
     body = json.dumps({"job": job_name, "rank": boot.rank, "world_size": boot.world_size,
-                       "address": address}).encode()
+                       "address": address, "incarnation": incarnation}).encode()
     try:
         call = channel.unary_unary(JOIN_METHOD, request_serializer=None, response_deserializer=None)
         reply = await call(body, timeout=timeout, wait_for_ready=True, metadata=metadata)
@@ -218,16 +221,18 @@ async def join(boot: Bootstrap, job_name: str, address: str, timeout: float, *,
         raise from_status(exc.code(), f"rank 0 at {target} refused the join: {exc.details()}") from None
     finally:
         await channel.close()
-    addresses = json.loads(reply)["addresses"]
-    if len(addresses) != boot.world_size:
+    answer = json.loads(reply)
+    addresses = answer["addresses"]
+    incarnations = answer.get("incarnations") or [0] * len(addresses)
+    if len(addresses) != boot.world_size or len(incarnations) != boot.world_size:
         raise Unavailable(f"rank 0 at {target} answered {len(addresses)} addresses for WORLD_SIZE "
                           f"{boot.world_size}")
-    return addresses
+    return list(zip(addresses, incarnations))
 
 
 def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout: float,
-                           token: str = "") -> list[str]:
-    """Every rank's address through the TCPStore torchrun's agent hosts at
+                           token: str = "", incarnation: int = 0) -> list[tuple[str, int]]:
+    """Every rank's address and incarnation through the TCPStore torchrun's agent hosts at
     ``MASTER_ADDR:MASTER_PORT`` (blocking: run it off the event loop). With a
     ``token`` each entry carries its signature (:func:`sign_entry`) and every
     rank's is checked: UNAUTHENTICATED for one not signed with the token."""
@@ -242,7 +247,7 @@ def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout
     names = [f"{prefix}{r}" for r in range(boot.world_size)]
     try:
         store = TCPStore(boot.master_addr, boot.master_port, is_master=False, timeout=timedelta(seconds=timeout))
-        store.set(names[boot.rank], sign_entry(token, names[boot.rank], address))
+        store.set(names[boot.rank], sign_entry(token, names[boot.rank], f"{address}#{incarnation:x}"))
         store.wait(names, timedelta(seconds=timeout))
         entries = [store.get(n).decode("utf-8", "replace") for n in names]
     except RuntimeError as exc:  # torch's store errors (DistStoreError and its kin) are RuntimeErrors
@@ -254,7 +259,16 @@ def exchange_through_store(boot: Bootstrap, job_name: str, address: str, timeout
         raise Unavailable(f"rank {boot.rank} could not exchange addresses through torchrun's store at "
                           f"{boot.master} within {timeout:g}s" + (f"; rank(s) {missing} never joined" if missing
                                                                   else "") + f": {exc}") from None
-    return [read_entry(token, n, e, r) for r, (n, e) in enumerate(zip(names, entries))]
+    return [_with_incarnation(read_entry(token, n, e, r), r) for r, (n, e) in enumerate(zip(names, entries))]
+
+
+def _with_incarnation(entry: str, rank: int) -> tuple[str, int]:
+    """``address#incarnation`` (hex; a bare address: 0) as (address, incarnation)."""
+    address, _, hex_incarnation = entry.partition("#")
+    try:
+        return address, int(hex_incarnation or "0", 16)
+    except ValueError:
+        raise InvalidArgument(f"rank {rank}'s entry in torchrun's store has a bad incarnation: {entry!r}") from None
 
 
 def sign_entry(token: str, name: str, address: str) -> str:

@@ -118,6 +118,8 @@ class JoinTable:
         self.job_name = job_name
         #: rank -> the address it joined with (rank 0's own from set_own)
         self.addresses: dict[int, str] = {}
+        #: rank -> the incarnation of its server (0: none said)
+        self.incarnations: dict[int, int] = {}
         #: (IP, port) -> the rank there, to refuse one address for two ranks
         self._where: dict[tuple[IP, int], int] = {}
         self._waiting: dict[int, int] = {}
@@ -127,8 +129,9 @@ class JoinTable:
         self.done = asyncio.Event()
         self.error: RendezvousError | None = None
 
-    def set_own(self, address: str) -> None:
+    def set_own(self, address: str, incarnation: int = 0) -> None:
         self.addresses[0] = address
+        self.incarnations[0] = incarnation
         self._check()
 
     def _check(self) -> None:
@@ -145,13 +148,18 @@ class JoinTable:
         return [r for r in range(self.boot.world_size) if r not in self.addresses]
 
     def answer(self) -> bytes:
-        return json.dumps({"addresses": [self.addresses[r] for r in range(self.boot.world_size)]}).encode()
+        ranks = range(self.boot.world_size)
+        return json.dumps({"addresses": [self.addresses[r] for r in ranks],
+                           "incarnations": [self.incarnations.get(r, 0) for r in ranks]}).encode()
 
     # -- one join ------------------------------------------------------------
 
     def _fields(self, body: Mapping[str, Any]) -> tuple[int, str, str, int]:
         """(rank, address, host, port) of a join; InvalidArgument for a bad one."""
         job, rank, world, address = (body.get(k) for k in ("job", "rank", "world_size", "address"))
+        incarnation = body.get("incarnation", 0)
+        if type(incarnation) is not int or not 0 <= incarnation < 1 << 64:
+            raise InvalidArgument(f"join with incarnation {incarnation!r}: not a number in [0, 2**64)")
         if job != self.job_name:
             raise InvalidArgument(f"join for job {job!r}; this bootstrap is job {self.job_name!r}")
         if world != self.boot.world_size:
@@ -200,7 +208,7 @@ class JoinTable:
             self._own = {(ip, self.boot.master_port) for ip in ips}
         return self._own
 
-    def _record(self, rank: int, address: str, place: tuple[IP, int]) -> None:
+    def _record(self, rank: int, address: str, place: tuple[IP, int], incarnation: int = 0) -> None:
         """Take a checked join before the job formed (a repeat changes nothing)."""
         holder = self._where.get(place)
         if holder is not None and holder != rank:
@@ -213,6 +221,7 @@ class JoinTable:
             self.fail(error)
             raise error
         self.addresses[rank] = address
+        self.incarnations[rank] = incarnation
         self._where[place] = rank
         self._check()
 
@@ -233,7 +242,7 @@ class JoinTable:
         waiting = self._waiting.get(rank, 0)
         if waiting >= MAX_WAITING_PER_RANK:
             raise ResourceExhausted(f"rank {rank} has {waiting} joins waiting already")
-        self._record(rank, address, place)
+        self._record(rank, address, place, body.get("incarnation", 0))
         self._waiting[rank] = waiting + 1
         try:
             await self.done.wait()

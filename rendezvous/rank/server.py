@@ -39,8 +39,8 @@ from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
 from rendezvous.deadlines import Deadlines
 from rendezvous.devices import Devices, Placement
-from rendezvous.errors import Aborted, FailedPrecondition, RendezvousError, Unavailable
-from rendezvous.keys import Key, OwnKeys, TaskName, as_key
+from rendezvous.errors import Aborted, FailedPrecondition, InvalidKey, RendezvousError, Unavailable
+from rendezvous.keys import DeviceName, Key, OwnKeys, TaskName, as_key, new_incarnation
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.rpc.admin import Admin
@@ -111,6 +111,12 @@ class Server:
         self._sent_keys = OwnKeys(self.task, "key {key!r} is produced by {src}; this server is {task} and can "
                                   "only send its own", _SENT_KEYS)
         cfg = self.config = config.replace(**overrides) if config is not None else Config.load(overrides)
+        #: this server's incarnation: the setting, else the one the cluster
+        #: publishes for this task, else a random one (new at every start of
+        #: the process); a key naming another (not 0) is refused with ABORTED
+        self.incarnation: int = cfg.incarnation or self.cluster.incarnation(self.task) or new_incarnation()
+        self.cluster = self.cluster.with_address(self.task, self.bind_address, self.incarnation)
+        self._sent_keys.incarnation = self.incarnation
         #: Whether this loop polls MPI itself while traffic is expected (the
         #: fastest for a program that is all asyncio): ``True``: every transfer,
         #: with gRPC requests or MPI ones; ``"remote"``: only those with ranks
@@ -149,7 +155,8 @@ class Server:
         self.servicer = RecvTensorServicer(self.table, self.task, stats=self._stats, planes=self.planes,
                                            retry=self._retry, max_waiting=cfg.max_waiting_calls,
                                            timeline=self.timeline,
-                                           fusion=(min(cfg.fusion_threshold, cfg.chunk_bytes), cfg.chunk_bytes))
+                                           fusion=(min(cfg.fusion_threshold, cfg.chunk_bytes), cfg.chunk_bytes),
+                                           incarnation=self.incarnation)
         #: the Admin service (Stats, Pending) and gRPC health, on this server's port
         self.admin = Admin(self)
         #: this rank's part of its MPI job (rendezvous.mpi.rank.MpiRank), or None
@@ -271,21 +278,22 @@ class Server:
         """Learn every rank's address (:mod:`rendezvous.rank.bootstrap`)."""
         boot = self.bootstrap
         assert boot is not None
-        addresses = await exchange_addresses(boot, self.task.job, self._target or self.bind_address, joins,
-                                             self.config.connect_timeout, self._setup, self._token)
-        self.cluster = ClusterSpec.from_any({self.task.job: addresses})
+        found = await exchange_addresses(boot, self.task.job, self._target or self.bind_address, joins,
+                                         self.config.connect_timeout, self._setup, self._token, self.incarnation)
+        self.cluster = ClusterSpec.from_any({self.task.job: [{"address": a, "incarnation": i} for a, i in found]})
         log.info("task %s: the job's %d ranks joined through %s", self.task, boot.world_size, boot.master)
 
     async def _start_mpi(self) -> None:
         """The MPI half starts (a collective: every rank of the job reaches it), and
         the job's addresses join the cluster."""
-        addresses = await self.mpi.start(self.task, self._target, servicer=self.servicer, stats=self._stats,
+        addresses = await self.mpi.start(self.task, self._target, incarnation=self.incarnation,
+                                         servicer=self.servicer, stats=self._stats,
                                          buffers=self.buffers, devices=self.devices,
                                          delivered=self._retry.delivered, loop_polls=self.poll_on_loop)
         self.planes.register(self.mpi.plane)
-        for task, address in addresses.items():
+        for task, (address, incarnation) in addresses.items():
             if task in self.cluster:
-                self.cluster = self.cluster.with_address(task, address)
+                self.cluster = self.cluster.with_address(task, address, incarnation)
             else:
                 log.warning("MPI rank %d runs %s, which is not in the cluster", self.mpi.ranks[task], task)
         outside = [str(t) for t in self.cluster.tasks() if t not in addresses]
@@ -393,7 +401,26 @@ class Server:
 
         Peers already connected keep their channel."""
         spec = ClusterSpec.from_any(cluster)
-        self.cluster = spec.with_address(self.task, self.target)
+        # incarnations known of tasks the new spec leaves at their address stay known
+        kept = {t: i for t, i in self.cluster.incarnations.items()
+                if t in spec and t in self.cluster and spec.address(t) == self.cluster.address(t)}
+        spec = ClusterSpec(spec.jobs, {**kept, **spec.incarnations})
+        self.cluster = spec.with_address(self.task, self.target, self.incarnation)
+
+    def incarnation_of(self, task: TaskName | str) -> int:
+        """The incarnation of ``task``'s server as this server knows it (published
+        by the cluster, MPI's exchange or the bootstrap; this server's own), to
+        make keys with (``make_key(..., incarnation=server.incarnation_of(task))``);
+        0 if unknown: a key of incarnation 0 is taken by any incarnation."""
+        if isinstance(task, str):
+            try:
+                task = TaskName.parse(task)
+            except InvalidKey:  # a device name: its task's
+                device = DeviceName.parse(task)
+                if device.task_name is None:
+                    raise InvalidKey(f"{task!r} names no task") from None
+                task = device.task_name
+        return self.cluster.incarnation(task)
 
     # -- data ---------------------------------------------------------------
 

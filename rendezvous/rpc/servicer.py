@@ -68,7 +68,8 @@ class RecvTensorServicer:
 
     def __init__(self, table: WaitingTable, task: TaskName | None, *, stats: Stats,
                  planes: Planes, retry: RetryCache, max_waiting: int = 1 << 16,
-                 timeline: Timeline | None = None, fusion: tuple[int, int] = (0, 0)) -> None:
+                 timeline: Timeline | None = None, fusion: tuple[int, int] = (0, 0),
+                 incarnation: int = 0) -> None:
         self.table = table
         #: (largest tensor packed into a group reply, most bytes in one group): see fused
         self.fusion_threshold, self.group_bytes = fusion
@@ -84,9 +85,10 @@ class RecvTensorServicer:
         self.draining = False
         self._streams: set[ProducerStream] = set()
         self._unary_active = 0
-        #: requested keys checked as this task's own, with their canonical forms
+        #: requested keys checked as this task's own (of its ``incarnation``, or 0),
+        #: with their canonical forms
         self._own = OwnKeys(task, "key {key!r} is produced by {src}, but this server is {task}",
-                            _CACHED_KEYS, _CACHED_KEY_CHARS)
+                            _CACHED_KEYS, _CACHED_KEY_CHARS, incarnation)
         self._canonical = self._own.known  # request key -> canonical key, checked already
 
     # -- registration -----------------------------------------------------
