@@ -15,7 +15,7 @@ __all__ = ["main"]
 EPILOG = """\
 examples:
   rendezvous serve --cluster cluster.json --job-name worker --task-index 0
-  rendezvous get '/job:worker/replica:0/task:1/device:CPU:0;0000000000000001;/job:worker/replica:0/task:0/device:CPU:0;grad;0:0' \\
+  rendezvous get '/job:worker/replica:0/task:1/device:CPU:0;0000000000000000;/job:worker/replica:0/task:0/device:CPU:0;grad;0:0' \\
       --from 127.0.0.1:50052 --step 3 --text
   rendezvous health --from 127.0.0.1:50052      # exit 0 only when SERVING
   rendezvous pending                            # this node's rendezvousd, on its local socket

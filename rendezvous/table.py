@@ -40,7 +40,7 @@ import collections
 import copy
 import concurrent.futures
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .errors import Aborted, InvalidArgument, RendezvousError
@@ -539,18 +539,26 @@ class WaitingTable:
 
     def pending(self) -> list[PendingEntry]:
         """Every non-empty queue: what it holds, how many, and the oldest's age."""
+        return list(self.iter_pending())
+
+    def iter_pending(self) -> Iterator[PendingEntry]:
+        """:meth:`pending`'s rows, made as they are taken (a caller that wants a
+        few does the work of those only); take them without awaiting in between."""
         now = _now()
-        out: list[PendingEntry] = []
-        for step_id, keys in list(self._steps.items()):
-            for key, q in list(keys.items()):
+        for step_id, keys in self._steps.items():
+            for key, q in keys.items():
                 if type(q) is _Tensors:
                     if q:
-                        out.append(PendingEntry(step_id, key, "tensor", len(q), now - q[0][1]))
+                        yield PendingEntry(step_id, key, "tensor", len(q), now - q[0][1])
                 else:
                     live = [t for fut, t in q if not fut.done()]
                     if live:
-                        out.append(PendingEntry(step_id, key, "waiter", len(live), now - live[0]))
-        return out
+                        yield PendingEntry(step_id, key, "waiter", len(live), now - live[0])
+
+    def queue_count(self) -> int:
+        """How many queues the table holds (at most as many rows as :meth:`pending`
+        gives; one may hold only recvs cancelled a moment ago), without walking them."""
+        return sum(len(keys) for keys in self._steps.values())
 
     def stats(self) -> dict[str, int]:
         """Sizes: steps and keys held, queued tensors and waiters, tombstones."""

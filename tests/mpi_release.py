@@ -40,7 +40,7 @@ threading.excepthook = lambda args: _abort_job(args.exc_type, args.exc_value, ar
 
 
 def key(src: int, dst: int, name: str) -> str:
-    return (f"/job:worker/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:worker/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:{dst}/device:CPU:0;{name};0:0")
 
 

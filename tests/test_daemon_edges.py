@@ -406,3 +406,38 @@ def test_every_array_a_client_hands_out_is_aligned_to_its_dtype(sockdir, how):  
             del one, batch
             await nothing_left(d, keys, step_id=1)
     run(main())
+
+
+def test_a_daemons_pending_builds_a_bounded_number_of_rows_on_both_sockets(sockdir, monkeypatch):
+    """50,000 tensors wait in a daemon: Pending over its local gRPC service, and
+    over the session socket, each builds at most 1,000 rows (counted as they are
+    made), lists the oldest first and says how many it left out."""
+    from rendezvous.table import PendingEntry
+
+    built = {"rows": 0}
+    make_row = PendingEntry.__new__
+
+    def counting_row(cls, *args, **kwargs):
+        built["rows"] += 1
+        return make_row(cls, *args, **kwargs)
+
+    async def main():
+        async with daemons(sockdir) as (d,):
+            d.server.send_many([(key(0, 0, f"k{i}"), np.zeros(1)) for i in range(50_000)], step_id=1)
+            async with Client(d.local_target) as client:
+                for ask_pending in (client.pending, lambda: asyncio.to_thread(_blocking_pending, d.local_target)):
+                    built["rows"] = 0
+                    monkeypatch.setattr(PendingEntry, "__new__", counting_row)
+                    try:
+                        entries = await ask_pending()
+                    finally:
+                        monkeypatch.undo()
+                    assert 0 < len(entries) <= built["rows"] <= 1000 + len(entries), built
+                    ages = [e.oldest_age_s for e in entries]
+                    assert ages == sorted(ages, reverse=True)
+    run(main(), timeout=120)
+
+
+def _blocking_pending(target: str) -> list:
+    with BlockingClient(target) as client:
+        return client.pending()

@@ -39,12 +39,12 @@ pytestmark = pytest.mark.timeout(LIMIT + 10)
 
 
 def key(name: str) -> str:
-    return (f"/job:worker/replica:0/task:1/device:CPU:0;0000000000000001;"
+    return (f"/job:worker/replica:0/task:1/device:CPU:0;0000000000000000;"
             f"/job:worker/replica:0/task:0/device:CPU:0;{name};0:0")
 
 
 def node_key(src: int, dst: int, name: str) -> str:
-    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:node/replica:0/task:{dst}/device:CPU:0;{name};0:0")
 
 

@@ -301,7 +301,7 @@ class Rendezvous(Contender):
     def key(self, n: int, i: int = 0) -> str:
         k = self._keys.get((n, i))
         if k is None:
-            k = (f"/job:{self.job}/replica:0/task:1/device:CPU:0;0000000000000001;"
+            k = (f"/job:{self.job}/replica:0/task:1/device:CPU:0;0000000000000000;"
                  f"/job:{self.job}/replica:0/task:0/device:CPU:0;bench_{n}_{i};0:0")
             self._keys[(n, i)] = k
         return k

@@ -62,7 +62,7 @@ def verify(x: Any, size: int, stamp: int) -> None:
 
 def key(name: str, src: int = 0, dst: int = 0) -> str:
     """The key of tensor ``name`` from task ``src`` to task ``dst`` of job ``node``."""
-    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000001;"
+    return (f"/job:node/replica:0/task:{src}/device:CPU:0;0000000000000000;"
             f"/job:node/replica:0/task:{dst}/device:CPU:1;{name};0:0")
 
 

@@ -54,7 +54,7 @@ class LocalClient(Contender):
         self._dir = ""
 
     def key(self, n: int) -> str:
-        return (f"/job:{self.job}/replica:0/task:1/device:CPU:0;0000000000000001;"
+        return (f"/job:{self.job}/replica:0/task:1/device:CPU:0;0000000000000000;"
                 f"/job:{self.job}/replica:0/task:0/device:CPU:0;bench_{n};0:0")
 
     async def setup(self) -> None:

@@ -107,7 +107,7 @@ EPILOG = "Writes steps.json and steps.md into --out."
 
 
 def _key(job: str, model: str, i: int) -> str:
-    return (f"/job:{job}/replica:0/task:1/device:CPU:0;0000000000000001;"
+    return (f"/job:{job}/replica:0/task:1/device:CPU:0;0000000000000000;"
             f"/job:{job}/replica:0/task:0/device:CPU:0;{model}_{i};0:0")
 
 

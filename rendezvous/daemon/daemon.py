@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import time
@@ -53,10 +52,9 @@ from rendezvous.local.address import parse_local_address, session_path
 from rendezvous.local.segments import available as shm_available
 from rendezvous.paths import AddressKind
 from rendezvous.rank.server import Server, add_port
-from rendezvous.rpc.admin import ADMIN_SERVICE, Admin, pending_entries
+from rendezvous.rpc.admin import ADMIN_SERVICE, Admin
 from rendezvous.rpc.options import SERVICE as RANK_SERVICE
 from rendezvous.rpc.options import server_options
-from rendezvous.v1 import local_pb2 as lpb
 
 from .service import SERVICE as LOCAL_SERVICE
 from .service import LocalServicer
@@ -107,9 +105,9 @@ class Daemon:
         #: Admin and health on the remote (rank) port: the rank server's own,
         #: answering for the whole node
         self.rank_admin: Admin = self.server.admin
-        self.rank_admin.provide(pending=self.node_pending, extra_stats=self.node_stats)
+        self.rank_admin.provide(pending=self.local.pending, extra_stats=self.node_stats)
         #: Admin and health on the local socket
-        self.local_admin = Admin(self.server, pending=self.node_pending, extra_stats=self.node_stats,
+        self.local_admin = Admin(self.server, pending=self.local.pending, extra_stats=self.node_stats,
                                  health_names=(RANK_SERVICE, LOCAL_SERVICE, ADMIN_SERVICE))
         self.sessions: SessionListener | None = None
         self._local_grpc: grpc.aio.Server | None = None
@@ -255,20 +253,6 @@ class Daemon:
             "oldest": max((e.oldest_age_s for e in entries), default=0.0),
             **self.node_stats(),
         }
-
-    def node_pending(self, limit: int) -> tuple[list[lpb.PendingEntry], int]:
-        """What waits on this node, for Pending: the rank server's rows (its table,
-        its kept tensors), then the local clients' recvs waiting for another task
-        (``"remote"``); at most ``limit`` rows, and how many there are at most."""
-        entries = pending_entries(self.server, limit)
-        if len(entries) < limit:
-            me = str(self.task)
-            now = time.monotonic()
-            remote = (w for w in self.local.waits.values() if w.producer != me)
-            entries.extend(lpb.PendingEntry(step_id=w.step_id, rendezvous_key=w.key, kind="remote", count=1,
-                                            oldest_age_seconds=now - w.started, producer=w.producer)
-                           for w in itertools.islice(remote, limit - len(entries)))
-        return entries, self.server.pending_count() + len(self.local.waits)
 
     def node_stats(self) -> dict[str, Any]:
         """What the daemon adds to its rank server's counters: local clients' recvs

@@ -23,6 +23,7 @@ import copy
 import logging
 import re
 import time
+import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -36,7 +37,7 @@ from rendezvous.keys import parse_key
 from rendezvous.local import messages
 from rendezvous.local.messages import SERVICE, parse_recv
 from rendezvous.paths import Hop, Path
-from rendezvous.rpc.admin import PENDING_BYTES, bounded_pending, pending_entries
+from rendezvous.rpc.admin import PENDING_BYTES, PENDING_ROWS, bounded_pending, pending_entries
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
@@ -369,21 +370,26 @@ class LocalServicer:
             await context.abort(*self._error(exc))
         return b""
 
-    def pending(self) -> list[lpb.PendingEntry]:
-        """The node's waiting table plus local clients' recvs from other tasks."""
-        out = pending_entries(self.server)
-        me = str(self.server.task)
-        now = time.monotonic()
-        for w in list(self.waits.values()):
-            if w.producer != me:
-                out.append(lpb.PendingEntry(step_id=w.step_id, rendezvous_key=w.key, kind="remote", count=1,
-                                            oldest_age_seconds=now - w.started, producer=w.producer))
-        return out
+    def pending(self, limit: int = PENDING_ROWS) -> tuple[list[lpb.PendingEntry], int]:
+        """What waits on this node, for Pending (a :data:`~rendezvous.rpc.admin.PendingSource`):
+        the rank server's rows (its table, its kept tensors), then the local
+        clients' recvs waiting for another task (``"remote"``); at most ``limit``
+        rows, made as they are taken, and how many there are at most."""
+        entries = pending_entries(self.server, limit)
+        if len(entries) < limit:
+            me = str(self.server.task)
+            now = time.monotonic()
+            remote = (w for w in self.waits.values() if w.producer != me)
+            entries.extend(lpb.PendingEntry(step_id=w.step_id, rendezvous_key=w.key, kind="remote", count=1,
+                                            oldest_age_seconds=now - w.started, producer=w.producer)
+                           for w in itertools.islice(remote, limit - len(entries)))
+        return entries, self.server.pending_count() + len(self.waits)
 
     def pending_reply(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
-        """:meth:`pending` as one answer of at most about ``max_bytes`` (the oldest
-        entries first, and the count left out)."""
-        return bounded_pending(self.pending(), max_bytes)
+        """:meth:`pending` as one answer of at most about ``max_bytes`` and
+        ``PENDING_ROWS`` rows (the oldest of them first, and the count left out)."""
+        entries, total = self.pending()
+        return bounded_pending(entries, max_bytes, total=total)
 
     async def _pending(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         try:

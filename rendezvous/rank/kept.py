@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, ItemsView, ValuesView
+import time
+from collections.abc import Callable, ItemsView, Iterator, ValuesView
 from typing import Any
 
 from rendezvous.errors import RendezvousError
@@ -32,6 +33,8 @@ class Kept:
 
     def __init__(self) -> None:
         self._items: dict[tuple[int, str], collections.deque[Received]] = {}
+        #: when each (step, key) began to hold tensors (time.monotonic())
+        self._since: dict[tuple[int, str], float] = {}
         #: ``offer(step_id, key, queue)``: hands the tensors of ``queue`` (kept for
         #: ``key`` in ``step_id``, oldest first) to the recvs of that key and step
         #: already waiting, oldest first, taking from its left what it hands
@@ -45,7 +48,10 @@ class Kept:
         waiting takes it at once (unless not ``offer``: the caller keeps more
         for the key first, then calls :meth:`hand_over`). Logged with ``why``,
         unless None (the caller's error says it already), when it stays here."""
-        queue = self._items.setdefault((step_id, key), collections.deque())
+        queue = self._items.get((step_id, key))
+        if queue is None:
+            queue = self._items[(step_id, key)] = collections.deque()
+            self._since[(step_id, key)] = time.monotonic()
         queue.appendleft(item) if front else queue.append(item)
         if offer:
             self.hand_over(step_id, key)
@@ -60,7 +66,7 @@ class Kept:
             return
         self.offer(step_id, key, queue)
         if not queue and self._items.get((step_id, key)) is queue:
-            del self._items[(step_id, key)]
+            self._forget((step_id, key))
 
     def has(self, step_id: int, key: str) -> bool:
         return (step_id, key) in self._items
@@ -70,13 +76,17 @@ class Kept:
         queue = self._items[(step_id, key)]
         item = queue.popleft()
         if not queue:
-            del self._items[(step_id, key)]
+            self._forget((step_id, key))
         return item
+
+    def _forget(self, held: tuple[int, str]) -> None:
+        del self._items[held]
+        self._since.pop(held, None)
 
     def drop_step(self, step_id: int) -> None:
         """Forget a step's tensors (it was aborted or cleaned up)."""
         for k in [k for k in self._items if k[0] == step_id]:
-            del self._items[k]
+            self._forget(k)
 
     def count(self) -> int:
         """Tensors held, all keys together."""
@@ -84,6 +94,14 @@ class Kept:
 
     def items(self) -> ItemsView[tuple[int, str], collections.deque[Received]]:
         return self._items.items()
+
+    def rows(self) -> Iterator[tuple[int, str, int, float]]:
+        """(step, key, tensors held, seconds since the key began to hold them),
+        made as they are taken."""
+        now = time.monotonic()
+        for held, queue in self._items.items():
+            if queue:
+                yield held[0], held[1], len(queue), now - self._since.get(held, now)
 
     def values(self) -> ValuesView[collections.deque[Received]]:
         return self._items.values()

@@ -489,9 +489,9 @@ class Server:
     def give_back(self, step_id: int, keys: Sequence[Key | str], items: list[Received],
                   why: str | None = None) -> None:
         """Keep ``items``, received for ``keys`` and not delivered, for the next
-        recv of each key, in their order (see :meth:`keep`)."""
-        for key, item in reversed(list(zip(keys, items))):
-            self.keep(step_id, as_key(key).format(), item, why=why)
+        recv of each key, in their order (see :meth:`keep`): all kept first, then
+        handed to recvs of their keys already waiting, the oldest tensor first."""
+        self._receiver.give_back(step_id, [as_key(k).format() for k in keys], items, why)
 
     def prepare_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any]) -> list[tuple[str, Any, bool]]:
         """:meth:`prepare_send` for ``send_many``'s items (:func:`rendezvous.table.send_items`):
