@@ -192,13 +192,19 @@ def aborted(dst_kind: str = "GPU", how: str = "event") -> None:
     got = server.recv(gkey(other, me, "after", dst_kind), step_id=1, timeout=60)
     assert np.array_equal(_host(got) if dst_kind == "GPU" else got, pattern(n, 30 + other)), \
         "the transfer after the aborted one is wrong"
+    # the tensor whose transfer gave up went back to its producer's table: the
+    # next recv of its key gets it whole, once
+    again = server.recv(gkey(other, me, "broken", dst_kind), step_id=1, timeout=60)
+    assert np.array_equal(_host(again) if dst_kind == "GPU" else again, pattern(n, other)), \
+        "the tensor whose transfer gave up was not sent again whole"
     finish(server)
+    left = [p for p in server.pending() if "finished" not in p.key]
     stats = server.stats()
     server.stop(5)
     fake.settle()
     pool = gpus.pool(fake, 1 << 20, 2)  # the staging pool both transfers used (reaped)
     result(rank=me, took=took, stats=stats, violations=fake.violations, pinned_held=pool.pending,
-           pinned_out=pool.allocated - pool.free - pool.released)
+           pinned_out=pool.allocated - pool.free - pool.released, left=[str(p) for p in left])
 
 
 def late(backend: str = "cupy") -> None:

@@ -42,6 +42,7 @@ from rendezvous.tensors import TensorMeta, decode_meta
 from rendezvous.transport import Arrival, Carry, DataPlane, Path, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
+from .aborts import SendAborted
 from .engine import ProgressEngine
 from .staging import DirectRecv, DirectSend, StagedRecv, StagedSend
 from .world import MpiWorld
@@ -112,6 +113,10 @@ class MpiPlane(DataPlane):
         #: completed: the consumer's buffer holds the bytes (the server lets the retry
         #: cache drop the answer, so a daemon's pool segment is free again at once)
         self.delivered: Callable[[int], None] | None = None
+        #: called with a request and the tensor it took when that tensor's send
+        #: from a GPU gave up partway (SendAborted: its consumer cannot hold the
+        #: whole tensor): the server puts the tensor back for a later recv
+        self.aborted: Callable[[Any, Received], None] | None = None
         tag_ub = world.comm.Get_attr(world.MPI.TAG_UB) or 32767
         self._tags = _Tags(min(int(tag_ub), 1 << 30))
         if config.cuda_aware is None:
@@ -167,6 +172,7 @@ class MpiPlane(DataPlane):
 
         def counted(tag: int) -> asyncio.Future:
             done = post(tag)
+            done.add_done_callback(lambda f: self._gave_up(f, req, item))
             if on_device:
                 stats.gpu("direct_sends" if self.cuda_aware else "staged_sends")
                 if not self.cuda_aware:
@@ -255,6 +261,10 @@ class MpiPlane(DataPlane):
         """The ``Any`` a descriptor carries: an MpiTransfer of ours on ``tag``."""
         return _pack(pb.MpiTransfer(world_id=self.world.world_id, source_rank=self.world.rank,
                                     tag=tag, nbytes=nbytes, chunk_bytes=chunk))
+
+    def _gave_up(self, future: asyncio.Future, req: Any, item: Received) -> None:
+        if not future.cancelled() and isinstance(future.exception(), SendAborted) and self.aborted is not None:
+            self.aborted(req, item)
 
     def _sent(self, future: asyncio.Future, rank: int, tag: int, request_id: int = 0) -> None:
         self._tags.give_back(rank, tag)

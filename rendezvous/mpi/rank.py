@@ -51,7 +51,8 @@ class MpiRank:
         return cls(MpiWorld.join(), config)
 
     async def start(self, task: TaskName, address: str, *, incarnation: int = 0, servicer: Any, stats: Any, buffers: Any, devices: Any,
-                    delivered: Callable[[int], None], loop_polls: bool | str) -> dict[TaskName, tuple[str, int]]:
+                    delivered: Callable[[int], None], loop_polls: bool | str,
+                    aborted: Callable[[Any, Any], None] | None = None) -> dict[TaskName, tuple[str, int]]:
         """Start the progress engine, exchange every rank's task, address and
         incarnation (the job's collective), and make the MPI data plane
         (``self.plane``, for the server's planes) and, with ``mpi_requests``, the
@@ -86,6 +87,7 @@ class MpiRank:
             self.ranks = {t: where.rank for t, where in found.items()}
             self.plane = MpiPlane(world, engine, cfg, stats, buffers=buffers, devices=devices)
             self.plane.delivered = delivered
+            self.plane.aborted = aborted
             if cfg.mpi_requests:
                 self.requests = MpiRequests(engine, world.control, world.rank, servicer, buffers=buffers)
                 self.requests.start()

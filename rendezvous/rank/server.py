@@ -289,7 +289,8 @@ class Server:
         addresses = await self.mpi.start(self.task, self._target, incarnation=self.incarnation,
                                          servicer=self.servicer, stats=self._stats,
                                          buffers=self.buffers, devices=self.devices,
-                                         delivered=self._retry.delivered, loop_polls=self.poll_on_loop)
+                                         delivered=self._retry.delivered, loop_polls=self.poll_on_loop,
+                                         aborted=self.servicer.gave_up)
         self.planes.register(self.mpi.plane)
         for task, (address, incarnation) in addresses.items():
             if task in self.cluster:

@@ -295,6 +295,17 @@ class RecvTensorServicer:
             return
         self._requeue(req.step_id, key, item)
 
+    def gave_up(self, req: pb.RecvTensorRequest, item: Received) -> None:
+        """The transfer of ``item``, taken for ``req``, gave up partway (a GPU
+        copy failed; its consumer was told and cannot hold the whole tensor):
+        the tensor goes back to the table for a later recv, as a reply never
+        sent does."""
+        try:
+            key = self._check_key(req)
+        except RendezvousError:
+            return  # it was checked when taken; a key refused now names no queue
+        self.put_back(req, key, item)
+
     def _requeue(self, step_id: int, key: str, item: Received) -> None:
         try:
             self.table.requeue(step_id, key, item)
