@@ -441,3 +441,32 @@ def test_a_daemons_pending_builds_a_bounded_number_of_rows_on_both_sockets(sockd
 def _blocking_pending(target: str) -> list:
     with BlockingClient(target) as client:
         return client.pending()
+
+
+def test_a_batch_that_ends_leaves_the_waits_of_batches_still_waiting(sockdir):  # noqa: F811
+    """Two local batches wait at once; when the first is answered, the second's
+    recvs still count as waiting (the stall watcher and Pending see them), once
+    each, and go when it is answered.
+
+    Checked to fail: with a batch's end dropping every wait parked since its
+    own began (as it did), the second batch's three waits vanish with the first."""
+    first = [key(0, 0, f"first{i}") for i in range(3)]
+    second = [key(0, 0, f"second{i}") for i in range(3)]
+
+    async def main():
+        async with daemons(sockdir) as (d,):
+            async with Client(d.local_target) as a, Client(d.local_target) as b:
+                one = asyncio.ensure_future(a.recv_many(first, step_id=1, timeout=30))
+                await until(lambda: len(d.local.waits) == 3, what="the first batch to wait")
+                two = asyncio.ensure_future(b.recv_many(second, step_id=1, timeout=30))
+                await until(lambda: len(d.local.waits) == 6, what="the second batch to wait")
+                d.server.send_many([(k, np.full(2, i)) for i, k in enumerate(first)], step_id=1)
+                assert [int(v[0]) for v in await one] == [0, 1, 2]
+                assert sorted(w.key for w in d.local.waits.values()) == sorted(second)
+                reply = d.local.pending_reply()
+                assert len(reply.entries) + reply.omitted == 3, reply
+                d.server.send_many([(k, np.full(2, i)) for i, k in enumerate(second)], step_id=1)
+                assert [int(v[0]) for v in await two] == [0, 1, 2]
+                assert not d.local.waits
+            await nothing_left(d, first + second)
+    run(main())

@@ -151,14 +151,14 @@ def _time_the_rank_map(timings: dict[str, Any]) -> None:
 
     exchange = MpiWorld.exchange
 
-    def timed_exchange(world: Any, task: Any, address: str) -> Any:
+    def timed_exchange(world: Any, task: Any, address: str, incarnation: int = 0) -> Any:
         from mpi4py import MPI
 
         timings["exchange_entered"] = time.monotonic()
-        table = exchange(world, task, address)
+        table = exchange(world, task, address, incarnation)
         timings["exchange_left"] = time.monotonic()
         # what each rank contributes, as world.exchange builds and mpi4py pickles it
-        timings["entry_bytes"] = len(MPI.pickle.dumps((task.job, task.replica, task.task, address)))
+        timings["entry_bytes"] = len(MPI.pickle.dumps((task.job, task.replica, task.task, address, incarnation)))
         timings["entries"] = len(table)
         return table
 

@@ -104,6 +104,8 @@ class LocalServicer:
         #: recvs of local clients in progress, by an id: what the stall watcher looks at
         self.waits: dict[int, _Wait] = {}
         self._next_wait = 0
+        #: how many of :attr:`waits` wait for another task (the rest are in the table too)
+        self._remote_waits = 0
         self._closed = asyncio.Event()
         #: the session socket's path, told to gRPC clients in Attach (set by the daemon)
         self.session_socket = ""
@@ -298,15 +300,13 @@ class LocalServicer:
         if len(self.waits) >= self.config.max_waiting_calls:
             raise ResourceExhausted(f"the daemon already holds {len(self.waits)} waiting local recvs "
                                     "(max_waiting_calls); try again later")
-        self._next_wait += 1
-        wait_id = self._next_wait
-        self.waits[wait_id] = _Wait(canonical, req.step_id, str(producer), time.monotonic())
+        wait_id = self._park(canonical, req.step_id, str(producer), time.monotonic())
         try:
             timeout = req.timeout if req.timeout > 0 else None
             # host arrays always: they go to the client inline or through shared memory
             fetched = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
         finally:
-            self.waits.pop(wait_id, None)
+            self._unpark(wait_id)
         return LocalFetched(fetched.item, fetched.path)
 
     async def fetch_many(self, req: lpb.LocalRecvManyRequest) -> list[LocalFetched]:
@@ -319,17 +319,25 @@ class LocalServicer:
                                     f"({len(self.waits)} of {self.config.max_waiting_calls} wait now); "
                                     "try again later")
         now = time.monotonic()
-        first = self._next_wait + 1
-        for key in keys:
-            self._next_wait += 1
-            self.waits[self._next_wait] = _Wait(key.format(), req.step_id, str(key.src_task or self.server.task), now)
+        ids = [self._park(key.format(), req.step_id, str(key.src_task or self.server.task), now) for key in keys]
         try:
             timeout = req.timeout if req.timeout > 0 else None
             fetched = await self.server.fetch_many(keys, req.step_id, timeout, device="cpu")
         finally:
-            for wait_id in range(first, self._next_wait + 1):
-                self.waits.pop(wait_id, None)
+            for wait_id in ids:
+                self._unpark(wait_id)
         return [LocalFetched(f.item, f.path) for f in fetched]
+
+    def _park(self, key: str, step_id: int, producer: str, started: float) -> int:
+        self._next_wait += 1
+        self.waits[self._next_wait] = _Wait(key, step_id, producer, started)
+        self._remote_waits += producer != str(self.server.task)
+        return self._next_wait
+
+    def _unpark(self, wait_id: int) -> None:
+        w = self.waits.pop(wait_id, None)
+        if w is not None:
+            self._remote_waits -= w.producer != str(self.server.task)
 
     def give_back_many(self, req: lpb.LocalRecvManyRequest, items: list[Received],
                        why: str | None = "was not handed to its local client") -> None:
@@ -383,7 +391,7 @@ class LocalServicer:
             entries.extend(lpb.PendingEntry(step_id=w.step_id, rendezvous_key=w.key, kind="remote", count=1,
                                             oldest_age_seconds=now - w.started, producer=w.producer)
                            for w in itertools.islice(remote, limit - len(entries)))
-        return entries, self.server.pending_count() + len(self.waits)
+        return entries, self.server.pending_count() + self._remote_waits
 
     def pending_reply(self, max_bytes: int = PENDING_BYTES) -> lpb.PendingResponse:
         """:meth:`pending` as one answer of at most about ``max_bytes`` and
