@@ -7,7 +7,8 @@ import pytest
 from rendezvous.config import ENV_VARS, Config, env_flag
 from rendezvous.errors import InvalidArgument
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+#: the configuration page, where the table of every setting lives (README.md links to it)
+CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def test_defaults_env_then_overrides():
@@ -73,26 +74,31 @@ def test_switch_in_a_config_file_is_refused_with_the_file_and_key(tmp_path):
     assert Config.load(env={}, file=path).mpi_disabled is True
 
 
-def test_readme_lists_every_variable():
-    text = README.read_text()
+def test_the_configuration_page_lists_every_variable():
+    text = CONFIG_DOC.read_text()
     missing = [env for env in ENV_VARS if f"`{env}`" not in text]
-    assert not missing, f"README's configuration table lacks {missing}"
+    assert not missing, f"docs/configuration.md's tables lack {missing}"
 
 
-def test_readme_defaults_are_the_real_defaults():
+def test_the_configuration_page_shows_the_real_defaults_and_field_names():
     import re
 
-    wrong, checked = [], set()
-    for env, name, default in re.findall(r"^\| `([A-Z_]+)`(?: \(`(\w+)`\))? \| `([^`]*)` \|", README.read_text(), re.M):
-        if env not in ENV_VARS or default in ENV_VARS:  # the toggles' table is no defaults table
+    wrong, checked, rows = [], set(), 0
+    for env, name in re.findall(r"^\| `([A-Z_]+)`(?: \(`(\w+)`\))? \|", CONFIG_DOC.read_text(), re.M):
+        rows += 1
+        if env not in ENV_VARS or name != ENV_VARS[env][0]:  # every row names its Config field, the file's key
+            wrong.append((env, name, ENV_VARS.get(env, ("not a setting",))[0]))
+    for env, name, default in re.findall(r"^\| `([A-Z_]+)`(?: \(`(\w+)`\))? \| `([^`]*)` \|", CONFIG_DOC.read_text(), re.M):
+        if env not in ENV_VARS:  # named above
             continue
         checked.add(env)
         real = ENV_VARS[env][1]
         shown = {True: "1", False: "0"}.get(real, str(real)) if isinstance(real, bool) else str(real)
         if default != shown:
             wrong.append((env, default, shown))
-    assert len(checked) >= 30, sorted(set(ENV_VARS) - checked)  # the rest show a blank or words ("see above")
-    assert not wrong, f"README's defaults differ from Config's: {wrong}"
+    assert rows == len(ENV_VARS), f"{rows} rows for {len(ENV_VARS)} settings: one row each"
+    assert len(checked) >= 30, sorted(set(ENV_VARS) - checked)  # the rest show a blank or words ("probed")
+    assert not wrong, f"docs/configuration.md differs from Config: {wrong}"
 
 
 BLANKS = [" ", "   ", "\t", "\n", " \t\r\n "]
