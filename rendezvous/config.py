@@ -402,5 +402,5 @@ def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
 
 
 _FIELDS = {f.name: f for f in fields(Config) if "env" in f.metadata}
-#: environment variable -> (field name, default, description); the README's table.
+#: environment variable -> (field name, default, description); the tables of docs/configuration.md.
 ENV_VARS = {f.metadata["env"]: (f.name, f.default, f.metadata["doc"]) for f in _FIELDS.values()}

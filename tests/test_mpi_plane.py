@@ -532,7 +532,7 @@ def test_a_groups_fusion_buffer_is_received_into_a_reused_buffer():
 
 
 def test_an_mpi_error_fails_that_receive_with_internal_and_the_next_one_works():
-    """README: an MPI error fails that one recv with INTERNAL, never the process."""
+    """docs/mpi.md: an MPI error fails that one recv with INTERNAL, never the process."""
     from rendezvous.errors import Internal
 
     async def main():

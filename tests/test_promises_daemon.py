@@ -1,4 +1,4 @@
-"""README promises of rendezvousd that no other module tests: the drain as seen
+"""Promises of rendezvousd's pages (server/README.md, client/README.md) that no other module tests: the drain as seen
 from outside (health, local refusals, a produced tensor still served), the
 socket folder's and both sockets' modes, the default local address, ``token_file`` over ``token``, ``rendezvous get
 --save/--token-file/--token``, the one warning for a GPU key without a GPU,
