@@ -2,7 +2,7 @@
 
 cupy (the optional extra ``rendezvous[gpu]``) is imported on first use, so
 a server without GPU tensors never loads it. The contract it implements is
-:class:`rendezvous.devices.DeviceBackend`; the ordering decisions (which
+:class:`rendezvous.devices.backend.DeviceBackend`; the ordering decisions (which
 stream waits for which) are :func:`rendezvous.devices.import_device`'s and
 the staging pipelines'. This module only maps the primitives onto cupy:
 
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .devices import (KDL_CUDA, KDL_GPU_KINDS, STREAM_LEGACY, STREAM_PER_THREAD, DeviceBackend,
-                      DeviceTensor)
+from .devices.backend import (KDL_CUDA, KDL_GPU_KINDS, STREAM_LEGACY, STREAM_PER_THREAD, DeviceBackend,
+                              DeviceTensor)
 from .errors import FailedPrecondition
 from .tensors import TensorMeta
 

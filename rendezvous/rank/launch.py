@@ -24,7 +24,11 @@ from typing import Any
 from rendezvous.errors import DeadlineExceeded, RendezvousError
 from rendezvous.keys import TaskName
 
-__all__ = ["run_local", "RankFailed", "launcher_rank"]
+from .blocking import Server
+# offered here too: the daemon, the programs and the examples import them from this module
+from .launcher import RANK_VARIABLES, SIZE_VARIABLES, launcher_rank
+
+__all__ = ["run_local", "RankFailed", "launcher_rank", "RANK_VARIABLES", "SIZE_VARIABLES"]
 
 
 class RankFailed(RendezvousError):
@@ -34,8 +38,6 @@ class RankFailed(RendezvousError):
 def _rank_main(conn: Any, fn: Callable[..., Any], jobs: dict[str, int], job: str, index: int,
                args: tuple, protocol: str, overrides: dict[str, Any], env: dict[str, str]) -> None:
     os.environ.update(env)
-    from .blocking import Server
-
     server = None
     try:
         cluster = {j: ["127.0.0.1:0"] * n for j, n in jobs.items()}
@@ -116,19 +118,3 @@ def run_local(fn: Callable[..., Any], jobs: Mapping[str, int], *, args: tuple = 
                 proc.join()
             conn.close()
 
-
-#: Environment variables MPI launchers and schedulers set to a process's rank.
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
-
-
-def launcher_rank(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
-    """(rank, size) as the launcher (mpiexec, srun) set them, without touching MPI.
-
-    Works with ``MPI_DISABLED=1`` too; None outside any launcher."""
-    env = os.environ if env is None else env
-    rank = next((env[v] for v in RANK_VARIABLES if env.get(v, "").isdigit()), None)
-    size = next((env[v] for v in SIZE_VARIABLES if env.get(v, "").isdigit()), None)
-    if rank is None:
-        return None
-    return int(rank), int(size) if size is not None else int(rank) + 1

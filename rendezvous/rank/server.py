@@ -60,7 +60,7 @@ from . import pending as pending_rows
 from .bootstrap import Bootstrap, exchange_addresses
 from .joins import JoinTable
 from .kept import Kept
-from .launch import launcher_rank
+from .launcher import launcher_rank
 from .peers import Peers
 from .receiver import Receiver
 from .setup import GrpcSetup, add_port, grpc_security
