@@ -312,8 +312,8 @@ def launcher_main(args: argparse.Namespace) -> int:
         path = os.path.join(tmp, "cluster.json")
         with open(path, "w") as f:
             json.dump(cluster, f)
-        # The fastest correct setting measured for this job (BENCHMARKS.md, "The
-        # main job"): the optimal path with requests over gRPC. Requests over MPI
+        # The fastest correct setting measured for this job (BENCHMARKS.md, "Whole
+        # steps, in both orders"): the optimal path with requests over gRPC. Requests over MPI
         # measured slower here: the ranks use the blocking Server, whose MPI
         # thread, not its loop, polls for them.
         fastest = {"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": "0", **_timeline_env(args.timeline, "mpi")}

@@ -121,7 +121,7 @@ class Server:
         #: fastest for a program that is all asyncio): ``True``: every transfer,
         #: with gRPC requests or MPI ones; ``"remote"``: only those with ranks
         #: MPI reaches over the network (a transfer across hosts moves only as
-        #: fast as it is polled: 1.5 x faster steps polled here); ``"attended"``:
+        #: fast as it is polled: BENCHMARKS.md, "Notes for tuning"); ``"attended"``:
         #: those, and with requests over MPI every transfer while a caller waits
         #: on the loop (counted with :meth:`attending`); ``False``: never. The
         #: blocking Server says ``"attended"``: its loop thread, spinning, would
