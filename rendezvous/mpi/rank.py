@@ -1,7 +1,8 @@
-"""A rank server's MPI half: :class:`MpiRank`.
+"""A rank server's MPI half: :class:`MpiRank`, its link to the other ranks of
+its MPI job (a :class:`~rendezvous.transport.link.RankLink`).
 
 Under ``protocol="grpc+mpi"`` (and without ``MPI_DISABLED``) a rank server
-holds one ``MpiRank`` and knows MPI only through it: it is made when the
+holds one ``MpiRank`` as its link and knows MPI only through it: it is made when the
 server is (joining the MPI job: ``MPI_Init``), started when the server
 starts (the progress engine, the collective exchange of every rank's task
 and address, the MPI data plane, and with ``mpi_requests`` the request
@@ -15,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from rendezvous.config import Config
 from rendezvous.keys import TaskName
+from rendezvous.transport.link import RankParts
 
 from .control import MpiRequests
 from .engine import ProgressEngine
@@ -29,6 +31,8 @@ from .world import MpiWorld
 __all__ = ["MpiRank"]
 
 log = logging.getLogger("rendezvous.mpi")
+
+T = TypeVar("T")
 
 
 class MpiRank:
@@ -50,15 +54,15 @@ class MpiRank:
         """Join the MPI job (initializing MPI at the thread level the engine needs)."""
         return cls(MpiWorld.join(), config)
 
-    async def start(self, task: TaskName, address: str, *, incarnation: int = 0, servicer: Any, stats: Any, buffers: Any, devices: Any,
-                    delivered: Callable[[int], None], loop_polls: bool | str,
-                    aborted: Callable[[Any, Any], None] | None = None) -> dict[TaskName, tuple[str, int]]:
+    async def start(self, task: TaskName, address: str, incarnation: int,
+                    parts: RankParts) -> dict[TaskName, tuple[str, int]]:
         """Start the progress engine, exchange every rank's task, address and
         incarnation (the job's collective), and make the MPI data plane
         (``self.plane``, for the server's planes) and, with ``mpi_requests``, the
-        request path served by ``servicer``. Returns each task of the job with its
-        address and incarnation. On failure everything started is stopped again."""
-        cfg = self.config
+        request path served by ``parts.servicer``. Returns each task of the job
+        with its address and incarnation. On failure everything started is
+        stopped again."""
+        cfg, loop_polls, servicer, buffers = self.config, parts.loop_polls, parts.servicer, parts.buffers
         engine = ProgressEngine(poll_min_us=cfg.mpi_poll_min_us, poll_max_us=cfg.mpi_poll_max_us)
         # The aio server's loop polls every transfer while traffic is expected
         # (small transfers at MPI latency, and a large one moves as fast as it
@@ -85,9 +89,9 @@ class MpiRank:
             if remote_only:
                 engine.loop_peers = world.remote_ranks
             self.ranks = {t: where.rank for t, where in found.items()}
-            self.plane = MpiPlane(world, engine, cfg, stats, buffers=buffers, devices=devices)
-            self.plane.delivered = delivered
-            self.plane.aborted = aborted
+            self.plane = MpiPlane(world, engine, cfg, parts.stats, buffers=buffers, devices=parts.devices)
+            self.plane.delivered = parts.delivered
+            self.plane.aborted = parts.aborted
             if cfg.mpi_requests:
                 self.requests = MpiRequests(engine, world.control, world.rank, servicer, buffers=buffers)
                 self.requests.start()
@@ -106,6 +110,19 @@ class MpiRank:
         if requests is None or rank is None:
             return None
         return lambda: requests.open_call(rank)
+
+    async def attending(self, waited: Awaitable[T]) -> T:
+        """``await waited`` for a caller blocked on it in another thread: with the
+        engine attended (the blocking Server, requests over MPI) the loop polls
+        every transfer meanwhile (see ProgressEngine.attend)."""
+        engine = self.engine
+        if engine is None or engine.attended is None:
+            return await waited
+        engine.attend(1)
+        try:
+            return await waited
+        finally:
+            engine.attend(-1)
 
     def describe(self) -> str:
         """The MPI part of the server's start-up line."""

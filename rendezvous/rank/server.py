@@ -12,8 +12,9 @@ handed to the others at construction:
   (:mod:`rendezvous.rpc.servicer`) with its retry cache;
 * the data planes (:mod:`rendezvous.transport`): inline, plus MPI's under
   ``grpc+mpi``;
-* the MPI half of the rank (:class:`rendezvous.mpi.rank.MpiRank`), when
-  MPI is in use: nothing else here knows MPI;
+* its link to the other ranks of its job besides gRPC
+  (:mod:`rendezvous.transport.link`), chosen once in :mod:`rendezvous.rank.links`:
+  the rank's MPI half under ``grpc+mpi``, else nothing; this module names no MPI;
 * the peer clients (:mod:`rendezvous.rank.peers`) and the tensors fetched
   and not yet delivered (:mod:`rendezvous.rank.kept`);
 * the receive-buffer cache, the GPU backends and their pinned pools, the
@@ -55,12 +56,13 @@ from rendezvous.table import PendingEntry, Received, WaitingTable, send_items
 from rendezvous.timeline import Timeline, TracedPlanes, TracedTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane
+from rendezvous.transport.link import RankLink, RankParts
 
+from . import links
 from . import pending as pending_rows
 from .bootstrap import Bootstrap, exchange_addresses
 from .joins import JoinTable
 from .kept import Kept
-from .launcher import launcher_rank
 from .peers import Peers
 from .receiver import Receiver
 from .setup import GrpcSetup, add_port, grpc_security
@@ -74,16 +76,6 @@ log = logging.getLogger("rendezvous")
 #: about 24 MiB at worst
 _SENT_KEYS = 1 << 15
 PROTOCOLS = tuple(p.value for p in Protocol)
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Log ``message`` as a warning the first time this process sees it."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        log.warning(message)
 
 
 class Server:
@@ -159,12 +151,8 @@ class Server:
                                            incarnation=self.incarnation)
         #: the Admin service (Stats, Pending) and gRPC health, on this server's port
         self.admin = Admin(self)
-        #: this rank's part of its MPI job (rendezvous.mpi.rank.MpiRank), or None
-        self.mpi: Any = None
-        if cfg.uses_mpi(self.protocol):
-            from rendezvous.mpi.rank import MpiRank  # imports mpi4py: never with MPI_DISABLED=1
-
-            self.mpi = MpiRank.join(cfg)
+        #: how this rank reaches the other ranks of its job besides gRPC (see rendezvous.transport.link)
+        self.link: RankLink = links.choose(cfg, self.protocol)
         self._grpc: grpc.aio.Server | None = None
         self._target: str | None = None
         self.peers = Peers(self._make_peer)
@@ -203,7 +191,7 @@ class Server:
     @property
     def mpi_ranks(self) -> dict[TaskName, int]:
         """The MPI rank of every task in this rank's MPI job (empty without MPI)."""
-        return self.mpi.ranks if self.mpi is not None else {}
+        return dict(self.link.ranks)
 
     async def start(self) -> None:
         """Bind and start serving. Raises Unavailable if the address cannot be bound."""
@@ -239,8 +227,7 @@ class Server:
             self.cluster = self.cluster.with_address(self.task, self._target)
             if self.bootstrap is not None:
                 await self._join(joins)
-            if self.mpi is not None:
-                await self._start_mpi()
+            await self._start_link()
         except BaseException:
             # A start that failed (or was cancelled) leaves nothing listening;
             # the joins refused meanwhile get a moment to say why.
@@ -283,38 +270,22 @@ class Server:
         self.cluster = ClusterSpec.from_any({self.task.job: [{"address": a, "incarnation": i} for a, i in found]})
         log.info("task %s: the job's %d ranks joined through %s", self.task, boot.world_size, boot.master)
 
-    async def _start_mpi(self) -> None:
-        """The MPI half starts (a collective: every rank of the job reaches it), and
-        the job's addresses join the cluster."""
-        addresses = await self.mpi.start(self.task, self._target, incarnation=self.incarnation,
-                                         servicer=self.servicer, stats=self._stats,
-                                         buffers=self.buffers, devices=self.devices,
-                                         delivered=self._retry.delivered, loop_polls=self.poll_on_loop,
-                                         aborted=self.servicer.gave_up)
-        self.planes.register(self.mpi.plane)
-        for task, (address, incarnation) in addresses.items():
-            if task in self.cluster:
-                self.cluster = self.cluster.with_address(task, address, incarnation)
-            else:
-                log.warning("MPI rank %d runs %s, which is not in the cluster", self.mpi.ranks[task], task)
-        outside = [str(t) for t in self.cluster.tasks() if t not in addresses]
-        if len(addresses) == 1 and outside and launcher_rank() is None:
-            # Started as a plain process: MPI makes each one a world of its own.
-            _warn_once(f"protocol grpc+mpi outside an MPI launcher: task {self.task} is an MPI world of one "
-                       f"rank, so every tensor to or from the {len(outside)} other task(s) of the cluster goes "
-                       "over gRPC. Start the job with mpiexec (e.g. mpiexec -n N python -m mpi4py train.py), "
-                       "or set MPI_DISABLED=1 to run over gRPC without this warning.")
-        elif outside:
-            log.info("tasks outside this MPI job, served over gRPC: %s", ", ".join(outside))
+    async def _start_link(self) -> None:
+        """The link starts (with MPI, a collective: every rank of the job reaches
+        it), its plane joins the planes, and the addresses it found the cluster."""
+        parts = RankParts(servicer=self.servicer, stats=self._stats, buffers=self.buffers, devices=self.devices,
+                          delivered=self._retry.delivered, aborted=self.servicer.gave_up,
+                          loop_polls=self.poll_on_loop)
+        addresses = await self.link.start(self.task, self.target, self.incarnation, parts)
+        if self.link.plane is not None:
+            self.planes.register(self.link.plane)
+        self.cluster = links.joined(self.cluster, self.task, self.link, addresses)
 
     def describe(self) -> str:
         """One line: who this rank is and how it moves tensors (printed at start-up)."""
         line = f"rendezvous: {self.task} on {self.target}, protocol {self.protocol}"
-        if self.mpi is not None:
-            return f"{line}; {self.mpi.describe()}"
-        if self.protocol is Protocol.GRPC_MPI:
-            return line + "; MPI_DISABLED=1: MPI off, all transfers over gRPC"
-        return line
+        more = self.link.describe()
+        return f"{line}; {more}" if more else line
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop. Idempotent.
@@ -361,8 +332,7 @@ class Server:
             # for those handlers to send their status before it cancels the rest.
             self.servicer.close_streams()
             await self._grpc.stop(max(0.2, min(1.0, end - loop.time())))
-        if self.mpi is not None:
-            await self.mpi.close_requests()  # the MPI streams end (their replies were written above)
+        await self.link.close_requests()  # the link's streams end (their replies were written above)
         left = [e for e in self.table.pending() if e.kind == "tensor"]
         self.table.close(drained)
         if left:
@@ -370,8 +340,7 @@ class Server:
             shown = ", ".join(f"{e.key} (step {e.step_id})" for e in left[:3])
             log.warning("task %s stopped with %d produced tensor(s) never consumed, dropped after a grace of %gs: "
                         "%s%s", self.task, count, grace, shown, ", ..." if len(left) > 3 else "")
-        if self.mpi is not None:
-            await self.mpi.stop(grace or 5.0)
+        await self.link.stop(grace or 5.0)
         self.planes.close()
         self._retry.close()
         if self.timeline is not None:
@@ -478,14 +447,7 @@ class Server:
         """``await waited`` for a caller blocked on its answer in another thread
         (the blocking Server's recvs): with ``poll_on_loop="attended"`` the loop
         polls every MPI transfer meanwhile (see ProgressEngine.attend)."""
-        engine = self.mpi.engine if self.mpi is not None else None
-        if engine is None or engine.attended is None:
-            return await waited
-        engine.attend(1)
-        try:
-            return await waited
-        finally:
-            engine.attend(-1)
+        return await self.link.attending(waited)
 
     def give_back(self, step_id: int, keys: Sequence[Key | str], items: list[Received],
                   why: str | None = None) -> None:
@@ -601,9 +563,9 @@ class Server:
         """Counters per path: {"local"|"grpc"|"mpi": {transfers, bytes, errors, fallbacks, served,
         served_bytes, served_fused}}; "mpi" also has "in_flight" (MPI operations posted and not complete)."""
         snap = self._stats.snapshot()
-        mpi = self.mpi.stats() if self.mpi is not None else {"in_flight": 0, "cuda_aware": 0}
-        snap[Path.MPI]["in_flight"] = mpi["in_flight"]
-        snap["gpu"] = {**self._stats.gpu_snapshot(), "cuda_aware": mpi["cuda_aware"]}
+        link = self.link.stats()
+        snap[Path.MPI]["in_flight"] = link["in_flight"]
+        snap["gpu"] = {**self._stats.gpu_snapshot(), "cuda_aware": link["cuda_aware"]}
         return snap
 
     def pending(self, limit: int | None = None) -> list[PendingEntry]:
@@ -622,5 +584,5 @@ class Server:
         return PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
                           credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
                           on_unclaimed=self._receiver.unclaimed,
-                          open_call=self.mpi.open_call(task) if self.mpi is not None else None,
+                          open_call=self.link.open_call(task),
                           deadlines=self._deadlines)

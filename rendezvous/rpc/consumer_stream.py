@@ -371,21 +371,21 @@ class ConsumerStream:
                 else:
                     self._deliver(p, fetched)
             return
-        landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
+        path, landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
         moving: list[tuple[int, int, Pending]] = []
         on_the_way = self.moving
         for i, call_id in enumerate(group.call_ids):
             p = pending.pop(call_id, None)
             if p is not None:
                 on_the_way[call_id] = p
-                p.path = Path.MPI
+                p.path = path
                 moving.append((i, call_id, p))
         if planes.traced:
             planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
-        landing.add_done_callback(lambda f: self._settle_group(group, moving, f))
+        landing.add_done_callback(lambda f: self._settle_group(group, moving, f, path))
 
     def _settle_group(self, group: fused.Group, moving: list[tuple[int, int, Pending]],
-                      landed: asyncio.Future) -> None:
+                      landed: asyncio.Future, path: Path) -> None:
         """A group's fusion buffer is here (or failed): each call takes its view."""
         on_the_way = self.moving
         if landed.cancelled() or landed.exception() is not None:
@@ -418,9 +418,9 @@ class ConsumerStream:
             p.settled = True
             future = p.future
             if not p.orphan and not future.done():
-                future.set_result(_landed(values[i], Path.MPI))
+                future.set_result(_landed(values[i], path))
             else:
-                self._deliver(p, _landed(values[i], Path.MPI))
+                self._deliver(p, _landed(values[i], path))
 
     def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
         if frame.group is not None:

@@ -214,9 +214,11 @@ class Planes:
                 return plane.path, carry
         return self.inline.path, None
 
-    def receive_group(self, reply: bytes, group: Any) -> Awaitable[Any]:
-        """The payload of a group announced another way (see DataPlane.receive_group)."""
-        return self._by_span(reply, group.transport_options).receive_group(reply, group)
+    def receive_group(self, reply: bytes, group: Any) -> tuple[Path, Awaitable[Any]]:
+        """The payload of a group announced another way (see DataPlane.receive_group),
+        and the path of the plane that moves it."""
+        plane = self._by_span(reply, group.transport_options)
+        return plane.path, plane.receive_group(reply, group)
 
     def for_reply(self, reply: bytes, head: Any) -> DataPlane:
         """The plane a reply's first frame belongs to."""
