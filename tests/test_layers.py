@@ -401,7 +401,6 @@ THIRD_PARTY_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("errors", "grpc"): "each error carries its grpc.StatusCode, and the code <-> error mapping lives here",
     ("auth", "grpc"): "builds gRPC's TLS credentials and the token interceptor for every server and channel",
     ("local.messages", "grpc"): "error_from turns a failed gRPC call to the daemon into the package's error",
-    ("mpi.control", "grpc"): "MPI requests end in grpc.aio.AioRpcError: the control plane reads them as gRPC calls",
     ("rank.bootstrap", "torch"): "under torchrun the addresses go through torch's TCPStore (imported only there)",
 }
 

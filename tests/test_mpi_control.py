@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 import numpy as np
 import pytest
 
 from rendezvous.mpi import control
 from rendezvous.mpi.control import REPLY_TAG, REQUEST_TAG, MpiRequests
+from rendezvous.errors import Cancelled, InvalidArgument
 from rendezvous.paths import Path
+from rendezvous.transport.calls import EOF, CallEnded
 
 from conftest import run, until
 
@@ -70,8 +71,8 @@ class Handler:
     def __init__(self) -> None:
         self.streams: asyncio.Queue = asyncio.Queue()
 
-    async def serve_stream(self, requests, context, inline_path: Path = Path.GRPC) -> None:
-        stream = Stream(requests, context, inline_path)
+    async def serve_stream(self, requests, context) -> None:
+        stream = Stream(requests, context, context.inline_path)
         self.streams.put_nowait(stream)
         await stream.finished
 
@@ -123,7 +124,7 @@ def test_a_stream_carries_requests_and_replies_and_ends_with_its_status():
         assert await asyncio.wait_for(call.read(), 5) == b"reply one"
         assert await asyncio.wait_for(call.read(), 5) == b"reply two"
         stream.finished.set_result(None)  # the handler returns: a clean end
-        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+        assert await asyncio.wait_for(call.read(), 5) is EOF
         assert all(tag in (REQUEST_TAG, REPLY_TAG) for _, _, tag, _ in wire.sent)
         assert not producer._serving and not consumer._calls
     run(main())
@@ -158,7 +159,7 @@ def test_large_replies_land_in_reused_buffers_and_small_ones_in_their_own():
         small = await asyncio.wait_for(call.read(), 5)
         assert bytes(small) == b"small" and type(small.obj) is bytearray
         stream.finished.set_result(None)
-        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+        assert await asyncio.wait_for(call.read(), 5) is EOF
     run(main())
 
 
@@ -167,12 +168,12 @@ def test_an_abort_ends_the_consumers_reads_with_its_code():
         _, consumer, _, handler = pair()
         call, stream = await opened(consumer, handler, b"bad")
         with pytest.raises(control._Aborted):
-            await stream.context.abort(grpc.StatusCode.INVALID_ARGUMENT, "call_id 3 is already in use")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stream.context.abort(InvalidArgument("call_id 3 is already in use"))
+        with pytest.raises(CallEnded) as info:
             await asyncio.wait_for(call.read(), 5)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "already in use" in info.value.details()
-        with pytest.raises(grpc.aio.AioRpcError):  # a call that ended takes no more writes
+        assert isinstance(info.value.error, InvalidArgument)
+        assert "already in use" in info.value.error.message
+        with pytest.raises(CallEnded):  # a call that ended takes no more writes
             await call.write(b"more")
     run(main())
 
@@ -183,13 +184,15 @@ def test_a_consumer_that_closes_its_stream_ends_the_producers_requests():
         call, stream = await opened(consumer, handler)
         call.cancel()
         call.cancel()  # twice is fine
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(CallEnded) as info:
             await asyncio.wait_for(call.read(), 5)
-        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert isinstance(info.value.error, Cancelled)
         await asyncio.wait_for(stream.ended.wait(), 5)  # its requests iterator ended
+        # and its handler is cancelled, as a gRPC call's is when its consumer cancels
+        # (the recvs it had waiting are withdrawn: what they would take stays in the table)
+        await until(lambda: stream.finished.cancelled(), what="the producer's handler to be cancelled")
         # frames the producer still writes for a closed stream go nowhere
         await stream.context.write(b"late")
-        stream.finished.set_result(None)
         await until(lambda: not producer._serving, what="the producer's side to end")
         assert not consumer._calls
     run(main())
@@ -256,7 +259,7 @@ def test_close_ends_every_call_and_every_stream_served():
         stream.finished.set_result(None)
         await asyncio.wait_for(closing, 5)
         await consumer.close()
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(CallEnded):
             await asyncio.wait_for(call.read(), 5)
         # a closed rank takes no new streams
         producer._requests_arrived([(0, control._HEAD.pack(77, control._DATA) + b"new")])
@@ -296,7 +299,7 @@ def test_replies_go_to_the_readers_dispatch_as_they_arrive_unless_one_is_queued(
         with pytest.raises(ValueError, match="breaks the stream"):
             await asyncio.wait_for(call.read(), 5)
         stream.finished.set_result(None)
-        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # an end is always read
+        assert await asyncio.wait_for(call.read(), 5) is EOF  # an end is always read
     run(main())
 
 

@@ -31,6 +31,7 @@ from rendezvous.stats import Stats
 from rendezvous.table import Received
 from rendezvous.tensors import TensorMeta
 from rendezvous.transport import Arrival, DataPlane, Path, Planes
+from rendezvous.transport.calls import EOF, CallBase
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -1020,9 +1021,11 @@ def test_a_key_tuple_asked_again_is_sent_from_its_remembered_encoding_and_a_list
     run(main(), 20)
 
 
-class _FakeCall:
+class _FakeCall(CallBase):
     """A stream another way than gRPC (as the MPI request path opens them): what
     it is sent is kept; ``answer`` replies to each recv request it sees."""
+
+    inline_path = Path.MPI
 
     def __init__(self, answer: bool) -> None:
         self.inbox: asyncio.Queue = asyncio.Queue()
@@ -1055,7 +1058,7 @@ class _FakeCall:
         return await self.inbox.get()
 
     def cancel(self) -> None:
-        self.inbox.put_nowait(grpc.aio.EOF)
+        self.inbox.put_nowait(EOF)
 
 
 def test_a_batch_whose_stream_ends_while_its_first_request_leaves_asks_every_key_again():
@@ -1064,7 +1067,7 @@ def test_a_batch_whose_stream_ends_while_its_first_request_leaves_asks_every_key
         calls = [broken, fresh]
         client = PeerClient(PEER, "mpi", Config.load({}, env={}), planes=_inline_planes(),
                             open_call=lambda: calls.pop(0))
-        broken.inbox.put_nowait(grpc.aio.EOF)  # read by the stream's reader in its first turn
+        broken.inbox.put_nowait(EOF)  # read by the stream's reader in its first turn
         try:
             got = await client.recv_batch(LONG, step_id=2)
         finally:
@@ -1079,9 +1082,11 @@ def test_a_batch_whose_stream_ends_while_its_first_request_leaves_asks_every_key
     run(main(), 20)
 
 
-class _NonWaitingCall:
+class _NonWaitingCall(CallBase):
     """The MPI request path's call: requests handed over without waiting, replies
     handed to the stream's dispatch as they arrive; its reader never gets one."""
+
+    inline_path = Path.MPI
 
     def __init__(self) -> None:
         self.sent: list[pb.StreamRequest] = []
@@ -1103,7 +1108,7 @@ class _NonWaitingCall:
 
     def cancel(self) -> None:
         if not self._end.done():
-            self._end.set_result(grpc.aio.EOF)
+            self._end.set_result(EOF)
 
 
 def test_on_a_call_that_takes_messages_at_once_a_recv_needs_no_reader_or_writer_turn():

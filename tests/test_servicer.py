@@ -26,6 +26,7 @@ from rendezvous.stats import Stats
 from rendezvous.table import Received, WaitingTable
 from rendezvous.tensors import TensorMeta
 from rendezvous.transport import Carry, DataPlane, Path, Planes, Reply
+from rendezvous.transport.calls import ContextBase
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -853,7 +854,7 @@ def test_a_reply_cut_off_while_a_retry_of_its_id_carries_the_tensor_is_not_put_b
     run(main(), 20)
 
 
-class _HeldContext:
+class _HeldContext(ContextBase):
     """A stream's context whose writes are held until the test lets them go:
     what the handler has handed over is in ``written``."""
 
@@ -867,8 +868,8 @@ class _HeldContext:
         self.holding.set()
         await self.release.wait()
 
-    async def abort(self, code, details) -> None:
-        raise AssertionError(f"aborted: {code} {details}")
+    async def abort(self, error) -> None:
+        raise AssertionError(f"aborted: {error!r}")
 
 
 def test_a_reply_whose_last_frame_was_handed_over_is_not_put_back_when_the_stream_ends():
@@ -1054,13 +1055,13 @@ def test_a_group_never_written_goes_back_to_the_table_when_the_stream_ends():
                                       retry=RetryCache(30, 1 << 30), fusion=(4096, 1 << 20))
         written: list[bytes] = []
 
-        class Stuck:
+        class Stuck(ContextBase):
             async def write(self, message: bytes) -> None:
                 written.append(message)
                 await asyncio.Event().wait()  # the consumer stopped reading
 
-            async def abort(self, code, details):
-                raise AssertionError(f"aborted: {code} {details}")
+            async def abort(self, error):
+                raise AssertionError(f"aborted: {error!r}")
 
         incoming: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -1128,12 +1129,12 @@ def test_a_batchs_large_replies_are_written_while_the_rest_is_planned():
         def served() -> int:
             return sum(c["served"] for c in servicer.stats.snapshot().values())
 
-        class Recording:
+        class Recording(ContextBase):
             async def write(self, message: bytes) -> None:
                 written.append((message, len(table), served()))
 
-            async def abort(self, code, details):
-                raise AssertionError(f"aborted: {code} {details}")
+            async def abort(self, error):
+                raise AssertionError(f"aborted: {error!r}")
 
         keys = [K(f"big{i}") for i in range(16)] + [K(f"s{i}") for i in range(8)]
         for k in keys:
@@ -1167,12 +1168,12 @@ def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch)
             await release.wait()
         monkeypatch.setattr(producer_stream, "_writer_turn", gated_turn)
 
-        class Stuck:
+        class Stuck(ContextBase):
             async def write(self, message: bytes) -> None:
                 await asyncio.Event().wait()  # the consumer reads nothing
 
-            async def abort(self, code, details):
-                raise AssertionError(f"aborted: {code} {details}")
+            async def abort(self, error):
+                raise AssertionError(f"aborted: {error!r}")
 
         keys = [K("s"), K("s")] + [K(f"big{i}") for i in range(6)] + [K("later")]
         table.send(1, K("s"), np.array([1.0], np.float32))
@@ -1190,12 +1191,12 @@ def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch)
         release.set()
         written: list[bytes] = []
 
-        class Recording:
+        class Recording(ContextBase):
             async def write(self, message: bytes) -> None:
                 written.append(message)
 
-            async def abort(self, code, details):
-                raise AssertionError(f"aborted: {code} {details}")
+            async def abort(self, error):
+                raise AssertionError(f"aborted: {error!r}")
 
         again: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -1231,7 +1232,7 @@ def _fusing_servicer() -> tuple[WaitingTable, RecvTensorServicer]:
                                      retry=RetryCache(30, 1 << 30), fusion=(64 << 10, 1 << 20))
 
 
-class _Collecting:
+class _Collecting(ContextBase):
     """A stream's context that keeps every message written; ``gathers`` as the
     MPI request path's context declares it (it joins a message's pieces itself)."""
 
@@ -1243,8 +1244,8 @@ class _Collecting:
     async def write(self, message) -> None:
         self.written.append(message)
 
-    async def abort(self, code, details) -> None:
-        raise AssertionError(f"aborted: {code} {details}")
+    async def abort(self, error) -> None:
+        raise AssertionError(f"aborted: {error!r}")
 
 
 @pytest.mark.parametrize("gathers", [False, True], ids=["grpc-context", "gathering-context"])
@@ -1288,10 +1289,11 @@ class _NonWaiting(_Collecting):
     """The MPI request path's context: it also takes a message without waiting
     (kept apart in ``at_once``), and ends a stream with a status it keeps."""
 
-    def __init__(self) -> None:
+    def __init__(self, requests) -> None:
         super().__init__(gathers=True)
         self.at_once: list = []
-        self.aborted: tuple | None = None
+        self.aborted: Exception | None = None
+        self.deliver_to = requests.deliver_to  # requests offered as they arrive, as the MPI path's context
 
     def has_room(self) -> bool:
         return True
@@ -1299,8 +1301,8 @@ class _NonWaiting(_Collecting):
     def write_nowait(self, message) -> None:
         self.at_once.append(message)
 
-    async def abort(self, code, details) -> None:
-        self.aborted = (code, details)
+    async def abort(self, error) -> None:
+        self.aborted = error
 
 
 def _answers(messages: list) -> list[tuple[int, list]]:
@@ -1323,7 +1325,8 @@ def test_a_lone_request_is_answered_as_it_arrives_and_a_batch_is_left_to_the_rea
 
     async def main():
         table, servicer = _fusing_servicer()
-        requests, context = _Requests(), _NonWaiting()
+        requests = _Requests()
+        context = _NonWaiting(requests)
         serving = asyncio.ensure_future(servicer.serve_stream(requests, context))
         await until(lambda: requests._take is not None, what="the stream handler reading")
         table.send(1, K("a"), np.array([1.0]))
@@ -1347,7 +1350,7 @@ def test_a_lone_request_is_answered_as_it_arrives_and_a_batch_is_left_to_the_rea
         await until(lambda: len(table) == 0, what="the batch taken")
         assert not requests.offer(b"\xff\xff garbage")  # the reader ends the stream with INVALID_ARGUMENT
         await asyncio.wait_for(serving, 10)
-        assert context.aborted is not None and context.aborted[0] is grpc.StatusCode.INVALID_ARGUMENT
+        assert isinstance(context.aborted, InvalidArgument), context.aborted
     run(main(), 20)
 
 

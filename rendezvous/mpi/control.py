@@ -31,14 +31,14 @@ import collections
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Sized
-from typing import Any
+from typing import Any, NoReturn
 
-import grpc
 import numpy as np
 
 from rendezvous.buffers import RecvBuffers
-from rendezvous.errors import status_code_from_int
+from rendezvous.errors import Cancelled, Internal, RendezvousError, from_status
 from rendezvous.paths import Path
+from rendezvous.transport.calls import EOF, CallEnded
 from rendezvous.wire import Pieces
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -94,15 +94,21 @@ class _Outflow:
         return not (pending and pending[0][0].done()) and self.nbytes + n <= _IN_FLIGHT_BYTES
 
 
-def call_ended(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a gRPC call raises when it ends with ``code``: an MPI stream
-    ends its reader the same way, so the peer client handles both alike."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def status_value(error: RendezvousError) -> int:
+    """The status number that carries ``error`` in an MPI stream's end (gRPC's numbering)."""
+    return int(error.code.value[0])
+
+
+def _closed(why: str) -> CallEnded:
+    return CallEnded(Cancelled(why))
 
 
 class MpiCall:
-    """The consumer's end of one stream to one rank: what the peer client uses
-    of a gRPC stream-stream call (``write``, ``read``, ``cancel``)."""
+    """The consumer's end of one stream to one rank (a
+    :class:`~rendezvous.transport.calls.RequestCall`): its messages, and a reply
+    inside them, travel by MPI."""
+
+    inline_path = Path.MPI
 
     def __init__(self, requests: "MpiRequests", rank: int, stream_id: int) -> None:
         self._requests = requests
@@ -130,7 +136,7 @@ class MpiCall:
     async def write(self, message: bytes) -> None:
         """Hand ``message`` to MPI; returns at once unless too much is still unsent."""
         if self._done:
-            raise call_ended(grpc.StatusCode.CANCELLED, "stream closed")
+            raise _closed("stream closed")
         await self._out.add(self._requests.submit(self.rank, REQUEST_TAG, self.stream_id, _DATA, message),
                             len(message))
 
@@ -143,11 +149,11 @@ class MpiCall:
         return True
 
     async def read(self) -> Any:
-        """The next message, or ``grpc.aio.EOF`` once the producer ended the stream
-        cleanly; raises the ``AioRpcError`` of its status otherwise."""
+        """The next message, or ``EOF`` once the producer ended the stream
+        cleanly; raises :class:`CallEnded` with its status otherwise."""
         item = await self._inbox.get()
         if item is None:
-            return grpc.aio.EOF
+            return EOF
         if isinstance(item, BaseException):
             raise item
         return item
@@ -160,7 +166,7 @@ class MpiCall:
         self._done = True
         self._requests.forget(self)
         self._requests.post(self.rank, REQUEST_TAG, self.stream_id, _END, b"")
-        self._inbox.put_nowait(call_ended(grpc.StatusCode.CANCELLED, "stream closed locally"))
+        self._inbox.put_nowait(_closed("stream closed locally"))
 
     # from MpiRequests
     def _deliver(self, kind: int, body: Any) -> None:
@@ -180,22 +186,26 @@ class MpiCall:
         if status.code == 0:
             self._inbox.put_nowait(None)
         else:
-            self._inbox.put_nowait(call_ended(status_code_from_int(status.code), status.message))
+            self._inbox.put_nowait(CallEnded(from_status(status.code, status.message)))
 
 
 class _ProducerContext:
-    """The producer's end of one stream: what the stream handler uses of a gRPC
-    servicer context (``write``, ``abort``)."""
+    """The producer's end of one stream (a
+    :class:`~rendezvous.transport.calls.StreamContext`): frames written as MPI
+    messages, and requests handed to the handler as they arrive (``deliver_to``,
+    see :meth:`_Requests.deliver_to`)."""
 
-    def __init__(self, requests: "MpiRequests", rank: int, stream_id: int) -> None:
+    inline_path = Path.MPI
+    #: frames may come in pieces: :meth:`MpiRequests.submit` joins them behind its head
+    gathers = True
+
+    def __init__(self, requests: "MpiRequests", rank: int, stream_id: int, incoming: "_Requests") -> None:
         self._requests = requests
         self.rank = rank
         self.stream_id = stream_id
         self.ended = False
         self._out = _Outflow()
-
-    #: frames may come in pieces: :meth:`MpiRequests.submit` joins them behind its head
-    gathers = True
+        self.deliver_to = incoming.deliver_to
 
     async def write(self, message: bytes | Pieces) -> None:
         """Hand a frame to MPI; returns at once unless too much is still unsent."""
@@ -211,15 +221,17 @@ class _ProducerContext:
         """Hand a frame to MPI without waiting (after :meth:`has_room`)."""
         self._out.put(self._requests.submit(self.rank, REPLY_TAG, self.stream_id, _DATA, message), len(message))
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.end(code, details)
+    async def abort(self, error: RendezvousError) -> NoReturn:
+        self.end(error)
         raise _Aborted()
 
-    def end(self, code: grpc.StatusCode = grpc.StatusCode.OK, details: str = "") -> None:
+    def end(self, error: RendezvousError | None = None) -> None:
+        """End the stream: cleanly, or with ``error``'s status."""
         if self.ended:
             return
         self.ended = True
-        body = pb.Status(code=code.value[0], message=details).SerializeToString() if code.value[0] else b""
+        body = b"" if error is None else \
+            pb.Status(code=status_value(error), message=error.message).SerializeToString()
         self._requests.post(self.rank, REPLY_TAG, self.stream_id, _END, body)
 
 
@@ -368,7 +380,11 @@ class MpiRequests:
             serving = self._serving.get(where)
             if kind == _END:
                 if serving is not None:
-                    serving[0].queue.put_nowait(None)  # the consumer closed: end of its requests
+                    # The consumer closed the stream (it never half-closes): its handler ends
+                    # as a cancelled gRPC call's does, so the recvs still waiting are withdrawn
+                    # and what they would have taken stays in the table.
+                    serving[0].queue.put_nowait(None)
+                    serving[2].cancel()
                 continue
             if serving is None:
                 if self._closed:
@@ -380,7 +396,8 @@ class MpiRequests:
             requests.taken()
 
     def _serve(self, source: int, stream_id: int) -> tuple[_Requests, _ProducerContext, asyncio.Task]:
-        requests, context = _Requests(), _ProducerContext(self, source, stream_id)
+        requests = _Requests()
+        context = _ProducerContext(self, source, stream_id, requests)
         task = asyncio.ensure_future(self._run(requests, context))
         serving = self._serving[(source, stream_id)] = (requests, context, task)
         return serving
@@ -388,12 +405,12 @@ class MpiRequests:
     async def _run(self, requests: _Requests, context: _ProducerContext) -> None:
         try:
             # replies inside this stream's frames travelled by MPI: counted so
-            await self.servicer.serve_stream(requests, context, inline_path=Path.MPI)
+            await self.servicer.serve_stream(requests, context)
         except _Aborted:
             pass
         except Exception as exc:  # a bug of ours: the stream ends with INTERNAL, the rank goes on
             log.exception("MPI request stream from rank %d failed", context.rank)
-            context.end(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            context.end(Internal(f"{type(exc).__name__}: {exc}"))
         finally:
             context.end()  # a clean end (EOF) unless it ended otherwise
             self._serving.pop((context.rank, context.stream_id), None)

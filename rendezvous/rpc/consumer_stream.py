@@ -20,15 +20,15 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import grpc
 
 from rendezvous import frames, fused
-from rendezvous.errors import Internal, InvalidArgument, PeerUnavailable, RendezvousError, ResourceExhausted, \
-    from_status
+from rendezvous.errors import Cancelled, Internal, InvalidArgument, PeerUnavailable, RendezvousError, \
+    ResourceExhausted, Unavailable
 from rendezvous.paths import Path
 from rendezvous.table import Received
 from rendezvous.tensors import decode_meta
 from rendezvous.transport import Fetched
+from rendezvous.transport.calls import EOF, CallEnded, RequestCall
 
 if TYPE_CHECKING:
     from .peer import PeerClient
@@ -111,8 +111,8 @@ class Pending:
 class ConsumerStream:
     """One RecvTensorStream call and its reader and writer tasks."""
 
-    def __init__(self, client: "PeerClient", call: Any, inline_path: Path = Path.GRPC) -> None:
-        self.inline_path = inline_path  # how frames travel: the path of a tensor inside them
+    def __init__(self, client: "PeerClient", call: RequestCall) -> None:
+        self.inline_path = call.inline_path  # how frames travel: the path of a tensor inside them
         self.client = client
         self.call = call
         self.pending: dict[int, Pending] = {}
@@ -132,10 +132,10 @@ class ConsumerStream:
         self._failed: RendezvousError | None = None
         #: the call's non-waiting write (MPI): a request with nothing queued
         #: before it is handed over at once, not on the writer's next turn
-        self._write_now = getattr(call, "write_nowait", None)
+        self._write_now = call.write_nowait
         self.reader = asyncio.create_task(self._read())
         self.writer = asyncio.create_task(self._write())
-        deliver_to = getattr(call, "deliver_to", None)
+        deliver_to = call.deliver_to
         if deliver_to is not None:  # replies dispatched as they arrive (MPI), see _arrived
             deliver_to(self._arrived)
 
@@ -263,11 +263,11 @@ class ConsumerStream:
         try:
             while True:
                 buf = await self.call.read()
-                if buf is grpc.aio.EOF:
+                if buf is EOF:
                     break
                 self._dispatch(buf)
-        except grpc.aio.AioRpcError as exc:
-            error = _status_error(exc, self.client)
+        except CallEnded as ended:
+            error = _status_error(ended.error, self.client)
         except asyncio.CancelledError:
             error = PeerUnavailable(f"stream to {self.client.describe()} was closed locally")
             closed_here = True
@@ -570,13 +570,12 @@ def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") ->
     return decoded
 
 
-def _status_error(exc: grpc.aio.AioRpcError, client: "PeerClient") -> RendezvousError:
+def _status_error(exc: RendezvousError, client: "PeerClient") -> RendezvousError:
     """The error a stream's final status means for the recvs still on it. Our
     servicer ends a stream with OK or INVALID_ARGUMENT (per-call errors travel
     as error frames), so INTERNAL there is gRPC's own report of a transport torn
     down under it (a peer killed mid-reply: "Internal error from Core"): the
     peer is gone, as with UNAVAILABLE, and the recvs may be re-sent."""
-    code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
-        return PeerUnavailable(f"lost {client.describe()}: {exc.details()}")
-    return from_status(code, exc.details() or "")
+    if isinstance(exc, (Unavailable, Cancelled, Internal)):
+        return PeerUnavailable(f"lost {client.describe()}: {exc.message}")
+    return exc

@@ -55,6 +55,7 @@ from rendezvous.transport import Fetched, Path, Planes
 
 from .batch import BatchFailed, fetch_batch
 from .consumer_stream import MANY_REQUEST_BYTES, Broken, ConsumerStream, Pending
+from .grpc_calls import GrpcCall
 from .options import STREAM_METHOD, peer_channel_options
 
 __all__ = ["PeerClient", "BatchFailed"]
@@ -297,10 +298,9 @@ class PeerClient:
                 raise PeerUnavailable(f"client for {self.describe()} is closed")
             if self._open_call is not None:
                 call = self._open_call()
-                self._stream = ConsumerStream(self, call, Path.MPI)
-                watch = getattr(call, "watch", None)
-                if watch is not None:  # the call polls while recvs await replies
-                    watch(self._stream.pending)
+                self._stream = ConsumerStream(self, call)
+                if call.watch is not None:  # the call polls while recvs await replies
+                    call.watch(self._stream.pending)
                 return self._stream
             if self._channel is None:
                 if self._credentials is not None:
@@ -327,7 +327,7 @@ class PeerClient:
             call = self._channel.stream_stream(STREAM_METHOD, request_serializer=None,
                                                response_deserializer=None)(
                                                metadata=self._metadata, wait_for_ready=first)
-            self._stream = ConsumerStream(self, call)
+            self._stream = ConsumerStream(self, GrpcCall(call))
             return self._stream
 
     async def _reconnect(self, deadline: float | None) -> None:

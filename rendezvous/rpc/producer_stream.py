@@ -19,15 +19,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from rendezvous import frames, fused, wire
-from rendezvous.errors import Cancelled, RendezvousError, Unavailable
+from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, Unavailable
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
 from rendezvous.table import Received, Waiter
 from rendezvous.transport import Carry, Reply
+from rendezvous.transport.calls import StreamContext
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .retry import Handed
@@ -134,13 +134,13 @@ class ProducerStream:
     packed into one gRPC message.
     """
 
-    def __init__(self, servicer: RecvTensorServicer, context: Any, inline_path: Path = Path.GRPC) -> None:
-        self.inline_path = inline_path  # how frames travel: counts replies carried inside them
+    def __init__(self, servicer: RecvTensorServicer, context: StreamContext) -> None:
+        self.inline_path = context.inline_path  # how frames travel: counts replies carried inside them
         self.s = servicer
         self.context = context
         #: the context joins a message's pieces itself (with its own envelope in
         #: front: MPI); else a large frame's pieces are joined here (gRPC wants bytes)
-        self.gathers = bool(getattr(context, "gathers", False))
+        self.gathers = context.gathers
         #: calls waiting for their tensors: a task each (a lone recv's
         #: :meth:`_serve`, a reply's preparation), or a batch key's
         #: :class:`_Waiting` (no task: the send that produces it answers it)
@@ -163,10 +163,10 @@ class ProducerStream:
         self._handling = False  # the reader is handling a message (it may be awaiting)
         #: the context's non-waiting write (MPI), for replies made as a request
         #: arrives (see _arrived)
-        self._write_now = getattr(context, "write_nowait", None)
+        self._write_now = context.write_nowait
 
     async def run(self, requests: AsyncIterator[bytes]) -> None:
-        deliver_to = getattr(requests, "deliver_to", None)
+        deliver_to = self.context.deliver_to
         if deliver_to is not None:  # requests handled as they arrive (MPI), see _arrived
             deliver_to(self._arrived, self._write_ready)
         reader = asyncio.create_task(self._read(requests))
@@ -175,7 +175,7 @@ class ProducerStream:
             if not self.closing:
                 await reader  # re-raises a malformed-request error as the stream's status
         except _BadStream as exc:
-            await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.context.abort(InvalidArgument(str(exc)))
         finally:
             reader.cancel()
             for task in self.waiting.values():

@@ -41,8 +41,10 @@ from rendezvous.stats import Stats, payload_nbytes
 from rendezvous.table import Received, WaitingTable, Waiter
 from rendezvous.timeline import Timeline, now
 from rendezvous.transport import Path, Planes, Reply
+from rendezvous.transport.calls import StreamContext
 from rendezvous.v1 import rendezvous_pb2 as pb
 
+from .grpc_calls import GrpcContext
 from .options import SERVICE, TF_SERVICE
 from .producer_stream import ProducerStream
 from .retry import RetryCache
@@ -383,16 +385,15 @@ class RecvTensorServicer:
     # -- stream -------------------------------------------------------------
 
     async def _stream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-        await self.serve_stream(requests, context)
+        await self.serve_stream(requests, GrpcContext(context))
 
-    async def serve_stream(self, requests: AsyncIterator[bytes], context: Any,
-                           inline_path: Path = Path.GRPC) -> None:
+    async def serve_stream(self, requests: AsyncIterator[bytes], context: StreamContext) -> None:
         """Serve one RecvTensorStream: ``requests`` are its StreamRequest messages,
-        ``context`` writes frames (``write``) and ends it with a status (``abort``).
-        A gRPC call gives both; the MPI request path gives its own
-        (:mod:`rendezvous.mpi.control`), with ``inline_path`` MPI: a reply inside
-        the frames then travelled by MPI, and is counted so."""
-        conn = ProducerStream(self, context, inline_path)
+        ``context`` its producer's end (:class:`~rendezvous.transport.calls.StreamContext`):
+        a gRPC call's (:class:`~rendezvous.rpc.grpc_calls.GrpcContext`), or the
+        MPI request path's (:mod:`rendezvous.mpi.control`), whose replies inside
+        the frames travel by MPI and are counted so."""
+        conn = ProducerStream(self, context)
         self._streams.add(conn)
         try:
             await conn.run(requests)
