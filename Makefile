@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: all venv demo demo-hosts bench-hosts demo-loopback test test-quick soak protos bench bench-guard doctor gpu-check clean
+.PHONY: all venv demo demo-hosts bench-hosts demo-loopback typecheck test test-quick soak protos bench bench-guard doctor gpu-check clean
 
 all: test
 
@@ -70,12 +70,17 @@ gpu-check: $(BENCH_STAMP)
 	if nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install --quiet -e '.[gpu]'; fi
 	$(BIN)/python -m rendezvous.bench.gpu_check $(GPU_CHECK_ARGS)
 
-test: $(STAMP)
+# The type check: the whole package, strict on the public API (pyproject.toml,
+# [tool.mypy]); a second of work once .mypy_cache holds the last run.
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
+
+test: typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The everyday run: everything but the tests marked slow (multi-second
-# mpiexec jobs, process faults) and huge (tensors over 2 GiB).
-test-quick: $(STAMP)
+# The everyday run: the type check, then everything but the tests marked slow
+# (multi-second mpiexec jobs, process faults) and huge (tensors over 2 GiB).
+test-quick: typecheck
 	$(BIN)/python -m pytest -m "not slow and not huge" $(PYTEST_ARGS)
 
 SOAK_OPS ?= 100000
@@ -92,4 +97,4 @@ protos: $(STAMP)
 	$(BIN)/python tools/gen_protos.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache

@@ -248,10 +248,10 @@ class Config:
                 values[f.name] = _convert(f, raw, f.metadata["env"])
                 sources[f.name] = f"env {f.metadata['env']}"
         for name, value in (overrides or {}).items():
-            f = _FIELDS.get(name)
-            if f is None:
+            known = _FIELDS.get(name)
+            if known is None:
                 raise InvalidArgument(f"unknown config key {name!r}; known: {', '.join(sorted(_FIELDS))}")
-            values[name] = _convert(f, value, name) if isinstance(value, str) else value
+            values[name] = _convert(known, value, name) if isinstance(value, str) else value
             sources[name] = "argument"
         cfg = cls(**values, sources=sources)
         cfg.validate()
@@ -363,7 +363,7 @@ def _read_toml(path: "str | os.PathLike[str]") -> dict[str, Any]:
     return out
 
 
-def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
+def _from_toml(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
     """A TOML value for field ``f``: native TOML types as they are, strings read
     as the environment would read them."""
     if isinstance(value, str):
@@ -386,12 +386,12 @@ def _from_toml(f: dataclasses.Field, value: Any, where: str) -> Any:
     raise InvalidArgument(f"{where}: expected {wanted}, got {type(value).__name__} {value!r}")
 
 
-def _convert(f: dataclasses.Field, raw: Any, source: str) -> Any:
+def _convert(f: dataclasses.Field[Any], raw: Any, source: str) -> Any:
     parse = f.metadata.get("parse")
     try:
         if parse is not None:
             return parse(str(raw))
-        kind = type(f.default)
+        kind: type[Any] = type(f.default)  # every field read from outside has a default
         if kind is bool:
             return env_flag(str(raw))
         return kind(raw)

@@ -285,7 +285,7 @@ def causes(findings: list[Finding]) -> list[str]:
     mpi_large = [c for c in slow if c.get("reference") in ("mpi", "memcpy") and c["size"] >= _MiB]
     grpc = [c for c in slow if c.get("reference") == "grpc"]
     local = [c for c in slow if str(c["cell"]).startswith("local_")]
-    named = set()
+    named: set[int] = set()
     if mpi_large and facts.get("single_copy") is False:
         out.append(f"MPI moves large messages only as it is polled here: {facts.get('single_copy_why')}; "
                    + _cells(mpi_large))

@@ -10,6 +10,8 @@ aborted locally or on the producing rank. A local cancellation stays
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 
 __all__ = [
@@ -45,11 +47,11 @@ class RendezvousError(Exception):
         super().__init__(message)
         self.message = message
 
-    def __reduce__(self):  # keep pickling (multiprocessing) working for subclasses
+    def __reduce__(self) -> tuple[type[RendezvousError], tuple[str, ...]]:  # pickling (multiprocessing)
         return (self.__class__, (self.message,))
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.message == other.message  # type: ignore[attr-defined]
+        return type(self) is type(other) and self.message == other.message
 
     def __hash__(self) -> int:
         return hash((type(self), self.message))
@@ -71,7 +73,7 @@ class InvalidKey(InvalidArgument):
         super().__init__(message)
         self.field = field
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[RendezvousError], tuple[str, ...]]:
         return (self.__class__, (self.message, self.field))
 
 
@@ -191,7 +193,7 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def batch_failure(keys: list[str], step_id: int, failures: dict[int, BaseException]) -> BaseException:
+def batch_failure(keys: list[str], step_id: int, failures: Mapping[int, BaseException]) -> BaseException:
     """One error for a recv_many that failed: the status of its first failure
     (by position), a message naming each failed key and why, and
     ``failures`` (key -> error) for programs."""

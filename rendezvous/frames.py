@@ -88,7 +88,7 @@ def prime_allocator(chunk_bytes: int) -> None:
 
 def payload_view(arr: np.ndarray) -> memoryview:
     """The array's bytes as a flat memoryview; a copy only if not C-contiguous."""
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
 def _response_fields(is_dead: bool, send_start_micros: int, transport_options: bytes | None) -> bytes:

@@ -67,9 +67,9 @@ _FIXED: dict[np.dtype, bool] = {}  # dtype -> whether it is fixed-size (packs), 
 def fusable(value: object, limit: int) -> bool:
     """Whether ``value`` (a produced tensor) may travel packed in a group: a
     host array of a fixed-size dtype with at most ``limit`` bytes."""
-    if type(value) is not np.ndarray or value.nbytes > limit:  # type: ignore[attr-defined]
+    if type(value) is not np.ndarray or value.nbytes > limit:
         return False
-    dtype = value.dtype  # type: ignore[attr-defined]
+    dtype = value.dtype
     fixed = _FIXED.get(dtype)
     if fixed is None:
         fixed = _FIXED[dtype] = not dtype.hasobject and dtype.kind not in "SUV"
@@ -115,7 +115,7 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
         start = (end + ALIGN - 1) & ~(ALIGN - 1)
         add_offset(start)
         try:  # _raw(a), inlined for the usual contiguous array
-            raw = memoryview(a).cast("B")
+            raw = a.data.cast("B")
         except (TypeError, ValueError):
             raw = _raw(a)
         add_raw(raw)
@@ -127,9 +127,9 @@ def layout(arrays: Sequence[np.ndarray]) -> Layout:
 def _raw(a: np.ndarray) -> memoryview:
     """The bytes of ``a`` (a copy only if it is not contiguous)."""
     try:
-        return memoryview(a).cast("B")
+        return a.data.cast("B")
     except (TypeError, ValueError):  # not C-contiguous, or a dtype buffers cannot carry
-        return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
 
 
 #: zero bytes to pad a tensor's end to the next ALIGN
@@ -152,7 +152,7 @@ def _parts(lay: Layout) -> list:
 
 def fill(buffer: np.ndarray, lay: Layout) -> None:
     """Copy the arrays of ``lay`` into ``buffer`` (uint8, ``lay.nbytes`` long) at their offsets."""
-    target = memoryview(buffer).cast("B")
+    target = buffer.data.cast("B")
     for raw, pos in zip(lay.raws, lay.offsets):
         n = len(raw)
         if n:

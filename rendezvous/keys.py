@@ -275,7 +275,7 @@ def _parse_device_uncached(s: str) -> DeviceName | str:
             if parsed_id is None:
                 return _uint_error("device id", dev_id, MAX_DEVICE_INT, has=True)
             stage = 4
-    if stage != 4:
+    if stage != 4 or parsed_id is None:  # (stage 4 has its id)
         return "has no device part (/device:TYPE:ID, or a legacy /TYPE:ID such as /cpu:0)"
     return DeviceName(job, replica, task, dev_type, parsed_id, legacy)
 

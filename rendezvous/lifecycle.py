@@ -14,7 +14,7 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from enum import Enum
 from typing import Any
 
@@ -56,7 +56,7 @@ def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
 
 
 def run_until_signalled(start: Callable[[], Awaitable[Any]], *, prog: str, announce: Callable[[Any], str],
-                        stop: Callable[[Any], Awaitable[None]], uvloop: bool = True, out: Any = None,
+                        stop: Callable[[Any], Coroutine[Any, Any, None]], uvloop: bool = True, out: Any = None,
                         before_exit: Callable[[Any], None] | None = None) -> int:
     """Run ``await start()`` (returns a started server with ``wait_for_termination``)
     on a fresh loop, print ``announce(server)`` once the signal handlers are in

@@ -41,7 +41,7 @@ import copy
 import concurrent.futures
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, final
 
 from .errors import Aborted, InvalidArgument, RendezvousError
 
@@ -72,25 +72,24 @@ class Received(NamedTuple):
     is_dead: bool
 
 
-class PendingEntry(NamedTuple):
-    """One non-empty queue of the table, as :meth:`WaitingTable.pending` reports it."""
-
-    step_id: int
-    key: Hashable
-    kind: str  # "tensor" (produced, waiting for a consumer) or "waiter" (consumer waiting)
-    count: int
-    oldest_age_s: float  # seconds since the oldest item/waiter of the queue was added
-
-
-class _Tensors(collections.deque):  # entries: (Received, enqueue time)
-    """A key's queue of produced items."""
+class PendingEntry(NamedTuple("PendingEntry", [("step_id", int), ("key", Hashable), ("kind", str),
+                                                ("count", int), ("oldest_age_s", float)])):
+    """One non-empty queue of the table (:meth:`WaitingTable.pending`): ``kind`` "tensor" (produced,
+    waiting for a consumer) or "waiter"; ``oldest_age_s`` since the oldest was queued. (A field
+    named ``count`` needs this form: a class body's would hide ``tuple.count``.)"""
 
     __slots__ = ()
 
 
-class _Waiters(collections.deque):  # entries: (asyncio.Future[Received] | Waiter, enqueue time)
-    """A key's queue of waiting receivers."""
+@final  # as _Waiters: a `type(q) is _Tensors` test then tells a type checker that q is otherwise _Waiters
+class _Tensors(collections.deque[tuple[Received, float]]):
+    """A key's queue of produced items: (item, enqueue time)."""
+    __slots__ = ()
 
+
+@final
+class _Waiters(collections.deque["tuple[asyncio.Future[Received] | Waiter, float]"]):
+    """A key's queue of waiting receivers: (future or Waiter, enqueue time)."""
     __slots__ = ()
 
 
@@ -234,10 +233,8 @@ class WaitingTable:
                     del keys[key]
                     if not keys:
                         del steps[step_id]
-                if isinstance(fut, Waiter):
-                    fut.set_result(item)  # delivered in this call: nothing in flight
-                else:
-                    fut.set_result(item)
+                fut.set_result(item)  # a Waiter's is delivered in this call: nothing in flight
+                if not isinstance(fut, Waiter):
                     self._inflight += 1
                 return
         keys[key] = _Tensors(((item, _now()),))
@@ -452,7 +449,7 @@ class WaitingTable:
         if keys:
             self._fail(keys, Aborted(f"step {step_id} cleaned up"))
 
-    def _queued(self, step_id: int) -> dict | None:
+    def _queued(self, step_id: int) -> dict[Hashable, _Tensors | _Waiters] | None:
         """The keys of ``step_id`` (None if none), after checking the loop; the
         step's error if it ended (as :meth:`recv` raises it)."""
         self._enter()
@@ -503,8 +500,9 @@ class WaitingTable:
         failed = 0
         for step_id in list(self._steps):
             keys = self._steps[step_id]
-            for key in [k for k, q in keys.items() if type(q) is _Waiters]:
-                for fut, _ in keys.pop(key):
+            for key, q in [(k, q) for k, q in keys.items() if type(q) is _Waiters]:
+                del keys[key]
+                for fut, _ in q:
                     if not fut.done():
                         fut.set_exception(error)
                         failed += 1

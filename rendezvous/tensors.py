@@ -149,7 +149,7 @@ def encode_header(arr: np.ndarray) -> tuple[bytes, memoryview | None]:
             parts.append(s)
         return b"".join(parts), None
     flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    payload = memoryview(flat)
+    payload = flat.data
     header = _encode_meta(proto_dtype, shape)
     if flat.size:
         header += wire.len_field_header(F.TENSOR_CONTENT, flat.size)
@@ -365,7 +365,7 @@ def _from_typed_fields(buf, start: int, end: int, meta: TensorMeta, proto_dtype:
         raise InvalidArgument(f"malformed TensorProto: {e}") from None
     values = _typed_values(msg, proto_dtype, meta.dtype)
     in_n = len(values)
-    if is_string:
+    if isinstance(values, list):  # strings
         if in_n >= n:
             items = values[:n]
         else:

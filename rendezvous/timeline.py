@@ -118,7 +118,7 @@ KEYS = 4096
 MAX_BYTES = 1 << 30
 log = logging.getLogger("rendezvous")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
-_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_string = json.encoder.encode_basestring_ascii
 
 
 def timeline_path(template: str, task: TaskName) -> str:

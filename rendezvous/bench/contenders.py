@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:  # grpc: imported at run time by the contenders that use it
+    import grpc
 __all__ = ["Contender", "RawMpi", "RawGrpc", "Rendezvous", "BlockingRendezvous", "Gloo", "Memcpy", "pattern",
            "check", "cell_name", "cell_label"]
 
 _RAW_METHOD = "/rendezvous.bench.Raw/Get"
-_TAG_DATA = 17
-_TAG_RATE = 18
-_TAG_GO = 19
+_TAG_DATA, _TAG_RATE, _TAG_GO = 17, 18, 19  # the raw MPI contender's tags
 
 
 def _address(host: str, port: int) -> str:
@@ -180,9 +180,9 @@ class RawGrpc(Contender):
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
-        self._server = None
-        self._channel = None
-        self._call = None
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]  # the consuming rank's, once started
         self._payload: dict[int, bytes] = {}
 
     async def setup(self) -> None:
@@ -195,7 +195,7 @@ class RawGrpc(Contender):
             async def get(request: bytes, context: Any) -> bytes:
                 return self._payload[int.from_bytes(request, "little")]
 
-            handler = grpc.unary_unary_rpc_method_handler(get)
+            handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(get)
             server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
                 "rendezvous.bench.Raw", {"Get": handler})])
             port = server.add_insecure_port(_address(self.ctx.host, 0))

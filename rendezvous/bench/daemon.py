@@ -213,7 +213,7 @@ def options(flags: argparse.Namespace) -> argparse.Namespace:
     """``flags`` (from :func:`add_arguments`) checked, with the defaults of a full
     or ``--quick`` run filled in and sizes in bytes (a copy)."""
     args = argparse.Namespace(**vars(flags))
-    base = _QUICK if args.quick else _FULL
+    base: dict[str, Any] = _QUICK if args.quick else _FULL
     args.sizes = _sizes(args.sizes or base["sizes"], "--sizes")
     args.cross_sizes = _sizes(args.cross_sizes or base["cross_sizes"], "--cross-sizes")
     aio = set(_sizes(args.aio_sizes, "--aio-sizes")) & set(args.sizes)

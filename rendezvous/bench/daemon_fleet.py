@@ -237,7 +237,7 @@ class Fleet:
                             "end_anon": st.get("RssAnon", 0), "end_shmem": st.get("RssShmem", 0),
                             "cpu_s": round(rss.cpu_seconds_of(info["pid"]) - info["start_cpu"], 2),
                             "wall_s": round(time.monotonic() - info["start_time"], 2)}
-        pools = {}
+        pools: dict[str, dict[str, Any]] = {}
         for name in daemons:
             try:
                 pools[name] = self.daemons[name].pool()

@@ -99,15 +99,14 @@ class Clients(_OnLoop):
     def op_connect(self, name: str, address: str, kind: str, session: bool = True) -> dict[str, Any]:
         """A client of ``address``: ``kind`` blocking or aio; with ``session`` it
         must have the session socket, else it must not (the local gRPC service)."""
-        if kind == "blocking":
-            from rendezvous.client import Client
+        from rendezvous.client import Client
+        from rendezvous.client.aio import Client as AioClient
 
+        client: Client | AioClient
+        if kind == "blocking":
             client = Client(address, connect_timeout=30)
         else:
-            from rendezvous.client.aio import Client as AioClient
-
-            client = AioClient(address, connect_timeout=30)
-            self.run(client.connect())
+            client = self.run(AioClient(address, connect_timeout=30).connect())
         if bool(client.session) != session:
             raise RuntimeError(f"the {kind} client of {address} {'did not get' if session else 'got'} "
                                "the session socket")

@@ -79,7 +79,7 @@ class GpuRendezvous(Rendezvous):
         from rendezvous import aio
 
         cluster = {**self.ctx.cluster("gpu"), **self.ctx.cluster("gpu1")}
-        extra = {"gpu_staging_depth": self.depth} if self.depth else {}
+        extra: dict[str, Any] = {"gpu_staging_depth": self.depth} if self.depth else {}
         from rendezvous.devices import Devices
 
         self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",

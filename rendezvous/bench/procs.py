@@ -104,6 +104,7 @@ class Child:
         self._tail: collections.deque[str] = collections.deque()
         self._tail_chars = 0
         self._eof = log is not None
+        self.p: subprocess.Popen[bytes] | subprocess.Popen[str]
         if log is not None:
             with open(log, "wb") as out:
                 self.p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,

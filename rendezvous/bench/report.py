@@ -366,12 +366,12 @@ def markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-_STYLE = {"memcpy": dict(linestyle="--", color="grey"), "mpi": dict(color="black"),
-          "mpi_alloc": dict(color="black", linestyle=":"), "grpc": dict(color="tab:red"),
-          "default": dict(color="tab:orange"), "optimal": dict(color="tab:blue"), "gloo": dict(color="tab:green"),
-          "default_mr": dict(color="tab:orange", linestyle="-."),
-          "optimal_mr": dict(color="tab:blue", linestyle="-."),
-          "blocking_default_mr": dict(color="tab:purple", linestyle="-.")}
+_STYLE: dict[str, dict[str, Any]] = {  # each contender's line: plot()'s keyword arguments
+    "memcpy": dict(linestyle="--", color="grey"), "mpi": dict(color="black"),
+    "mpi_alloc": dict(color="black", linestyle=":"), "grpc": dict(color="tab:red"),
+    "default": dict(color="tab:orange"), "optimal": dict(color="tab:blue"), "gloo": dict(color="tab:green"),
+    "default_mr": dict(color="tab:orange", linestyle="-."), "optimal_mr": dict(color="tab:blue", linestyle="-."),
+    "blocking_default_mr": dict(color="tab:purple", linestyle="-.")}
 
 
 def write_plot(doc: Mapping[str, Any], path: Path) -> bool:

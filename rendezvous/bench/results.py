@@ -152,7 +152,7 @@ def _wakeup(w: Mapping[str, Any]) -> dict[str, Any]:
     return {**w, "median_us": percentile(us, 50) if us else None, "max_us": us[-1] if us else None}
 
 
-def _cell(doc: Mapping[str, Any], name: str, size: int) -> Mapping[str, Any] | None:
+def _cell(doc: Mapping[str, Any], name: str, size: int) -> Any:  # a cell of the JSON document, or None
     for t in doc["transfers"]:
         if t["contender"] == name and t["size"] == size:
             return t

@@ -147,15 +147,17 @@ def _time_the_rank_map(timings: dict[str, Any]) -> None:
     """Time the allgather that builds the rank map, from inside ``start()``: the
     clock is CLOCK_MONOTONIC, shared by every process of this machine, so the
     parent can tell the collective's own cost from ranks arriving late."""
-    from rendezvous.mpi.world import MpiWorld
+    from rendezvous.keys import TaskName
+    from rendezvous.mpi.world import MpiWorld, RankAddress
 
     exchange = MpiWorld.exchange
 
-    def timed_exchange(world: Any, task: Any, address: str, incarnation: int = 0) -> Any:
+    def timed_exchange(self: MpiWorld, task: TaskName, address: str,
+                       incarnation: int = 0) -> dict[TaskName, RankAddress]:
         from mpi4py import MPI
 
         timings["exchange_entered"] = time.monotonic()
-        table = exchange(world, task, address, incarnation)
+        table = exchange(self, task, address, incarnation)
         timings["exchange_left"] = time.monotonic()
         # what each rank contributes, as world.exchange builds and mpi4py pickles it
         timings["entry_bytes"] = len(MPI.pickle.dumps((task.job, task.replica, task.task, address, incarnation)))

@@ -218,7 +218,7 @@ class _Rank:
         self.raw_store: dict[int, np.ndarray] = {}
         if self.rank == 1:
             async def get(request: bytes, context: Any) -> bytes:
-                return memoryview(self.raw_store.pop(int.from_bytes(request, "little"))).cast("B").tobytes()
+                return self.raw_store.pop(int.from_bytes(request, "little")).data.cast("B").tobytes()
 
             server = grpc.aio.server(options=[("grpc.max_send_message_length", -1),
                                               ("grpc.max_receive_message_length", -1)])
@@ -370,13 +370,13 @@ class _Rank:
             import torch
             import torch.distributed as dist
 
-            out = [torch.empty(s, dtype=torch.float32) for s in tensors]
-            works = [dist.irecv(a, 1, tag=i) for i, a in enumerate(out)]
+            into = [torch.empty(s, dtype=torch.float32) for s in tensors]
+            works = [dist.irecv(a, 1, tag=i) for i, a in enumerate(into)]
 
             def wait() -> list:
                 for w in works:
                     w.wait()
-                return [a.numpy() for a in out]
+                return [a.numpy() for a in into]
             return asyncio.get_running_loop().run_in_executor(None, wait)
         server = self.servers[name]
         keys = [_key(server.task.job, model, i) for i in range(len(tensors))]
@@ -604,7 +604,7 @@ async def run_rank(opts: argparse.Namespace, meet: _Meet) -> dict[str, Any] | No
         results[model] = times
     await rank.close()
     producer_cpu = rank.world.gather(cpu, root=0)
-    if rank.rank != 0:
+    if producer_cpu is None:  # not rank 0
         return None
     return {"models": {m: {"tensors": len(shapes(m)), "bytes": nbytes(m), "seconds": results[m],
                            "cpu_us_per_tensor": _cpu_per_tensor(cpu[m], producer_cpu[1][m], len(shapes(m)))}
@@ -666,7 +666,7 @@ async def _step(rank: _Rank, name: str, model: str, tensors: list, step: int) ->
     if name in WAITING:
         return await _step_waiting(rank, name, model, tensors, step)
     produced = _produce(tensors, step) if rank.rank == 1 else None
-    if rank.rank == 1:
+    if produced is not None:  # rank 1
         await rank._offer(name, model, produced, step)
     del produced
     await _barrier_async(rank)  # the tensors are produced; the consumer starts its clock

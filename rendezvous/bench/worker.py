@@ -93,7 +93,7 @@ class Options:
 
     @classmethod
     def quick_mode(cls, **changes: Any) -> "Options":
-        base = dict(budget_bytes=256 << 20, least=3, most=200, rounds=4, rate_rounds=3,
+        base: dict[str, Any] = dict(budget_bytes=256 << 20, least=3, most=200, rounds=4, rate_rounds=3,
                     idle_seconds=5.0, wakeup_repeats=3, quick=True)
         base.update(changes)
         return cls(**base)
@@ -368,14 +368,14 @@ class Rank:
         rss.release_free_memory()
         await self.sync()
         base = rss.reset_peak()
-        distinct = getattr(c, "distinct", None)
-        if distinct is not None:
-            c.distinct = False  # the source is the produced tensor: no copy of the bench's own
+        own = c if isinstance(c, Rendezvous) else None  # a contender that may send copies of its source
+        if own is not None:
+            distinct, own.distinct = own.distinct, False  # the source is the produced tensor: no copy of its own
         try:
             await self.batch(c, n, 1)
         finally:
-            if distinct is not None:
-                c.distinct = distinct
+            if own is not None:
+                own.distinct = distinct
         mine = {"rank": self.ctx.rank, "baseline_bytes": base, "peak_bytes": rss.peak()}
         c.release()
         self.ctx.drop_source()

@@ -143,7 +143,7 @@ class Client:
         self._core = ClientCore()
         self._link: _AioLink | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._session: Any = None
+        self._session: grpc.aio.UnaryStreamCall[bytes, bytes] | None = None
         self._lock: asyncio.Lock | None = None
         self._closed = False
         self._connected = False
@@ -211,7 +211,8 @@ class Client:
         channel = grpc.aio.insecure_channel(self._target, options=local_channel_options())
         try:
             await asyncio.wait_for(channel.channel_ready(), within)
-            session = channel.unary_stream(messages.METHOD + "Attach")(
+            attach: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(messages.METHOD + "Attach")
+            session = attach(
                 lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString(),
                 metadata=self._metadata)
             first = await session.read()
@@ -221,21 +222,22 @@ class Client:
         except grpc.RpcError as exc:
             await channel.close()
             raise messages.error_from(exc) from None
-        if first is grpc.aio.EOF:
+        if not isinstance(first, bytes):  # grpc.aio.EOF
             await channel.close()
             raise Unavailable(f"rendezvousd at {self.address} ended the session at once")
         self._channel = channel
         self._session = session
         return lpb.AttachResponse.FromString(first)
 
-    async def _do(self, op: Op) -> Any:
+    async def _do(self, op: Op) -> bytes | memoryview:
         """Carry out ``op``: on the session socket, or as a gRPC call."""
         if self._link is not None:
             return await self._link.call(op)
         assert self._channel is not None
         try:
-            return await self._channel.unary_unary(messages.METHOD + GRPC_METHODS[op.kind])(
-                op.body, timeout=op.timeout, metadata=self._metadata)
+            call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+                messages.METHOD + GRPC_METHODS[op.kind])
+            return await call(op.body, timeout=op.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise messages.error_from(exc) from None
 
@@ -258,7 +260,8 @@ class Client:
 
     async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
         """The tensor sent under ``key`` in ``step_id`` (None if dead)."""
-        return (await self.recv_item(key, step_id, timeout)).value
+        value: np.ndarray | None = (await self.recv_item(key, step_id, timeout)).value
+        return value
 
     async def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """See :meth:`rendezvous.client.Client.send_many`."""

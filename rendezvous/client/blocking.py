@@ -201,12 +201,10 @@ class _BlockingLink(Router):
                 fds = take_fds(ancdata)
                 frames = self.reader.feed(data) if data else None
         except OSError as exc:
-            self._fail(Unavailable(f"the daemon's session socket broke: {exc}"))
-            raise self._error from None
+            raise self._fail(Unavailable(f"the daemon's session socket broke: {exc}")) from None
         self.segments.got_fds(fds)
         if frames is None:
-            self._fail(Unavailable("the daemon closed the session (it stopped or restarted)"))
-            raise self._error
+            raise self._fail(Unavailable("the daemon closed the session (it stopped or restarted)"))
         self._route_all(frames)
 
     def _route_all(self, frames: list[tuple[int, int, memoryview]]) -> None:
@@ -249,11 +247,13 @@ class _BlockingLink(Router):
             for i in range(cut + 1, len(frames)):
                 self._frame(i, *frames[i])
 
-    def _fail(self, error: RendezvousError) -> None:
+    def _fail(self, error: RendezvousError) -> RendezvousError:
+        """Fail the link with ``error`` (its first error stays); returns the link's error."""
         with self._cond:
             if self._error is None:
                 self._error = error
             self._cond.notify_all()
+            return self._error
 
     def close(self) -> None:
         self._fail(Unavailable("client is closed"))
@@ -296,10 +296,12 @@ class Client:
 
     def _connect_grpc(self, target: str, connect_timeout: float) -> lpb.AttachResponse:
         self._channel = grpc.insecure_channel(target, options=local_channel_options())
-        self._calls = {name: self._channel.unary_unary(messages.METHOD + name) for name in GRPC_METHODS.values()}
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {
+            name: self._channel.unary_unary(messages.METHOD + name) for name in GRPC_METHODS.values()}
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
-            self._session = self._channel.unary_stream(messages.METHOD + "Attach")(
+            attach: grpc.UnaryStreamMultiCallable[bytes, bytes] = self._channel.unary_stream(messages.METHOD + "Attach")
+            self._session = attach(
                 lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString(),
                 metadata=self._metadata)
             return lpb.AttachResponse.FromString(next(self._session))
@@ -327,7 +329,7 @@ class Client:
 
     # -- calls -----------------------------------------------------------------------
 
-    def _do(self, op: Op) -> Any:
+    def _do(self, op: Op) -> bytes | memoryview:
         """Carry out ``op``: on the session socket, or as a gRPC call."""
         if self._closed:
             raise Unavailable("client is closed")
@@ -348,7 +350,7 @@ class Client:
         if self._closed:
             raise Unavailable("client is closed")
         copy = self._link.segments.write if self._link is not None else None
-        drive(self._core.send_plan(key, tensor, step_id, is_dead), self._do, copy)  # type: ignore[arg-type]
+        drive(self._core.send_plan(key, tensor, step_id, is_dead), self._do, copy)
 
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
@@ -358,7 +360,8 @@ class Client:
         """The tensor sent under ``key`` in ``step_id`` (None if dead), produced on
         this node or fetched by the daemon from its producer. Over the session
         socket a large one is a view on shared memory, yours until you drop it."""
-        return self.recv_item(key, step_id, timeout).value
+        value: np.ndarray | None = self.recv_item(key, step_id, timeout).value
+        return value
 
     def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """Send many tensors (``(key, tensor)`` or ``(key, tensor, is_dead)``

@@ -264,19 +264,24 @@ class ClientCore:
             return {str(k): v for k, v in self._counts.items()}
 
 
-def drive(plan: SendPlan, do: Callable[[Op], Any], copy: Callable[[int, np.ndarray], None]) -> Hop:
+def drive(plan: SendPlan, do: Callable[[Op], Any], copy: Callable[[int, np.ndarray], None] | None) -> Hop:
     """Run a send's steps with a blocking ``do(op)`` (its answer, or raises) and
-    ``copy(seg_id, arr)``."""
+    ``copy(seg_id, arr)`` (None without a session: a plan copies only into its segments)."""
     outcome: Any = None
     error: BaseException | None = None
     while True:
         try:
             step = plan.throw(error) if error is not None else plan.send(outcome)
         except StopIteration as stop:
-            return stop.value
+            hop: Hop = stop.value
+            return hop
         outcome, error = None, None
         try:
-            outcome = copy(step.seg_id, step.arr) if isinstance(step, Copy) else do(step)
+            if isinstance(step, Copy):
+                assert copy is not None
+                copy(step.seg_id, step.arr)
+            else:
+                outcome = do(step)
         except Exception as exc:  # handed to the plan, which decides
             error = exc
 
@@ -290,12 +295,16 @@ async def drive_async(plan: SendPlan, do: Callable[[Op], Awaitable[Any]],
         try:
             step = plan.throw(error) if error is not None else plan.send(outcome)
         except StopIteration as stop:
-            return stop.value
+            hop: Hop = stop.value
+            return hop
         outcome, error = None, None
         try:
             outcome = await (copy(step) if isinstance(step, Copy) else do(step))
         except Exception as exc:  # handed to the plan, which decides
             error = exc
+
+
+_NO_BODY = memoryview(b"")
 
 
 class Pending:
@@ -307,11 +316,11 @@ class Pending:
     def __init__(self, op: Op, waiter: Any = None) -> None:
         self.op = op
         self.kind = 0
-        self.body: Any = b""
+        self.body = _NO_BODY
         self.done = False
         self.waiter = waiter  # what the caller waits on (a future, for the asyncio client)
 
-    def answered(self, kind: int, body: Any) -> None:
+    def answered(self, kind: int, body: memoryview) -> None:
         """Its answer came (the link's reader calls this)."""
         self.kind, self.body, self.done = kind, body, True
 

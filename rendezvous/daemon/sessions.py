@@ -196,10 +196,10 @@ class Session(Placing):
             self._lend(op, nbytes, Kind.OK, required=True)
         elif kind == Kind.ABORT:
             try:
-                req = lpb.AbortRequest.FromString(bytes(body))
+                abort = lpb.AbortRequest.FromString(bytes(body))
             except DecodeError as exc:
                 raise InvalidArgument(f"malformed AbortRequest: {exc}") from None
-            self.servicer.server.abort(req.step_id, req.message or "aborted")
+            self.servicer.server.abort(abort.step_id, abort.message or "aborted")
             self.conn.write(frame(Kind.OK, op))
         elif kind == Kind.PENDING:
             body_out = self.servicer.pending_reply(PENDING_BYTES).SerializeToString()
@@ -392,7 +392,7 @@ class Session(Placing):
         handed over here, so an answer that cannot be made (too large for one
         frame) holds nothing."""
         prepared, handed = self._pooled(got, places)
-        shm_bytes = sum(places[i][0].nbytes for i in prepared)  # type: ignore[index]
+        shm_bytes = sum(place[0].nbytes for i in prepared if (place := places[i]) is not None)
         inline = [f.item for i, f in enumerate(got) if i not in prepared]
         inline_bytes = sum(payload_nbytes(item.value) for item in inline)
         if inline_bytes > _MANY_INLINE_BYTES:

@@ -161,10 +161,9 @@ class PinnedPool:
         if not self._pending:
             return
         with self._lock:
-            done, still = [], []
-            for entry in self._pending:
-                (done if _finished(self.backend, entry[1]) else still).append(entry)
-            self._pending = still
+            finished = [_finished(self.backend, entry[1]) for entry in self._pending]
+            done = [entry for entry, over in zip(self._pending, finished) if over]
+            self._pending = [entry for entry, over in zip(self._pending, finished) if not over]
         for buf, _, _ in done:
             self._keep(buf)
 

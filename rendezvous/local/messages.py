@@ -17,12 +17,12 @@ parses sends and recvs and builds replies. Both use this one module.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from rendezvous import fields as F
 from rendezvous import frames, fused, wire
@@ -39,30 +39,31 @@ from .frames import unpack_error
 __all__ = ["SERVICE", "METHOD", "LocalPending", "PendingList", "to_pending",
            "send_head", "inline_send", "pooled_send", "returned", "send_many_request", "parse_send_many", "SendFields", "parse_send", "parse_slot",
            "recv_request", "parse_recv", "recv_many_request", "parse_recv_many", "many_reply", "many_answer",
-           "many_failed",
            "ManyReply", "parse_many", "returned_many", "packed_view", "PATHS", "inline_reply", "pooled_reply",
-           "ReplyFields", "reply_fields", "LocalReply", "parse_reply", "error_from", "frame_error"]
+           "ReplyFields", "reply_fields", "LocalReply", "parse_reply", "error_from", "frame_error", "many_failed"]
 
 #: the gRPC service of the local protocol, and its methods' path prefix
 SERVICE = "rendezvous.v1.LocalRendezvous"
 METHOD = f"/{SERVICE}/"
+#: a batch's answer for one key: the span of its own reply, or a packed tensor's (dtype, shape, offset, path)
+Span = tuple[int, int]
+Packed = tuple[np.dtype, tuple[int, ...], int, Path]
+_M = TypeVar("_M", bound=Message)
 
 
 # -- PENDING --------------------------------------------------------------------------
 
 
-class LocalPending(NamedTuple):
-    """One entry of a client's ``pending()``."""
+class LocalPending(NamedTuple("LocalPending", [("step_id", int), ("key", str), ("kind", str), ("count", int),
+                                                ("oldest_age_s", float), ("producer", str)])):
+    """One entry of a client's ``pending()``: ``kind`` "tensor" (produced, not consumed), "waiter"
+    (a consumer waits here) or "remote" (a local recv waits); ``producer``, the key's producing
+    task. (The functional form: a field named ``count`` in a class body would hide ``tuple.count``.)"""
 
-    step_id: int
-    key: str
-    kind: str  # "tensor" (produced, not consumed), "waiter" (a consumer waits here), "remote" (a local recv waits)
-    count: int
-    oldest_age_s: float
-    producer: str  # the task producing the key
+    __slots__ = ()
 
 
-class PendingList(list):  # list[LocalPending]
+class PendingList(list[LocalPending]):
     """A client's ``pending()``: the entries (the oldest first), and in
     ``omitted`` how many the daemon left out to keep its answer one bounded message."""
 
@@ -93,7 +94,7 @@ def inline_send(head: bytes, tensor: Any, is_dead: bool) -> tuple[bytes, int]:
     arr = as_array(tensor)
     header, payload = encode_header(arr)
     size = len(header) + (len(payload) if payload is not None else 0)
-    parts = [head, wire.len_field_header(F.SEND_TENSOR, size), header]
+    parts: list[bytes | memoryview] = [head, wire.len_field_header(F.SEND_TENSOR, size), header]
     if payload is not None:
         parts.append(payload)
     return b"".join(parts), arr.nbytes if is_memcpyable(arr) else 0
@@ -223,7 +224,7 @@ def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
                                 timeout=timeout or 0.0).SerializeToString()
 
 
-def _parse(message: Any, raw: bytes | memoryview) -> Any:
+def _parse(message: type[_M], raw: bytes | memoryview) -> _M:
     """``raw`` as the protobuf ``message`` type, or InvalidArgument naming it."""
     try:
         return message.FromString(bytes(raw))
@@ -251,12 +252,12 @@ _PATH_CODE = {p: i for i, p in enumerate(PATHS)}
 
 
 def many_reply(replies: list[bytes], packed: list[int] | None = None, arrays: list[np.ndarray] | None = None,
-               paths: list[Path] | None = None) -> list:
+               paths: list[Path] | None = None) -> list[bytes | memoryview]:
     """A LocalRecvManyResponse, as pieces to gather (the packed arrays' memory
     among them): ``replies`` (LocalRecvResponse bodies) answer the keys not
     ``packed``, in key order; the host ``arrays`` brought by ``paths`` answer
     the keys at positions ``packed``, in one group."""
-    parts: list = []
+    parts: list[bytes | memoryview] = []
     for body in replies:
         parts += [wire.len_field_header(F.LOCAL_MANY_REPLIES, len(body)), body]
     if packed:
@@ -271,7 +272,8 @@ def many_reply(replies: list[bytes], packed: list[int] | None = None, arrays: li
     return parts
 
 
-def many_answer(got: list[tuple[Received, Path]], limit: int, prepared: dict[int, bytes] | None = None) -> list:
+def many_answer(got: Sequence[tuple[Received, Path]], limit: int,
+                prepared: dict[int, bytes] | None = None) -> list[bytes | memoryview]:
     """A batch's LocalRecvManyResponse (as :func:`many_reply`'s pieces):
     ``prepared`` replies (by position) as they are; every other host array of
     a fixed-size dtype (at most ``limit`` bytes) packed in the group; the rest
@@ -303,7 +305,7 @@ class ManyReply(NamedTuple):
     for a packed one, its (dtype, shape, offset) in the answer and its path;
     or the failures. ``payload``: the span of the packed tensors' bytes."""
 
-    answers: list[tuple[int, int] | tuple[np.dtype, tuple[int, ...], int, Path]]
+    answers: list[Span | Packed]
     failures: dict[int, RendezvousError]
     payload: tuple[int, int] | None = None
 
@@ -330,7 +332,7 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
             failures[one.index] = from_status(one.code, one.message)
     if failures:
         return ManyReply([], failures)
-    answers: list = [None] * n
+    answers: list[Span | Packed | None] = [None] * n
     if group is not None:
         if group.payload is None or codes is None or len(codes) != len(group.call_ids):
             raise InvalidArgument("the daemon's packed answers come without their payload or paths")
@@ -342,10 +344,8 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
     if len(spans) + (len(group.call_ids) if group is not None else 0) != n:
         raise InvalidArgument(f"the daemon answered {len(spans)} of a batch of {n} keys")
     it = iter(spans)
-    for i in range(n):
-        if answers[i] is None:
-            answers[i] = next(it)
-    return ManyReply(answers, {}, group.payload if group is not None else None)
+    filled = [answer if answer is not None else next(it) for answer in answers]
+    return ManyReply(filled, {}, group.payload if group is not None else None)
 
 
 def returned_many(keys: tuple[str, ...], step_id: int, reply: bytes | memoryview) -> list[bytes]:
@@ -367,7 +367,7 @@ def returned_many(keys: tuple[str, ...], step_id: int, reply: bytes | memoryview
     return out
 
 
-def packed_view(raw: bytes | memoryview | np.ndarray, answer: tuple, shift: int = 0) -> np.ndarray:
+def packed_view(raw: bytes | memoryview | np.ndarray, answer: Packed, shift: int = 0) -> np.ndarray:
     """A packed answer's tensor: a view on ``raw`` (where the answer's byte
     ``shift`` is; see :func:`packed_base`). A shape no array can have is
     InvalidArgument."""
@@ -484,7 +484,7 @@ def parse_reply(raw: bytes | memoryview, view: SegmentView | None = None) -> Loc
 def error_from(exc: grpc.RpcError) -> RendezvousError:
     """The error a failed gRPC call of the local service means."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    return from_status(code, exc.details() if hasattr(exc, "details") else str(exc))
+    return from_status(code, (exc.details() or "") if hasattr(exc, "details") else str(exc))
 
 
 def frame_error(body: bytes | memoryview) -> RendezvousError:

@@ -163,7 +163,7 @@ class ProgressEngine:
                 raise Unavailable("MPI progress engine is stopped")
             self._inbox.append(op)
             self._cv.notify()
-        return op.future
+        return op.awaited()
 
     def expect_while(self, waiting: Callable[[], bool]) -> None:
         """While ``waiting()`` is true (called on the MPI thread, under the GIL:
@@ -218,8 +218,8 @@ class ProgressEngine:
             reqs: list = []
             self._post_transfer(op, reqs)
             if not reqs:  # posting failed: nothing to complete
-                resolve(op.future, op.error, None)
-                return op.future
+                resolve(op.awaited(), op.error, None)
+                return op.awaited()
             if op.loop is self.home and self._loop_polls(op.peer):
                 with self._plock:
                     self._reqs.extend(reqs)
@@ -228,7 +228,7 @@ class ProgressEngine:
                     self.in_flight += 1
                     self._large += op.large
                 self._poll_on_loop()
-                return op.future
+                return op.awaited()
             op.posted = reqs
         return self._submit(op)
 
@@ -321,19 +321,19 @@ class ProgressEngine:
         MPI = self._MPI
         if op.kind is OpKind.PIPELINE:
             try:
-                op.pipeline = op.fn(self.comm, MPI)  # type: ignore[misc]
+                op.pipeline = op.fn(self.comm, MPI)
             except BaseException as exc:
-                op.loop.call_soon_threadsafe(resolve, op.future, mpi_error(MPI, exc, "posting a transfer"), None)
+                op.loop.call_soon_threadsafe(resolve, op.awaited(), mpi_error(MPI, exc, "posting a transfer"), None)
                 return
             self._pipes.append(op)
             self.in_flight += 1
             return
         if op.kind is OpKind.CALL:
             try:
-                value, error = op.fn(), None  # type: ignore[misc]
+                value, error = op.fn(), None
             except BaseException as exc:  # handed to the caller, never fatal here
                 value, error = None, exc
-            op.loop.call_soon_threadsafe(resolve, op.future, error, value)
+            op.loop.call_soon_threadsafe(resolve, op.awaited(), error, value)
             return
         posted = op.posted
         if posted is None:  # not posted by the submitting thread: post it here
@@ -347,7 +347,7 @@ class ProgressEngine:
             self.in_flight += 1
             self._large += op.large
         else:
-            op.loop.call_soon_threadsafe(resolve, op.future, op.error, None)
+            op.loop.call_soon_threadsafe(resolve, op.awaited(), op.error, None)
 
     def _post_transfer(self, op: Op, reqs: list) -> None:
         """Post the chunk messages of a send or receive into ``reqs`` (any thread
@@ -378,12 +378,12 @@ class ProgressEngine:
             self.in_flight -= 1
             self._large -= op.large
             if op.kind is OpKind.TAKE:
-                listener: Listener = op.fn  # type: ignore[assignment]
+                listener: Listener = op.fn
                 listener.received(op.peer)
                 return
             op.buf = None
             if on_loop and op.loop is self.home:
-                resolve(op.future, op.error, None)
+                resolve(op.awaited(), op.error, None)
             else:
                 self._finished.setdefault(op.loop, []).append((op.future, op.error))
 
@@ -406,7 +406,7 @@ class ProgressEngine:
                 n = status.Get_count(MPI.BYTE)
                 buf = listener.alloc(n)
                 op = Op(OpKind.TAKE, listener.loop, None, buf, status.Get_source(), listener.tag,
-                         fn=listener)  # type: ignore[arg-type]
+                         fn=listener)
                 try:
                     reqs.append(msg.Irecv([buf, MPI.BYTE]))
                 except MPI.Exception as exc:
@@ -477,7 +477,7 @@ class ProgressEngine:
         elif not reqs and not on_loop and self.comm is not None:
             self._progress(_PROGRESS_BURST)
         if reqs:
-            statuses = self._statuses
+            statuses: list | None = self._statuses
             try:
                 self.polls += 1
                 done = MPI.Request.Testsome(reqs, statuses)
@@ -648,7 +648,7 @@ class ProgressEngine:
                 self._pipes.remove(op)
                 self.in_flight -= 1
                 op.pipeline = None
-                op.loop.call_soon_threadsafe(resolve, op.future, pipe.error, None)
+                op.loop.call_soon_threadsafe(resolve, op.awaited(), pipe.error, None)
         return moved
 
     def _cancel_all(self, reqs: list, owners: list[Op]) -> None:
@@ -656,7 +656,7 @@ class ProgressEngine:
         for op in self._pipes:
             op.pipeline.cancel()
             self.in_flight -= 1
-            op.loop.call_soon_threadsafe(resolve, op.future, op.pipeline.error, None)
+            op.loop.call_soon_threadsafe(resolve, op.awaited(), op.pipeline.error, None)
             op.pipeline = None
         self._pipes.clear()
         if not reqs:

@@ -45,7 +45,7 @@ class Op:
 
     def __init__(self, kind: OpKind, loop: asyncio.AbstractEventLoop, future: asyncio.Future | None,
                  buf: Any = None, peer: int = -1, tag: int = -1, chunk: int = 1 << 30,
-                 fn: Callable[[], Any] | None = None, comm: Any = None) -> None:
+                 fn: Callable[..., Any] | Listener | None = None, comm: Any = None) -> None:
         self.comm = comm  # None: the engine's communicator
         self.kind = kind
         self.loop = loop
@@ -55,7 +55,7 @@ class Op:
         self.peer = peer
         self.tag = tag
         self.chunk = chunk
-        self.fn = fn
+        self.fn: Any = fn  # by kind: CALL fn(); PIPELINE fn(comm, MPI), the pipeline; TAKE its Listener
         self.remaining = 0
         self.error: BaseException | None = None
         self.posted: list | None = None  # requests already posted by the submitting thread
@@ -64,6 +64,11 @@ class Op:
         self.large = False
         #: a receive's requests, one per chunk, in the order posted (see check_part)
         self.parts: list | None = None
+
+    def awaited(self) -> asyncio.Future:
+        """The future of an op that has one (every kind but TAKE, which nobody awaits)."""
+        assert self.future is not None
+        return self.future
 
 
 class Listener:

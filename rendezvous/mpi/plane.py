@@ -145,7 +145,7 @@ class MpiPlane(DataPlane):
             # strings and the like cannot go buffer to buffer; a fallback when
             # they are big enough that MPI would otherwise have carried them
             if arr.dtype == object and _string_bytes(arr) >= self.config.mpi_threshold:
-                self.stats.fallback("grpc")
+                self.stats.fallback(Path.GRPC)
             return None
         if arr.nbytes < self.config.mpi_threshold:
             return None  # small: inline by design, not a fallback
@@ -191,7 +191,7 @@ class MpiPlane(DataPlane):
         fallback) when it has none in this MPI job."""
         opts = req.transport_options
         if opts.type_url != _ENDPOINT_URL:
-            self.stats.fallback("grpc")  # the consumer has no MPI
+            self.stats.fallback(Path.GRPC)  # the consumer has no MPI
             return None
         endpoint = pb.MpiEndpoint()
         try:
@@ -199,7 +199,7 @@ class MpiPlane(DataPlane):
         except DecodeError:
             raise InvalidArgument("request carries a malformed MpiEndpoint") from None
         if not unpacked or endpoint.world_id != self.world.world_id:
-            self.stats.fallback("grpc")  # the consumer is in another MPI job
+            self.stats.fallback(Path.GRPC)  # the consumer is in another MPI job
             return None
         if not 0 <= endpoint.rank < self.world.size:
             raise InvalidArgument(f"MPI rank {endpoint.rank} is outside this world of {self.world.size}")
@@ -269,7 +269,7 @@ class MpiPlane(DataPlane):
     def _sent(self, future: asyncio.Future, rank: int, tag: int, request_id: int = 0) -> None:
         self._tags.give_back(rank, tag)
         if not future.cancelled() and future.exception() is not None:
-            self.stats.error("mpi")
+            self.stats.error(Path.MPI)
             log.warning("MPI send to rank %d (tag %d) failed: %s", rank, tag, future.exception())
         elif request_id and not future.cancelled() and self.delivered is not None:
             self.delivered(request_id)

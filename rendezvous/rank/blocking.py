@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, TypeVarTuple
 
 
 from .bootstrap import Bootstrap
@@ -35,9 +35,10 @@ from rendezvous.table import PendingEntry, Received
 
 __all__ = ["Server", "new_event_loop"]
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
-class _Call:
+class _Call(Generic[T]):
     """One blocking method's coroutine, run as a task on the loop, and its outcome.
 
     The caller's thread waits on :attr:`future`. A caller that stops before the
@@ -52,21 +53,21 @@ class _Call:
                  "_abandoned")
 
     def __init__(self) -> None:
-        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
         #: set on the caller's thread, last thing before the result is returned to its caller
         self.delivered = False
         #: why a result goes to ``orphaned`` (for its log; None: the caller's error says it)
         self.why: str | None = "was received after its caller was interrupted"
         #: handed to a loop (set before, so that a caller stopped at once still gives it up)
         self.launched = False
-        self._coro: Coroutine[Any, Any, Any] | None = None
-        self._orphaned: Callable[[Any, str | None], None] | None = None
-        self._task: asyncio.Task | None = None
+        self._coro: Coroutine[Any, Any, T] | None = None
+        self._orphaned: Callable[[T, str | None], None] | None = None
+        self._task: asyncio.Task[T] | None = None
         self._finished = False
         self._abandoned = False
 
-    def launch(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
-               orphaned: Callable[[Any, str | None], None] | None) -> None:
+    def launch(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
+               orphaned: Callable[[T, str | None], None] | None) -> None:
         """Run ``coro`` on ``loop`` (from any thread); RuntimeError if the loop is closed."""
         self._coro = coro
         self._orphaned = orphaned
@@ -83,14 +84,14 @@ class _Call:
         self._task = loop.create_task(coro)
         self._task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[T]) -> None:
         self._finished = True
         if self._abandoned:
             self._orphan()
         elif task.cancelled():
             self.future.cancel()
-        elif task.exception() is not None:
-            self.future.set_exception(task.exception())  # type: ignore[arg-type]
+        elif (error := task.exception()) is not None:
+            self.future.set_exception(error)
         else:
             self.future.set_result(task.result())
 
@@ -142,7 +143,7 @@ class Server:
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
               orphaned: Callable[[T, str | None], None] | None = None, attended: bool = False,
-              call: _Call | None = None) -> T:
+              call: _Call[T] | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result. Interrupted here
         (Ctrl-C, ``timeout``), the coroutine is cancelled, and a result it had
         or still ends with goes to ``orphaned(result, why)`` on the loop (a
@@ -151,7 +152,7 @@ class Server:
         still be able to give the result up after this returns (it then marks
         it delivered itself). ``attended``: the loop polls MPI while this
         caller waits (see aio.Server.attending)."""
-        self._check_running(coro)
+        loop = self._check_running(coro)
         if threading.current_thread() is self._thread:
             coro.close()
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
@@ -159,7 +160,7 @@ class Server:
         if call is None:
             call = _Call()
         try:
-            call.launch(self._loop, runs, orphaned)  # type: ignore[arg-type]
+            call.launch(loop, runs, orphaned)
         except RuntimeError:  # the loop closed in between: the server stopped
             runs.close()
             coro.close()
@@ -170,22 +171,23 @@ class Server:
             self._abandon(call)  # KeyboardInterrupt or a timeout here: stop the remote wait too
             raise
 
-    def _abandon(self, call: _Call) -> None:
+    def _abandon(self, call: _Call[Any]) -> None:
         """``call``'s caller stopped without its result (see :class:`_Call`)."""
-        if call.launched and not call.delivered:
+        if call.launched and not call.delivered and self._loop is not None:  # (launched: it has one)
             try:
-                self._loop.call_soon_threadsafe(call.abandon)  # type: ignore[union-attr]
+                self._loop.call_soon_threadsafe(call.abandon)
             except RuntimeError:
                 pass  # the loop is closed: the server stopped, and its tensors with it
 
-    def _check_running(self, coro: Coroutine[Any, Any, Any] | None = None) -> None:
-        """Raise FailedPrecondition before start() and Unavailable after stop()."""
+    def _check_running(self, coro: Coroutine[Any, Any, Any] | None = None) -> asyncio.AbstractEventLoop:
+        """The server's loop; FailedPrecondition before start() and Unavailable after stop()."""
         if self._loop is None or self._loop.is_closed():
             if coro is not None:
                 coro.close()
             if self._loop is None:
                 raise FailedPrecondition("server is not started; call start() first")
             raise self._stopped_error()
+        return self._loop
 
     def _stopped_error(self) -> Unavailable:
         return Unavailable(f"server {self._aio.task} is stopped")
@@ -301,10 +303,10 @@ class Server:
         """Produce ``tensor`` under ``key``; returns once it is queued or handed over.
 
         The array is not copied: do not modify it until it has been received."""
-        self._check_running()
+        loop = self._check_running()
         canonical, arr = self._aio.prepare_send(key, tensor, is_dead)
         try:
-            done = self._aio.table.send_threadsafe(self._loop, step_id, canonical, arr, is_dead)
+            done = self._aio.table.send_threadsafe(loop, step_id, canonical, arr, is_dead)
         except RuntimeError:  # the loop closed in between: the server stopped
             raise self._stopped_error() from None
         done.result()
@@ -318,7 +320,7 @@ class Server:
         """Block until the tensor is here (None if dead): numpy, or a cupy array when
         the key's dst_device (or ``device="gpu:N"``) is a GPU, or a torch tensor
         sharing that memory with ``framework="torch"``; errors as in the aio form."""
-        call = _Call()
+        call: _Call[list[Received]] = _Call()
         try:
             value = self._received(call, [key], step_id, timeout, device, framework, one=True)[0].value
             call.delivered = True
@@ -330,7 +332,7 @@ class Server:
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                   device: str | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        call = _Call()
+        call: _Call[list[Received]] = _Call()
         try:
             item = self._received(call, [key], step_id, timeout, device, framework, one=True)[0]
             call.delivered = True
@@ -351,7 +353,7 @@ class Server:
                   device: str | None = None, framework: str | None = None) -> list[Any]:
         """Many tensors in one call, under one deadline, all or none (see
         :meth:`rendezvous.aio.Server.recv_many`): one trip to the loop for the batch."""
-        call = _Call()
+        call: _Call[list[Received]] = _Call()
         try:
             values = [item.value for item in self._received(call, keys, step_id, timeout, device, framework,
                                                             one=False)]
@@ -364,7 +366,7 @@ class Server:
     def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                         device: str | None = None, framework: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
-        call = _Call()
+        call: _Call[list[Received]] = _Call()
         try:
             items = self._received(call, keys, step_id, timeout, device, framework, one=False)
             call.delivered = True
@@ -373,8 +375,8 @@ class Server:
             self._abandon(call)
             raise
 
-    def _received(self, call: _Call, keys: Sequence[Key | str], step_id: int, timeout: float | None,
-                  device: str | None, framework: str | None, one: bool) -> list[Received]:
+    def _received(self, call: _Call[list[Received]], keys: Sequence[Key | str], step_id: int,
+                  timeout: float | None, device: str | None, framework: str | None, one: bool) -> list[Received]:
         """The items of ``keys`` (``one``: a single key, received as :meth:`recv`
         does), converted to ``framework`` here, on the caller's thread, by
         ``call``: what was received and is not handed over (the caller
@@ -411,7 +413,7 @@ class Server:
         return self._call(_as_coro(self._aio.pending))
 
 
-async def _as_coro(fn: Any, *args: Any) -> Any:
+async def _as_coro(fn: Callable[[*Ts], T], *args: *Ts) -> T:
     return fn(*args)
 
 

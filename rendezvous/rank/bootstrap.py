@@ -157,7 +157,7 @@ def route_towards(master_addr: str) -> tuple[str, str]:
             except OSError as exc:
                 last = exc
                 continue
-            return probe.getsockname()[0], where[0]
+            return probe.getsockname()[0], str(where[0])
     raise Unavailable(f"no route to MASTER_ADDR {master_addr!r}: {last}")
 
 
@@ -211,7 +211,7 @@ async def join(boot: Bootstrap, job_name: str, address: str, timeout: float, *,
     body = json.dumps({"job": job_name, "rank": boot.rank, "world_size": boot.world_size,
                        "address": address, "incarnation": incarnation}).encode()
     try:
-        call = channel.unary_unary(JOIN_METHOD, request_serializer=None, response_deserializer=None)
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(JOIN_METHOD)
         reply = await call(body, timeout=timeout, wait_for_ready=True, metadata=metadata)
     except grpc.aio.AioRpcError as exc:
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -272,7 +272,8 @@ class JoinTable:
                 await context.abort(exc.code, str(exc))
             raise AssertionError("unreachable")  # context.abort raises
 
-        handler = grpc.unary_unary_rpc_method_handler(join, request_deserializer=None, response_serializer=None)
+        handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(
+            join, request_deserializer=None, response_serializer=None)
         return grpc.method_handlers_generic_handler(SERVICE, {"Join": handler})
 
 

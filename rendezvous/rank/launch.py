@@ -87,10 +87,10 @@ def run_local(fn: Callable[..., Any], jobs: Mapping[str, int], *, args: tuple = 
             if not ready:
                 raise DeadlineExceeded(
                     f"no {what} within {timeout:g}s from: {', '.join(sorted(waiting.values()))}")
-            for conn in ready:
-                name = waiting.pop(conn)  # type: ignore[call-overload]
+            for conn in (c for c in ready if isinstance(c, mp_connection.Connection)):  # (all are)
+                name = waiting.pop(conn)
                 try:
-                    kind, value = conn.recv()  # type: ignore[union-attr]
+                    kind, value = conn.recv()
                 except EOFError:
                     raise RankFailed(f"rank {name} died before sending its {what}") from None
                 if kind == "error":

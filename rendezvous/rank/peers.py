@@ -88,7 +88,7 @@ class Peers:
                 raise copy.copy(exc.args[0].error) from None
             raise
         finally:
-            waits.discard(current)  # type: ignore[arg-type]
+            waits.discard(current)
             if not waits:
                 self._waiting.pop(step_id, None)
 

@@ -27,7 +27,7 @@ from rendezvous.deadlines import Deadlines
 from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
 from rendezvous.errors import (DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable,
                                batch_failure)
-from rendezvous.keys import _CACHEABLE, Key, TaskName, as_key, canonical_key, parse_key
+from rendezvous.keys import _CACHEABLE, DeviceName, Key, TaskName, as_key, canonical_key, parse_key
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.stats import Stats, payload_nbytes
@@ -142,7 +142,7 @@ class Receiver:
         """``key``'s canonical string, producing task (None: this task) and wanted
         placement, remembered for a key string (a malformed key raises
         InvalidKey, every time)."""
-        route = self._routes.get(key) if type(key) is str else None  # type: ignore[arg-type]
+        route = self._routes.get(key) if type(key) is str else None
         if route is None:
             k = as_key(key)
             src = k.src_task
@@ -154,8 +154,8 @@ class Receiver:
         return route
 
     async def _fetch_traced(self, key: Key | str, step_id: int, timeout: float | None,
-                            device: str | Placement | None) -> Fetched:
-        """:meth:`fetch`, written to the timeline as a span."""
+                            device: str | Placement | None, span: RecvSpan | None = None) -> Fetched:
+        """:meth:`fetch`, written to the timeline as a span of its own (``span`` is not used)."""
         span = RecvSpan(now())
         try:
             fetched = await Receiver.fetch(self, key, step_id, timeout, device, span)
@@ -250,11 +250,11 @@ class Receiver:
         loop = asyncio.get_running_loop()
         # One task per producer for the keys it is asked for at once (no timeline:
         # a traced recv is a span of its own); the rest, a task per key.
-        groups: list[tuple[TaskName, list[int], list[str], Any]] = []
+        groups: Sequence[tuple[TaskName, list[int], Sequence[str], DeviceName]] = []
         singles: list[int] = []
         #: this rank's own tensors that were there and need no placing: taken now, with no task
         ready: dict[int, Fetched] = {}
-        targets: dict[str, Placement] = {}
+        targets: dict[DeviceName, Placement] = {}
         explicit = parse_placement(device)
         kept = self.kept
         if self.timeline is None and not kept:  # the usual step: routed as last time
@@ -311,9 +311,9 @@ class Receiver:
         for idx, t in units:
             if t.cancelled():
                 if timed_out:  # a group kept what had arrived itself
-                    kept = gave_up.get(t, set())
+                    had = gave_up.get(t, set())
                     failures.update((i, DeadlineExceeded(f"timed out after {timeout:g}s"))
-                                    for j, i in enumerate(idx) if j not in kept)
+                                    for j, i in enumerate(idx) if j not in had)
             elif isinstance(t.exception(), BatchFailed):  # the group kept what had arrived itself
                 failed = t.exception().failures  # type: ignore[union-attr]
                 failures.update((idx[j], e) for j, e in failed.items())
@@ -345,7 +345,7 @@ class Receiver:
         # (a daemon's pool segment under it stayed "in the table").
         for held in (ready, arrived, got, units, tasks, gave_up):
             held.clear()
-        t = fetched = None  # noqa: F841 (the loops' last values)
+        del t  # the loops' last task (they ran: there is a unit)
         if interrupted is not None:
             try:
                 raise interrupted
@@ -371,7 +371,7 @@ class Receiver:
         return plan
 
     def _take_ready(self, key: str, step_id: int, explicit: Placement | None, i: int,
-                    ready: dict[int, Fetched], targets: dict[str, Placement]) -> bool:
+                    ready: dict[int, Fetched], targets: dict[DeviceName, Placement]) -> bool:
         """Take this rank's own tensor of ``key`` now if it is in the table and
         needs no placing (into ``ready[i]``); False if the key is left for a
         recv of its own (nothing there yet, it must move device, the step ended).
@@ -441,7 +441,7 @@ class Receiver:
                 for p, count, total in tally:
                     received(p, total, count)
                 return got
-        out = []
+        out: list[Fetched] = []
         needs_copy = self.devices.needs_copy if target.is_gpu else _never
         for j, fetched in enumerate(got):
             item = fetched.item

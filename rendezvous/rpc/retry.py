@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard, final
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from rendezvous.table import Received
 __all__ = ["RetryCache", "Handed", "Pending"]
 
 
+@final
 class _Ready:
     """An answer recorded as it was taken (or the error that answered it): an
     entry's task that is done already."""
@@ -65,17 +66,13 @@ class Pending(Protocol):
     with an error (a retry of the id was refused: see :meth:`RetryCache.withdraw`)."""
 
     def done(self) -> bool: ...
-
     def cancel(self) -> bool: ...
-
-    def future(self) -> asyncio.Future: ...
-
+    def future(self) -> asyncio.Future[Received]: ...
     def settle(self, item: Received | None, error: BaseException | None) -> None: ...
-
     def fail(self, error: BaseException) -> None: ...
 
 
-def _pending(task: Any) -> bool:
+def _pending(task: Any) -> TypeGuard[Pending]:
     """Whether an entry's task is a waiter's :class:`Pending` (not a Task, not an answer)."""
     return type(task) is not _Ready and not isinstance(task, asyncio.Future)
 
@@ -96,11 +93,12 @@ class Handed:
         self.rids = rids  # 0 where a position answers no retry any more
 
 
+@final
 class _Entry:
     __slots__ = ("step_id", "key", "task", "waiters", "handed", "done_at", "nbytes", "withdrawn", "owner")
 
-    def __init__(self, step_id: int, key: str, task: asyncio.Task | _Ready, handed: int = 0,
-                 done_at: float | None = None, nbytes: int = 0, owner: object = None) -> None:
+    def __init__(self, step_id: int, key: str, task: asyncio.Future[Received] | _Ready | Pending,
+                 handed: int = 0, done_at: float | None = None, nbytes: int = 0, owner: object = None) -> None:
         self.step_id = step_id
         self.key = key
         self.withdrawn: RendezvousError | None = None  # why a waiting take was withdrawn
@@ -117,6 +115,7 @@ def _nbytes(value: Any) -> int:
     return value.nbytes if type(value) is np.ndarray else int(getattr(value, "nbytes", 0) or 0)
 
 
+@final
 class _Group:
     """Answers taken together and recorded at once (:meth:`RetryCache.record_many`):
     one object for a batch's ids, not an entry each (a step's thousands of
@@ -197,8 +196,8 @@ class RetryCache:
                 raise FailedPrecondition(
                     f"request_id {request_id} was already answered and its reply is no longer held "
                     f"(retry window {self.window:g}s); not consuming another tensor")
-            entry = _Entry(step_id, key, asyncio.ensure_future(take()))
-            entry.task.add_done_callback(lambda t, rid=request_id: self._completed(rid, t))
+            entry = _Entry(step_id, key, taking := asyncio.ensure_future(take()))
+            taking.add_done_callback(lambda t: self._completed(request_id, t))
             self._entries[request_id] = entry
             if self._requeued:
                 self._requeued.pop(request_id, None)
@@ -210,10 +209,9 @@ class RetryCache:
                 f"request_id {request_id} was first used for key {entry.key!r}, now for {key!r}")
         entry.waiters += 1
         try:
-            task = entry.task
-            if _pending(task):
-                task = task.future()  # a batch key's waiter takes it: await its answer
-            answer = task.result() if type(task) is _Ready else await asyncio.shield(task)
+            task = entry.task  # a batch key's waiter (Pending) takes it: await its answer
+            answer = (task.result() if type(task) is _Ready else
+                      await asyncio.shield(task if isinstance(task, asyncio.Future) else task.future()))
             entry.handed += 1
             if owner is not None:
                 entry.owner = owner
@@ -239,7 +237,7 @@ class RetryCache:
         that a retry of the id joins (:meth:`run`), answered by :meth:`answered`
         or :meth:`failed`; its take is cancelled (``pending.cancel()``) when every
         interested caller is gone, or the step is dropped."""
-        entry = _Entry(step_id, key, pending, owner=owner)  # type: ignore[arg-type]
+        entry = _Entry(step_id, key, pending, owner=owner)
         entry.waiters = 1  # the stream's call
         self._entries[request_id] = entry
         if self._requeued:
@@ -322,7 +320,7 @@ class RetryCache:
         if type(entry) is _Group:
             return True
         task = entry.task
-        return task.done() if _pending(task) else task.done() and not task.cancelled()
+        return task.done() and not (isinstance(task, asyncio.Future) and task.cancelled())
 
     def withdraw(self, request_id: int, error: RendezvousError) -> None:
         """A retry of ``request_id`` whose take still waits is refused with
@@ -341,7 +339,7 @@ class RetryCache:
         entry.withdrawn = error
         task = entry.task
         if _pending(task):
-            task.fail(error)  # type: ignore[union-attr]  # out of the table; its call and joined retries answered
+            task.fail(error)  # out of the table; its call and joined retries answered
         else:
             task.cancel()  # its awaiting callers raise ``withdrawn`` (see run)
 
@@ -365,7 +363,7 @@ class RetryCache:
         """Note an answer taken without waiting (the tensor was already there), for
         a reply on the stream ``owner``: no future, no callback (a batch records
         thousands)."""
-        entry = self._entries[request_id] = _Entry(step_id, key, _Ready(item),  # type: ignore[arg-type]
+        entry = self._entries[request_id] = _Entry(step_id, key, _Ready(item),
                                                    owner=owner)
         if self._requeued:
             self._requeued.pop(request_id, None)
@@ -429,11 +427,11 @@ class RetryCache:
         entry = self._entries.get(request_id)
         if type(entry) is _Group:
             entry = self._split(request_id, entry)
-        if entry is None or entry.waiters or not entry.task.done() or entry.task.cancelled() \
-                or entry.task.exception() is not None:
+        task = entry.task if entry is not None and not entry.waiters else None
+        if not isinstance(task, (asyncio.Future, _Ready)) or not task.done() or task.cancelled() or task.exception():
             return None
         self._put_back(request_id)
-        return entry.task.result()
+        return task.result()
 
     def delivered(self, request_id: int) -> None:
         """The answer's bytes are in its consumer's buffer (a completed MPI
@@ -455,9 +453,9 @@ class RetryCache:
             i = entry.position(request_id)
             if entry.items[i] is device:
                 entry.items[i] = host
-        elif entry is not None and request_id in self._done and entry.task.done() \
-                and not entry.task.cancelled() and entry.task.exception() is None \
-                and entry.task.result() is device:
+        elif entry is not None and request_id in self._done \
+                and isinstance(task := entry.task, (asyncio.Future, _Ready)) and task.done() and not task.cancelled() \
+                and task.exception() is None and task.result() is device:
             entry.task = _Ready(host)
 
     def hand_over(self, handed: Handed) -> None:
@@ -553,9 +551,9 @@ class RetryCache:
                     self.failed(rid, entry.withdrawn, handed=False)
             self._release(rid)
 
-    def _completed(self, request_id: int, task: asyncio.Task) -> None:
+    def _completed(self, request_id: int, task: asyncio.Future[Received]) -> None:
         entry = self._entries.get(request_id)
-        if entry is None or entry.task is not task:
+        if type(entry) is not _Entry or entry.task is not task:
             return
         if task.cancelled():
             self._entries.pop(request_id, None)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from rendezvous import frames
 from rendezvous.buffers import RecvBuffers
@@ -35,7 +34,7 @@ def _now_micros() -> int:
     return time.time_ns() // 1000
 
 
-def _unprepared(*_: Any) -> Iterator[bytes]:
+def _unprepared(*_: Any) -> NoReturn:
     raise AssertionError("a reply with `prepare` must be prepared before it is written")
 
 

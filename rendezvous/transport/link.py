@@ -44,10 +44,12 @@ class RankParts:
 class RankLink(Protocol):
     """A rank's way to the other ranks of its job beyond its gRPC server."""
 
-    #: the rank of every task the link reaches (empty until started, and for gRPC only)
-    ranks: Mapping[TaskName, int]
-    #: the data plane the link adds (registered by the server once started), or None
-    plane: DataPlane | None
+    @property
+    def ranks(self) -> Mapping[TaskName, int]:
+        """The rank of every task the link reaches (empty until started, and for gRPC only)."""
+    @property
+    def plane(self) -> DataPlane | None:
+        """The data plane the link adds (registered by the server once started), or None."""
 
     async def start(self, task: TaskName, address: str, incarnation: int,
                     parts: RankParts) -> dict[TaskName, tuple[str, int]]:
