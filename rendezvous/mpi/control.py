@@ -332,7 +332,7 @@ class MpiRequests:
         messages of one pair, tag and communicator overtake each other). A
         body in pieces is joined once, behind the head."""
         head = _HEAD.pack(stream_id, kind)
-        message = body.join(head) if type(body) is Pieces else head + body
+        message = body.join(head) if isinstance(body, Pieces) else head + body
         return self.engine.isend(message, rank, tag, _MAX_MESSAGE, comm=self.comm)
 
     def post(self, rank: int, tag: int, stream_id: int, kind: int, body: bytes) -> None:

@@ -333,13 +333,13 @@ class Server:
             self.servicer.close_streams()
             await self._grpc.stop(max(0.2, min(1.0, end - loop.time())))
         await self.link.close_requests()  # the link's streams end (their replies were written above)
-        left = [e for e in self.table.pending() if e.kind == "tensor"]
+        dropped = [e for e in self.table.pending() if e.kind == "tensor"]
         self.table.close(drained)
-        if left:
-            count = sum(e.count for e in left)
-            shown = ", ".join(f"{e.key} (step {e.step_id})" for e in left[:3])
+        if dropped:
+            count = sum(e.count for e in dropped)
+            shown = ", ".join(f"{e.key} (step {e.step_id})" for e in dropped[:3])
             log.warning("task %s stopped with %d produced tensor(s) never consumed, dropped after a grace of %gs: "
-                        "%s%s", self.task, count, grace, shown, ", ..." if len(left) > 3 else "")
+                        "%s%s", self.task, count, grace, shown, ", ..." if len(dropped) > 3 else "")
         await self.link.stop(grace or 5.0)
         self.planes.close()
         self._retry.close()
@@ -383,12 +383,13 @@ class Server:
         make keys with (``make_key(..., incarnation=server.incarnation_of(task))``);
         0 if unknown: a key of incarnation 0 is taken by any incarnation."""
         if isinstance(task, str):
+            name = task
             try:
-                task = TaskName.parse(task)
+                task = TaskName.parse(name)
             except InvalidKey:  # a device name: its task's
-                device = DeviceName.parse(task)
+                device = DeviceName.parse(name)
                 if device.task_name is None:
-                    raise InvalidKey(f"{task!r} names no task") from None
+                    raise InvalidKey(f"{name!r} names no task") from None
                 task = device.task_name
         return self.cluster.incarnation(task)
 

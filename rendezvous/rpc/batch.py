@@ -23,6 +23,7 @@ from rendezvous.errors import PeerUnavailable, RendezvousError, Unavailable
 from rendezvous.transport import Fetched, Path
 
 from .consumer_stream import Broken, ConsumerStream, Pending
+from .delivery import ASKED
 
 if TYPE_CHECKING:
     from .peer import PeerClient
@@ -91,8 +92,7 @@ class _Call(Pending):
         self.key = key
         self.step_id = step_id
         self.placement = placement
-        self.orphan = False
-        self.settled = False
+        self.delivery = ASKED
         self._state = _PENDING
         self._result: Any = None
         self._exc: BaseException | None = None

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 
@@ -29,6 +30,8 @@ from rendezvous.table import Received
 from rendezvous.tensors import decode_meta
 from rendezvous.transport import Fetched
 from rendezvous.transport.calls import EOF, CallEnded, RequestCall
+
+from .delivery import ANSWERED, BROKE, GAVE_UP, MOVED, Pending
 
 if TYPE_CHECKING:
     from .peer import PeerClient
@@ -86,28 +89,6 @@ class Broken(Exception):
         self.error = error
 
 
-class Pending:
-    __slots__ = ("future", "assembly", "path", "key", "step_id", "placement", "orphan", "request_id",
-                 "settled")
-
-    def __init__(self, future: asyncio.Future | None, key: str, step_id: int, placement: Any = None,
-                 request_id: int = 0) -> None:
-        if future is not None:  # None: a subclass is its own future (a batch's call)
-            self.future = future  # resolves to a Fetched
-        self.request_id = request_id
-        self.assembly: Any = None  # a reply being assembled from chunk frames
-        self.path = Path.GRPC
-        self.key = key
-        self.step_id = step_id
-        self.placement = placement  # where the tensor should land
-        self.orphan = False  # its recv gave up; the reply, if one comes, is still taken
-        #: the producer's answer is in: a tensor (delivered to this recv, handed to
-        #: another, or kept by the server) or an error. Nothing is left to settle;
-        #: in particular its request_id must never be asked again (that would be
-        #: answered from the producer's retry cache with the same tensor).
-        self.settled = False
-
-
 class ConsumerStream:
     """One RecvTensorStream call and its reader and writer tasks."""
 
@@ -151,7 +132,7 @@ class ConsumerStream:
             asyncio.get_running_loop().call_soon(self._flush)
         self._coalescing.append((call_id, step_id, key, request_id, options))
 
-    def submit_many(self, first: int, pendings: list[Pending], request: bytes) -> None:
+    def submit_many(self, first: int, pendings: Sequence[Pending], request: bytes) -> None:
         """The calls ``first`` .. ``first + len(pendings) - 1`` of one RecvMany."""
         self._flush()  # requests leave in the order they were made
         self.pending.update(zip(range(first, first + len(pendings)), pendings))
@@ -181,7 +162,7 @@ class ConsumerStream:
         run: list[tuple[int, int, bytes, int, bytes | None]] = []
         size = 0
         for item in queued:
-            if type(item) is bytes:  # a cancel: after the requests before it
+            if isinstance(item, bytes):  # a cancel: after the requests before it
                 if run:
                     messages.append(_run_request(run))
                     run = []
@@ -222,14 +203,15 @@ class ConsumerStream:
         if p.settled:
             return True
         if self.moving.get(call_id) is p:  # its bytes are on their way: they are kept when they land
-            p.orphan = True
+            p.to(GAVE_UP)
             return True
         if self.pending.get(call_id) is not p:
             return False  # the stream broke and dropped it, unanswered
         if not self.alive:
             del self.pending[call_id]
+            p.to(BROKE)
             return False
-        p.orphan = True
+        p.to(GAVE_UP)
         # at the end of the turn, after its request (a cancel never overtakes it)
         if not self._coalescing:
             asyncio.get_running_loop().call_soon(self._flush)
@@ -298,6 +280,7 @@ class ConsumerStream:
             for p in self.pending.values():
                 if p.orphan:  # its cancel may never have reached the producer
                     self.client.unsettled(p.step_id, p.key, p.request_id)
+                p.to(BROKE)
                 if not p.future.done():
                     p.future.set_exception(broken)
             self.pending.clear()
@@ -320,7 +303,7 @@ class ConsumerStream:
         for call_id, p in cut:
             if self.moving.get(call_id) is not p:
                 continue  # landed (or failed) meanwhile
-            p.orphan = True
+            p.to(GAVE_UP)
             if not p.future.done():
                 p.future.set_exception(PeerUnavailable(
                     f"{error.message}; the tensor for {p.key!r} was on its way outside the stream{late}; it is "
@@ -366,7 +349,7 @@ class ConsumerStream:
                 # _landed(value, path), inlined: once per tensor
                 fetched = new(Fetched, (new(Received, (value, False)), path, False))
                 if not p.orphan and not future.done():  # _deliver's common case, inlined
-                    p.settled = True
+                    p.to(ANSWERED)
                     future.set_result(fetched)
                 else:
                     self._deliver(p, fetched)
@@ -378,6 +361,7 @@ class ConsumerStream:
             p = pending.pop(call_id, None)
             if p is not None:
                 on_the_way[call_id] = p
+                p.to(MOVED)
                 p.path = path
                 moving.append((i, call_id, p))
         if planes.traced:
@@ -392,7 +376,7 @@ class ConsumerStream:
             for _, call_id, p in moving:
                 if on_the_way.get(call_id) is p:
                     del on_the_way[call_id]
-                p.settled = True
+                p.to(ANSWERED)
                 if landed.cancelled():
                     if not p.future.done():
                         p.future.cancel()
@@ -407,7 +391,7 @@ class ConsumerStream:
             for _, call_id, p in moving:
                 if on_the_way.get(call_id) is p:
                     del on_the_way[call_id]
-                p.settled = True
+                p.to(ANSWERED)
                 if not p.orphan and not p.future.done():
                     p.future.set_exception(error)
             self._fail(error)
@@ -415,9 +399,9 @@ class ConsumerStream:
         for i, call_id, p in moving:
             if on_the_way.get(call_id) is p:
                 del on_the_way[call_id]
-            p.settled = True
             future = p.future
             if not p.orphan and not future.done():
+                p.to(ANSWERED)
                 future.set_result(_landed(values[i], path))
             else:
                 self._deliver(p, _landed(values[i], path))
@@ -436,7 +420,7 @@ class ConsumerStream:
             return
         if frame.error is not None:  # the producer's answer: an error (or CANCELLED for an orphan)
             self.pending.pop(frame.call_id, None)
-            p.settled = True
+            p.to(ANSWERED)
             if not p.future.done():
                 p.future.set_exception(frame.error)
             return
@@ -454,9 +438,10 @@ class ConsumerStream:
                 if arrival.pending is not None:
                     self.pending.pop(frame.call_id, None)
                     self.moving[frame.call_id] = p
+                    p.to(MOVED)
                     task = asyncio.ensure_future(arrival.pending)
-                    task.add_done_callback(lambda t, c=frame.call_id, p=p, a=arrival:
-                                           self._settle(c, p, t, a.path, a.placed))
+                    task.add_done_callback(functools.partial(self._settle, frame.call_id, p,
+                                                             path=arrival.path, placed=arrival.placed))
                 elif arrival.assembly is not None:
                     p.assembly = arrival.assembly
                 else:
@@ -472,13 +457,13 @@ class ConsumerStream:
             # under max_tensor_bytes but more than this process can hold: that recv
             # fails; the stream and every other recv on it go on
             self.pending.pop(frame.call_id, None)
-            p.settled = True
+            p.to(ANSWERED)
             if not p.future.done():
                 p.future.set_exception(ResourceExhausted(
                     f"out of memory for the tensor {self.client.describe()} announced for {p.key!r}"))
         except RendezvousError as exc:
             self.pending.pop(frame.call_id, None)
-            p.settled = True
+            p.to(ANSWERED)
             if isinstance(exc, InvalidArgument):  # the reply, not the request, is wrong
                 exc = Internal(f"malformed reply from {self.client.describe()}: {exc.message}")
             if not p.future.done():
@@ -489,7 +474,7 @@ class ConsumerStream:
         self._deliver(p, fetched)
 
     def _deliver(self, p: Pending, fetched: Fetched) -> None:
-        p.settled = True
+        p.to(ANSWERED)
         if not p.orphan and not p.future.done():
             p.future.set_result(fetched)
             return
@@ -529,22 +514,24 @@ class ConsumerStream:
         pending = self.pending
         while queue:
             call_id = queue.popleft()
-            p = pending.get(call_id)
-            if p is not None and not p.orphan and not p.future.done():
-                return call_id, p
+            waiting = pending.get(call_id)
+            if waiting is not None and not waiting.orphan and not waiting.future.done():
+                return call_id, waiting
         return None
 
     def _settle(self, call_id: int, p: Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
         """A reply whose bytes came another way (a plane's pending transfer) is done."""
         if self.moving.get(call_id) is p:
             del self.moving[call_id]
-        p.settled = True
+        failed = None if task.cancelled() else task.exception()
         if task.cancelled():
+            p.to(ANSWERED)
             if not p.future.done():
                 p.future.cancel()
-        elif task.exception() is not None:
+        elif failed is not None:
+            p.to(ANSWERED)
             if not p.orphan and not p.future.done():
-                p.future.set_exception(task.exception())
+                p.future.set_exception(failed)
         else:
             self._deliver(p, Fetched(Received(task.result(), False), path, placed))
 

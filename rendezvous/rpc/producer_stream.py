@@ -59,6 +59,10 @@ class KeyRequest:
         self.transport_options = transport_options
 
 
+#: a request as the stream handler serves it: a whole one, or one key of a batch
+Asked = pb.RecvTensorRequest | KeyRequest
+
+
 class _Outgoing:
     """A reply being written: its next frame is made one step ahead, so the
     writer knows when a reply ends without an extra turn. ``item`` goes back to
@@ -70,7 +74,7 @@ class _Outgoing:
     __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack", "members",
                  "carry", "remake", "resent")
 
-    def __init__(self, frames_: Iterator[bytes], req: pb.RecvTensorRequest, key: str,
+    def __init__(self, frames_: Iterator[bytes], req: Asked, key: str,
                  item: Received | None, committed: bool = False, ack: bool = False,
                  members: list[tuple[int, Any, Received, str]] | None = None, carry: Carry | None = None,
                  remake: Callable[[list[int]], Iterator[Any]] | None = None, resent: Handed | None = None) -> None:
@@ -292,8 +296,8 @@ class ProducerStream:
         is planned, and its consumer posts the receive sooner (MPI moves a
         large message only once its receive is posted). What was taken but
         not yet answered goes back, in order, if the stream ends meanwhile."""
-        keys = many.rendezvous_keys
-        rids = many.request_ids
+        keys: list[str] = list(many.rendezvous_keys)
+        rids: list[int] = list(many.request_ids)
         n = len(keys)
         if len(rids) != n:
             raise _BadStream(f"RecvMany {first} has {len(rids)} request_ids for {n} keys")
@@ -302,8 +306,6 @@ class ProducerStream:
         self._claim(first, n)
         step = many.step_id
         opts = many.transport_options
-        keys = list(keys)
-        rids = list(rids)
         # The keys whose tensors are here are taken at once, in key order; the
         # rest go one by one (they wait, or their error is answered).
         s = self.s
@@ -355,7 +357,7 @@ class ProducerStream:
             if queued is not None or call_id in waiting:
                 raise _BadStream(f"call_id {call_id} is already in use on this stream")
 
-    def _ask(self, call_id: int, req: pb.RecvTensorRequest,
+    def _ask(self, call_id: int, req: Asked,
              group: list[tuple[int, Any, Received, str]] | None = None) -> None:
         """One recv: answered now if its tensor is here (into ``group`` when it
         may travel packed), else by a task that waits for it."""
@@ -528,7 +530,7 @@ class ProducerStream:
         del self.waiting[call_id]
         self._reply_error(call_id, req, error)
 
-    async def _serve(self, call_id: int, req: pb.RecvTensorRequest) -> None:
+    async def _serve(self, call_id: int, req: Asked) -> None:
         try:
             item, key = await self.s.take(req, self)
         except asyncio.CancelledError:
@@ -565,7 +567,7 @@ class ProducerStream:
         for members in by_offer.values():
             self._reply_groups(members, members[0][1])
 
-    def _reply(self, call_id: int, req: pb.RecvTensorRequest, item: Received, key: str,
+    def _reply(self, call_id: int, req: Asked, item: Received, key: str,
                in_send: bool = False) -> None:
         plan = None
         try:
@@ -597,7 +599,7 @@ class ProducerStream:
             self.s.put_back(req, key, item, self)
         self._reply_error(call_id, req, exc)
 
-    async def _prepared_reply(self, call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> None:
+    async def _prepared_reply(self, call_id: int, req: Asked, key: str, plan: Reply) -> None:
         """A reply that needs work off the loop first (a GPU tensor copied to the host)."""
         item = plan.item
         try:
@@ -622,7 +624,7 @@ class ProducerStream:
         return self.inline_path if path is Path.GRPC else path
 
     @staticmethod
-    def _outgoing(call_id: int, req: pb.RecvTensorRequest, key: str, plan: Reply) -> _Outgoing:
+    def _outgoing(call_id: int, req: Asked, key: str, plan: Reply) -> _Outgoing:
         carry = plan.carry
         if carry is None:
             return _Outgoing(plan.stream_frames(call_id), req, key, plan.item, plan.committed)
@@ -667,12 +669,15 @@ class ProducerStream:
         error instead."""
         log.warning("a reply's transfer could not start: %s", exc)
         error = exc if isinstance(exc, RendezvousError) else Unavailable(f"transfer could not start: {exc}")
-        calls = reply.members or [(call_id, reply.req, reply.item, reply.key)]
+        calls = reply.members
+        if not calls:
+            assert reply.item is not None  # a descriptor's reply holds its tensor until it is written
+            calls = [(call_id, reply.req, reply.item, reply.key)]
         for member_id, req, item, key in calls:
-            self.s.put_back(req, key, item, self)  # type: ignore[arg-type]
+            self.s.put_back(req, key, item, self)
             self._reply_error(member_id, req, error)
 
-    def _reply_error(self, call_id: int, req: pb.RecvTensorRequest, exc: BaseException) -> None:
+    def _reply_error(self, call_id: int, req: Asked, exc: BaseException) -> None:
         if not isinstance(exc, RendezvousError):
             log.error("RecvTensorStream call %d failed", call_id, exc_info=exc)
         self.s.stats.error(self.inline_path)
@@ -729,7 +734,7 @@ class ProducerStream:
             message = self._next_message()
             if message is not None:
                 self.writing = True
-                if type(message) is not bytes and not self.gathers:
+                if not isinstance(message, bytes) and not self.gathers:
                     message = message.join()
                 try:
                     await self.context.write(message)

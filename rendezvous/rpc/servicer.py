@@ -46,7 +46,7 @@ from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .grpc_calls import GrpcContext
 from .options import SERVICE, TF_SERVICE
-from .producer_stream import ProducerStream
+from .producer_stream import Asked, ProducerStream
 from .retry import RetryCache
 
 __all__ = ["RecvTensorServicer", "Taken"]
@@ -96,8 +96,8 @@ class RecvTensorServicer:
     # -- registration -----------------------------------------------------
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
-        unary = grpc.unary_unary_rpc_method_handler(self._unary)
-        stream = grpc.stream_stream_rpc_method_handler(self._stream)
+        unary: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(self._unary)
+        stream: grpc.RpcMethodHandler[bytes, bytes] = grpc.stream_stream_rpc_method_handler(self._stream)
         return [
             grpc.method_handlers_generic_handler(SERVICE, {"RecvTensor": unary, "RecvTensorStream": stream}),
             grpc.method_handlers_generic_handler(TF_SERVICE, {"RecvTensor": unary}),
@@ -130,7 +130,7 @@ class RecvTensorServicer:
 
     # -- taking a tensor ----------------------------------------------------
 
-    async def take(self, req: pb.RecvTensorRequest, owner: object = None) -> Taken:
+    async def take(self, req: "Asked", owner: object = None) -> Taken:
         """Wait for the tensor ``req`` asks for, for a reply on the stream
         ``owner`` (see :meth:`put_back`).
 
@@ -153,7 +153,7 @@ class RecvTensorServicer:
             item = await self.table.recv(step, canonical)
         return Taken(item, canonical)
 
-    async def _take_traced(self, req: pb.RecvTensorRequest, owner: object = None) -> Taken:
+    async def _take_traced(self, req: "Asked", owner: object = None) -> Taken:
         """:meth:`take`, its wait written to the timeline (the reply's planning ends
         the span: :class:`rendezvous.timeline.TracedPlanes`)."""
         timeline = self.timeline
@@ -167,7 +167,7 @@ class RecvTensorServicer:
         timeline.taken(req, taken.key, taken.item, start)
         return taken
 
-    def take_now(self, req: pb.RecvTensorRequest, owner: object = None) -> Taken | None:
+    def take_now(self, req: "Asked", owner: object = None) -> Taken | None:
         """The tensor if it is already produced, else None (then use
         :meth:`take`). Retries of a known request_id always go through take."""
         if self.draining:
@@ -268,7 +268,7 @@ class RecvTensorServicer:
         self.retry.record_many(step_id, rids, answers, answered, owner)
         return out
 
-    def _check_key(self, req: pb.RecvTensorRequest) -> str:
+    def _check_key(self, req: "Asked") -> str:
         return self._canonical_key(req.rendezvous_key)
 
     def _canonical_key(self, raw: str) -> str:
@@ -280,7 +280,7 @@ class RecvTensorServicer:
     async def _never() -> Received:
         raise Unavailable("server is draining")
 
-    def reclaim(self, req: pb.RecvTensorRequest) -> None:
+    def reclaim(self, req: "Asked") -> None:
         """A call was cancelled while waiting: if the table handed its tensor over at
         that moment (to the retry cache's task), put the tensor back."""
         if req.request_id:
@@ -288,7 +288,7 @@ class RecvTensorServicer:
             if item is not None:
                 self._requeue(req.step_id, self._check_key(req), item)
 
-    def put_back(self, req: pb.RecvTensorRequest, key: str, item: Received, owner: object = None) -> None:
+    def put_back(self, req: "Asked", key: str, item: Received, owner: object = None) -> None:
         """Return an item whose reply (on the stream ``owner``) was not sent to
         its end (the consumer cancelled, or the stream broke) to the table,
         unless a retry of the same request_id on another stream was given it
@@ -368,6 +368,7 @@ class RecvTensorServicer:
         enforced by gRPC itself. Unary replies are always inline: TensorFlow's
         clients know no descriptors."""
         plan = self.planes.inline.plan(req, item)
+        assert plan is not None  # the inline plane carries anything
         if self.timeline is not None:
             self.timeline.served(req, plan.path)
         if plan.prepare is not None:

@@ -25,6 +25,7 @@ descriptor over gRPC, the bytes over MPI).
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class DataPlane(ABC):
         None (the payload travels inside the frame)."""
         return None
 
-    def receive_group(self, reply: bytes, group: Any) -> Awaitable[Any]:
+    def receive_group(self, reply: bytes, group: Any) -> "asyncio.Future[Any]":
         """The payload of a group whose ``transport_options`` name this plane:
         an awaitable for a uint8 buffer of ``group.nbytes``, the tensors at
         ``group.offsets``. Its bytes come even if nobody waits any more."""
@@ -214,7 +215,7 @@ class Planes:
                 return plane.path, carry
         return self.inline.path, None
 
-    def receive_group(self, reply: bytes, group: Any) -> tuple[Path, Awaitable[Any]]:
+    def receive_group(self, reply: bytes, group: Any) -> tuple[Path, "asyncio.Future[Any]"]:
         """The payload of a group announced another way (see DataPlane.receive_group),
         and the path of the plane that moves it."""
         plane = self._by_span(reply, group.transport_options)
