@@ -667,3 +667,32 @@ def test_a_tiny_step_exchange_with_the_consumer_first(tmp_path):
     table = (tmp_path / "steps.md").read_text()
     assert "ratios are to `mpi_waiting`" in table and "| optimal_many_waiting |" in table
     assert "| mpi_waiting | " in table and "| 1.00 |" in table  # raw MPI against itself
+
+
+def test_rest_puts_a_servers_mpi_engine_to_its_idle_pace():
+    """Between batches the bench rests every contender's MPI engine (one left
+    attentive spins beside the contender being measured). It reaches the
+    engine through the server's link; a server whose every byte goes over
+    gRPC has nothing to rest.
+
+    Checked to fail: with rest() looking for the engine where the server no
+    longer keeps it, the engine was never rested (and the quick matrix's
+    1 KiB cells measured half their speed beside attentive engines)."""
+    import types
+
+    from rendezvous.bench.contenders import rest
+    from rendezvous.mpi.rank import MpiRank
+    from rendezvous.transport.link import GrpcOnly
+
+    class Engine:
+        rested = 0
+
+        def rest(self) -> None:
+            self.rested += 1
+
+    link = MpiRank.__new__(MpiRank)
+    link.engine = Engine()
+    rest(types.SimpleNamespace(link=link))
+    assert link.engine.rested == 1
+    rest(types.SimpleNamespace(link=GrpcOnly()))
+    rest(None)

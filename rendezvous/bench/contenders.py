@@ -376,9 +376,8 @@ def rest(server: Any) -> None:
     side by side, and one listening for requests over MPI stays attentive for a
     while after its traffic; a process running only that server would be idle
     while the others measure."""
-    mpi = getattr(server, "mpi", None) if server is not None else None
-    if mpi is not None and mpi.engine is not None:
-        mpi.engine.rest()
+    if server is not None:
+        server.link.rest()
 
 
 def cell_name(optimal: bool, mpi_requests: bool, disabled: bool) -> str:

@@ -148,6 +148,11 @@ class MpiRank:
         return {"in_flight": self.engine.in_flight if self.engine is not None else 0,
                 "cuda_aware": int(bool(self.plane is not None and self.plane.cuda_aware))}
 
+    def rest(self) -> None:
+        """The engine goes to its idle pace at once (see ProgressEngine.rest)."""
+        if self.engine is not None:
+            self.engine.rest()
+
     async def close_requests(self) -> None:
         """End the MPI request streams (the server is draining: their replies are written)."""
         if self.requests is not None:

@@ -70,6 +70,10 @@ class RankLink(Protocol):
         """``waited``, awaited while a caller in another thread blocks on it (the
         link may poll its transfers on the loop meanwhile)."""
 
+    def rest(self) -> None:
+        """Go to the idle pace at once: no traffic is expected for a while (the
+        bench does this between a contender's batches)."""
+
     async def close_requests(self) -> None:
         """End the request streams the link serves (the server is draining)."""
 
@@ -102,6 +106,9 @@ class GrpcOnly:
 
     def attending(self, waited: Awaitable[T]) -> Awaitable[T]:
         return waited
+
+    def rest(self) -> None:
+        return None
 
     async def close_requests(self) -> None:
         return None
