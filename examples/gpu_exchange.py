@@ -32,7 +32,7 @@ def main() -> int:
         p.error("run under mpiexec -n 2")
     rank = found[0]
     if args.fake:
-        from rendezvous.fakegpu import FakeBackend
+        from rendezvous.testing.fakegpu import FakeBackend
 
         gpu = FakeBackend()
         gpus = Devices([gpu])  # this server's GPU is the fake

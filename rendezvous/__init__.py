@@ -29,7 +29,7 @@ from .errors import (
 )
 from .keys import Key, TaskName, make_key, parse_key
 from .rank.blocking import Server
-from .table import Received
+from .items import Received
 
 __version__ = "0.1.0"
 

@@ -26,7 +26,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .keys import Key
-from .table import Received
+from .items import Received
 
 __all__ = ["SendItems", "Counts", "PendingRow", "Control", "AsyncControl", "Receiving", "AsyncReceiving",
            "Rendezvous", "AsyncRendezvous", "LoopRendezvous"]
@@ -39,7 +39,7 @@ Counts = Mapping[str, "int | Mapping[str, int]"]
 
 
 class PendingRow(Protocol):
-    """One row of ``pending()``: a server's :class:`rendezvous.table.PendingEntry`,
+    """One row of ``pending()``: a server's :class:`rendezvous.items.PendingEntry`,
     a client's :class:`rendezvous.client.LocalPending`."""
 
     @property

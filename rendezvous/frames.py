@@ -28,7 +28,7 @@ from . import fields as F
 from . import wire
 from .buffers import RecvBuffers
 from .errors import InvalidArgument, RendezvousError, from_status
-from .table import Received
+from .items import Received
 from .dtypes import is_memcpyable
 from .tensors import TensorMeta, check_announced, decode_meta, decode_tensor, encode_meta
 from .v1 import rendezvous_pb2 as pb

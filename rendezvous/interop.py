@@ -22,7 +22,7 @@ import numpy as np
 from collections.abc import Callable
 
 from .errors import FailedPrecondition, InvalidArgument
-from .table import Received
+from .items import Received
 
 __all__ = ["FRAMEWORKS", "check_framework", "convert", "hand_over"]
 

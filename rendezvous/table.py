@@ -44,8 +44,9 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from typing import Any, NamedTuple, final
 
 from .errors import Aborted, InvalidArgument, RendezvousError
+from .items import PendingEntry, Received
 
-__all__ = ["Received", "PendingEntry", "WaitingTable", "Waiter", "send_items"]
+__all__ = ["WaitingTable", "Waiter", "send_items"]
 
 
 def send_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
@@ -63,22 +64,6 @@ def send_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tup
 
 # Module level so tests can substitute a fake clock.
 _now = time.monotonic
-
-
-class Received(NamedTuple):
-    """What a receiver gets: the value (None when dead) and the dead flag."""
-
-    value: Any
-    is_dead: bool
-
-
-class PendingEntry(NamedTuple("PendingEntry", [("step_id", int), ("key", Hashable), ("kind", str),
-                                                ("count", int), ("oldest_age_s", float)])):
-    """One non-empty queue of the table (:meth:`WaitingTable.pending`): ``kind`` "tensor" (produced,
-    waiting for a consumer) or "waiter"; ``oldest_age_s`` since the oldest was queued. (A field
-    named ``count`` needs this form: a class body's would hide ``tuple.count``.)"""
-
-    __slots__ = ()
 
 
 @final  # as _Waiters: a `type(q) is _Tensors` test then tells a type checker that q is otherwise _Waiters

@@ -99,7 +99,8 @@ from .errors import InvalidArgument, RendezvousError
 from .keys import Key, TaskName, as_key
 from .paths import Path
 from .stats import payload_nbytes
-from .table import Received, WaitingTable
+from .table import WaitingTable
+from .items import Received
 from .trace_file import TraceFile, merge, read_trace
 from .transport import Arrival, Fetched, Planes, Reply
 

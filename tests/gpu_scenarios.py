@@ -19,7 +19,7 @@ import rendezvous
 from mpi_scenarios import finish, pattern, result, start, wait_for, worker
 
 from rendezvous.devices import Devices
-from rendezvous.fakegpu import FakeBackend, FakeCudaError
+from rendezvous.testing.fakegpu import FakeBackend, FakeCudaError
 
 
 def gkey(src: int, dst: int, name: str, dst_kind: str = "GPU") -> str:

@@ -412,7 +412,7 @@ def test_a_daemons_pending_builds_a_bounded_number_of_rows_on_both_sockets(sockd
     """50,000 tensors wait in a daemon: Pending over its local gRPC service, and
     over the session socket, each builds at most 1,000 rows (counted as they are
     made), lists the oldest first and says how many it left out."""
-    from rendezvous.table import PendingEntry
+    from rendezvous.items import PendingEntry
 
     built = {"rows": 0}
     make_row = PendingEntry.__new__

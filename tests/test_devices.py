@@ -14,7 +14,7 @@ import pytest
 
 from rendezvous import devices, errors
 from rendezvous.devices import CPU, DeviceTensor, Placement, PinnedPool, parse_placement
-from rendezvous.fakegpu import FakeBackend, FakeCudaError, FakeDeviceArray
+from rendezvous.testing.fakegpu import FakeBackend, FakeCudaError, FakeDeviceArray
 from rendezvous.keys import DeviceName
 from rendezvous.v1 import rendezvous_pb2 as pb
 

@@ -10,7 +10,7 @@ from google.protobuf import any_pb2
 
 from rendezvous import errors, frames, wire
 from rendezvous.errors import InvalidArgument, RendezvousError, ResourceExhausted
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta, decode_meta, decode_tensor, encode_meta, encode_tensor
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import tensor_pb2

@@ -71,7 +71,7 @@ from rendezvous.errors import (
 from rendezvous.keys import TaskName
 from rendezvous.local.frames import Kind
 from rendezvous.rpc import servicer as servicer_module
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import tensor_pb2 as tpb

@@ -21,7 +21,7 @@ from test_staging import Comm, FakeMPI, run_until
 
 from rendezvous import devices, errors
 from rendezvous.devices import Devices, PinnedPool, Placement
-from rendezvous.fakegpu import FakeBackend, FakeCudaError
+from rendezvous.testing.fakegpu import FakeBackend, FakeCudaError
 from rendezvous.mpi.staging import DirectRecv, StagedRecv, StagedSend
 from rendezvous.tensors import TensorMeta
 

@@ -19,10 +19,10 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import CPU, Devices, Placement
 from rendezvous.errors import Internal, InvalidArgument
-from rendezvous.fakegpu import FakeBackend
+from rendezvous.testing.fakegpu import FakeBackend
 from rendezvous.mpi.plane import MpiPlane
 from rendezvous.stats import Stats
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta, decode_meta
 from rendezvous.transport import Path, Planes
 from rendezvous.transport.inline import InlinePlane

@@ -28,7 +28,7 @@ from rendezvous.keys import TaskName
 from rendezvous.rpc.consumer_stream import Pending
 from rendezvous.rpc.peer import BatchFailed, PeerClient
 from rendezvous.stats import Stats
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta
 from rendezvous.transport import Arrival, DataPlane, Path, Planes
 from rendezvous.transport.calls import EOF, CallBase

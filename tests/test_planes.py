@@ -32,7 +32,7 @@ from rendezvous.config import Config
 from rendezvous.devices import Devices
 from rendezvous.keys import TaskName
 from rendezvous.stats import Stats
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.transport import DataPlane, Planes
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb

@@ -27,7 +27,7 @@ from rendezvous.client import Client
 from rendezvous.client.aio import Client as AsyncClient
 from rendezvous.errors import Aborted, DeadlineExceeded, InvalidKey
 from rendezvous.keys import canonical_key
-from rendezvous.table import Received
+from rendezvous.items import Received
 
 from conftest import cluster, key as rank_key, run
 from test_daemon import daemons, key as node_key, no_leaked_segments, sockdir  # noqa: F401 (fixtures)

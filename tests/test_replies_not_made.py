@@ -16,7 +16,7 @@ from google.protobuf import any_pb2
 from rendezvous import errors, frames
 from rendezvous.devices import Devices
 from rendezvous.errors import Internal
-from rendezvous.fakegpu import FakeBackend
+from rendezvous.testing.fakegpu import FakeBackend
 from rendezvous.tensors import TensorMeta
 from rendezvous.transport import Carry, DataPlane, Path, Planes, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb

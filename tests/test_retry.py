@@ -87,7 +87,7 @@ def test_an_idle_cache_releases_answers_when_their_window_ends():
 
     import numpy as np
 
-    from rendezvous.table import Received
+    from rendezvous.items import Received
 
     async def main():
         cache = RetryCache(window=0.05, max_bytes=1 << 30)
@@ -248,7 +248,7 @@ def test_a_request_id_asks_for_one_tensor_only():
 # -- answers recorded together (record_many): one group, ids split off as needed ------
 
 def _batch(cache: RetryCache, step: int, rids: list[int], owner: object = None) -> list:
-    from rendezvous.table import Received
+    from rendezvous.items import Received
 
     items = [Received(np.full(256, rid, np.float32), False) for rid in rids]  # 1 KiB each
     cache.record_many(step, list(rids), list(items), [f"k{rid}" for rid in rids], owner)  # lists it keeps

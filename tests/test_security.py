@@ -36,7 +36,7 @@ from rendezvous.config import Config
 from rendezvous.errors import AlreadyExists, InvalidArgument, Unauthenticated
 from rendezvous.keys import TaskName
 from rendezvous.rank.bootstrap import JOIN_METHOD
-from rendezvous.table import PendingEntry, Received
+from rendezvous.items import PendingEntry, Received
 from rendezvous.v1 import admin_pb2, admin_pb2_grpc
 from rendezvous.v1 import local_pb2 as lpb
 from rendezvous.v1 import rendezvous_pb2 as pb

@@ -18,12 +18,13 @@ from rendezvous import errors, frames, fused
 from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rendezvous.fakegpu import FakeBackend
+from rendezvous.testing.fakegpu import FakeBackend
 from rendezvous.keys import TaskName
 from rendezvous.rpc.retry import RetryCache
 from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
-from rendezvous.table import Received, WaitingTable
+from rendezvous.table import WaitingTable
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta
 from rendezvous.transport import Carry, DataPlane, Path, Planes, Reply
 from rendezvous.transport.calls import ContextBase

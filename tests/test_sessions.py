@@ -20,7 +20,7 @@ from rendezvous import wire
 from rendezvous.local import messages
 from rendezvous.local.frames import Kind
 from rendezvous.paths import Path
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta, encode_meta
 from rendezvous.v1 import local_pb2 as lpb
 

@@ -16,7 +16,7 @@ import pytest
 
 from rendezvous import errors
 from rendezvous.devices import DeviceTensor, PinnedPool
-from rendezvous.fakegpu import FakeBackend, FakeCudaError
+from rendezvous.testing.fakegpu import FakeBackend, FakeCudaError
 from rendezvous.mpi import aborts
 from rendezvous.mpi.aborts import SendAborted
 from rendezvous.mpi.ops import Op, OpKind, check_part

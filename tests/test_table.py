@@ -13,7 +13,8 @@ import pytest
 
 import rendezvous.table as table_mod
 from rendezvous.errors import Aborted, Unavailable
-from rendezvous.table import PendingEntry, Received, WaitingTable
+from rendezvous.table import WaitingTable
+from rendezvous.items import PendingEntry, Received
 
 ZERO = {"steps": 0, "keys": 0, "tensors": 0, "waiters": 0, "tombstones": 0}
 

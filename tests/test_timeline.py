@@ -263,7 +263,7 @@ def test_events_are_written_a_moment_after_they_happen(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_copy_onto_the_gpu_is_the_place_phase(tmp_path):
     from rendezvous.devices import Devices
-    from rendezvous.fakegpu import FakeBackend, FakeDeviceArray
+    from rendezvous.testing.fakegpu import FakeBackend, FakeDeviceArray
 
     gpu_key = key(1, 0, "g").replace("task:0/device:CPU:0", "task:0/device:GPU:0")
 

@@ -12,9 +12,9 @@ from rendezvous import frames
 from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices, DeviceTensor
 from rendezvous.errors import Internal
-from rendezvous.fakegpu import FakeBackend
+from rendezvous.testing.fakegpu import FakeBackend
 from rendezvous.stats import Stats
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta
 from rendezvous.transport import Arrival, DataPlane, Path, Planes, Reply, descriptor_type
 from rendezvous.transport.inline import InlinePlane

@@ -12,7 +12,7 @@ bounded by.
   other bound of the staged path (``raw MPI`` is the first).
 
 The GPU is cupy's on a machine with one (``--gpu cupy``), or
-:class:`rendezvous.fakegpu.FakeBackend` (``--gpu fake``): host memory and
+:class:`rendezvous.testing.fakegpu.FakeBackend` (``--gpu fake``): host memory and
 copy threads standing in for a GPU, which measures the pipeline's overlap
 and overhead on any machine but says nothing about PCIe or NVLink.
 """
@@ -34,7 +34,7 @@ GPU_CONTENDERS = ("gpu_staged", "gpu_serial", "d2h")
 def gpu_backend(kind: str) -> tuple[Any, str]:
     """(backend, note) for ``--gpu fake|cupy``; the GPU contenders' servers use it."""
     if kind == "fake":
-        from rendezvous.fakegpu import FakeBackend
+        from rendezvous.testing.fakegpu import FakeBackend
 
         return FakeBackend(), "GPU contenders on the fake GPU (host memory, copy threads): pipeline overlap only"
     from rendezvous.cupy_backend import CupyBackend

@@ -35,7 +35,7 @@ from rendezvous.local.connection import Connection
 from rendezvous.local.frames import Kind, frame
 from rendezvous.local.messages import PendingList
 from rendezvous.rpc.options import local_channel_options
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata

@@ -53,7 +53,7 @@ from rendezvous.local.address import channel_target, default_address, session_so
 from rendezvous.local.frames import MAX_FDS, READ_BYTES, FrameReader, Kind, frame, take_fds
 from rendezvous.local.messages import PendingList
 from rendezvous.rpc.options import local_channel_options
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .core import GRPC_METHODS, RECVS, ClientCore, Op, Pending, Router, check_items, check_socket, drive

@@ -33,7 +33,8 @@ from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
 from rendezvous.local.frames import SEND_MANY_TENSORS, SMALL_BODY, Kind, frame
 from rendezvous.paths import Hop
-from rendezvous.table import Received, send_items
+from rendezvous.table import send_items
+from rendezvous.items import Received
 from rendezvous.dtypes import as_array, is_memcpyable
 from rendezvous.tensors import check_sendable
 from rendezvous.v1 import local_pb2 as lpb

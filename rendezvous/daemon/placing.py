@@ -24,7 +24,7 @@ from rendezvous.errors import Unavailable
 from rendezvous.local import messages
 from rendezvous.paths import Hop, Path
 from rendezvous.stats import payload_nbytes
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import TensorMeta
 
 from .pool import Pool, Segment

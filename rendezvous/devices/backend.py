@@ -1,6 +1,6 @@
 """What a GPU library supplies (:class:`DeviceBackend`), and the device
 tensors it makes. The one shipped is :class:`rendezvous.cupy_backend.CupyBackend`;
-tests use :class:`rendezvous.fakegpu.FakeBackend`. Which backends a server
+tests use :class:`rendezvous.testing.fakegpu.FakeBackend`. Which backends a server
 uses, its pinned staging pools and the import of a tensor by protocol are
 :mod:`rendezvous.devices`'s.
 

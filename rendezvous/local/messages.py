@@ -29,7 +29,7 @@ from rendezvous import frames, fused, wire
 from rendezvous.errors import InvalidArgument, RendezvousError, from_status
 from rendezvous.keys import Key, canonical_key
 from rendezvous.paths import Hop, Path
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.dtypes import as_array, is_memcpyable
 from rendezvous.tensors import TensorMeta, decode_meta, decode_tensor, encode_header, encode_meta
 from rendezvous.v1 import local_pb2 as lpb

@@ -36,7 +36,7 @@ from rendezvous.config import Config
 from rendezvous.devices import Devices, DeviceTensor, Placement
 from rendezvous.errors import Internal, InvalidArgument, NotPlaced
 from rendezvous.stats import Stats
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.dtypes import is_memcpyable
 from rendezvous.tensors import TensorMeta, decode_meta
 from rendezvous.transport import Arrival, Carry, DataPlane, Path, Reply

@@ -31,7 +31,7 @@ from rendezvous.errors import FailedPrecondition, Unavailable
 from rendezvous.keys import Key, TaskName, canonical_key
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
-from rendezvous.table import PendingEntry, Received
+from rendezvous.items import PendingEntry, Received
 
 __all__ = ["Server", "new_event_loop"]
 T = TypeVar("T")

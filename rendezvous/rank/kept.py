@@ -20,7 +20,8 @@ from typing import Any
 
 from rendezvous.errors import RendezvousError
 from rendezvous.paths import Path
-from rendezvous.table import Received, WaitingTable
+from rendezvous.table import WaitingTable
+from rendezvous.items import Received
 from rendezvous.transport import Fetched
 
 __all__ = ["Kept", "to_table", "to_stream"]

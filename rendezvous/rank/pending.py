@@ -1,6 +1,6 @@
 """What waits in a rank server, row by row: :func:`walk`.
 
-The rows are :class:`~rendezvous.table.PendingEntry`: each non-empty queue of
+The rows are :class:`~rendezvous.items.PendingEntry`: each non-empty queue of
 the waiting table (``"tensor"``: produced here and not consumed;
 ``"waiter"``: a recv waiting here for its tensor), then each key whose
 fetched tensors the server keeps for the next recv (``"kept"``, see
@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from rendezvous.table import PendingEntry, WaitingTable
+from rendezvous.table import WaitingTable
+from rendezvous.items import PendingEntry
 
 __all__ = ["walk", "count"]
 

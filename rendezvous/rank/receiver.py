@@ -31,7 +31,8 @@ from rendezvous.keys import _CACHEABLE, DeviceName, Key, TaskName, as_key, canon
 from rendezvous.lifecycle import State
 from rendezvous.paths import Path
 from rendezvous.stats import Stats, payload_nbytes
-from rendezvous.table import Received, WaitingTable
+from rendezvous.table import WaitingTable
+from rendezvous.items import Received
 from rendezvous.timeline import RecvSpan, Timeline, now
 from rendezvous.rpc.peer import BatchFailed
 from rendezvous.transport import Fetched

@@ -52,7 +52,8 @@ from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
 from rendezvous.dtypes import dtype_to_proto
 from rendezvous.tensors import check_sendable
-from rendezvous.table import PendingEntry, Received, WaitingTable, send_items
+from rendezvous.table import WaitingTable, send_items
+from rendezvous.items import PendingEntry, Received
 from rendezvous.timeline import Timeline, TracedPlanes, TracedTable
 from rendezvous.transport import Fetched, Planes
 from rendezvous.transport.inline import InlinePlane

@@ -26,7 +26,7 @@ from rendezvous import frames, fused
 from rendezvous.errors import Cancelled, Internal, InvalidArgument, PeerUnavailable, RendezvousError, \
     ResourceExhausted, Unavailable
 from rendezvous.paths import Path
-from rendezvous.table import Received
+from rendezvous.items import Received
 from rendezvous.tensors import decode_meta
 from rendezvous.transport import Fetched
 from rendezvous.transport.calls import EOF, CallEnded, RequestCall

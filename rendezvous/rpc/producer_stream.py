@@ -25,7 +25,8 @@ from rendezvous import frames, fused, wire
 from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, Unavailable
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
-from rendezvous.table import Received, Waiter
+from rendezvous.table import Waiter
+from rendezvous.items import Received
 from rendezvous.transport import Carry, Reply
 from rendezvous.transport.calls import StreamContext
 from rendezvous.v1 import rendezvous_pb2 as pb

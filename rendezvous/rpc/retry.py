@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeGuard, final
 import numpy as np
 
 from rendezvous.errors import Aborted, FailedPrecondition, InvalidArgument, RendezvousError
-from rendezvous.table import Received
+from rendezvous.items import Received
 
 __all__ = ["RetryCache", "Handed", "Pending"]
 

@@ -38,7 +38,8 @@ from rendezvous.errors import (
 )
 from rendezvous.keys import OwnKeys, TaskName
 from rendezvous.stats import Stats, payload_nbytes
-from rendezvous.table import Received, WaitingTable, Waiter
+from rendezvous.table import WaitingTable, Waiter
+from rendezvous.items import Received
 from rendezvous.timeline import Timeline, now
 from rendezvous.transport import Path, Planes, Reply
 from rendezvous.transport.calls import StreamContext

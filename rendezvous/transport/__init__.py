@@ -34,7 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 from rendezvous import fields, wire
 from rendezvous.errors import Internal
 from rendezvous.paths import Path
-from rendezvous.table import Received
+from rendezvous.items import Received
 
 __all__ = ["Path", "Reply", "Carry", "Arrival", "Fetched", "DataPlane", "Planes", "descriptor_type"]
 

@@ -23,7 +23,7 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices, DeviceTensor
 from rendezvous.errors import Internal
 from rendezvous.stats import Stats
-from rendezvous.table import Received
+from rendezvous.items import Received
 
 from . import Arrival, DataPlane, Path, Reply
 

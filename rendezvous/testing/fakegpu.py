@@ -47,7 +47,7 @@ could run has run.
 
     import rendezvous
     from rendezvous.devices import Devices
-    from rendezvous.fakegpu import FakeBackend
+    from rendezvous.testing.fakegpu import FakeBackend
     fake = FakeBackend()
     server = rendezvous.Server(cluster, "worker", 0, devices=Devices([fake]))  # GPU placements use it
 """
@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from .devices import (
+from rendezvous.devices import (
     KDL_CUDA,
     STREAM_LEGACY,
     STREAM_PER_THREAD,
@@ -74,7 +74,7 @@ from .devices import (
     DeviceTensor,
     PinnedPool,
 )
-from .tensors import TensorMeta
+from rendezvous.tensors import TensorMeta
 
 __all__ = [
     "FakeBackend",
