@@ -60,3 +60,44 @@ def test_a_call_follows_the_table_and_says_where_it_stands():
     assert p.settled and not p.orphan
     with pytest.raises(d.IllegalMove, match="'k' of step 3"):
         p.to(d.ANSWERED)  # answered twice: a bug, never handled
+
+
+def test_a_reply_is_given_back_at_most_once_and_only_before_it_is_written_whole():
+    """A producer's reply (delivery.REPLY_MOVES): committed and started replies
+    stay so; giving one back is final, so its tensors can never go back to the
+    table twice (that would deliver them twice)."""
+    for state in range(len(d.REPLY_STATES)):
+        for event in range(len(d.REPLY_EVENTS)):
+            if (state, event) in d.REPLY_MOVES:
+                d.reply_after(state, event)
+            else:
+                with pytest.raises(d.IllegalMove):
+                    d.reply_after(state, event)
+    assert not [e for e in range(len(d.REPLY_EVENTS)) if (d.GIVEN_BACK, e) in d.REPLY_MOVES]
+    for state in (d.READY, d.COMMITTED, d.STARTED, d.COMMITTED_STARTED):
+        assert d.reply_after(state, d.GIVE_BACK) == d.GIVEN_BACK
+    assert d.reply_after(d.COMMITTED, d.START) == d.COMMITTED_STARTED
+    with pytest.raises(d.IllegalMove):
+        d.reply_after(d.STARTED, d.COMMIT)  # a transfer starts only with its descriptor's first frame
+
+
+def test_a_reply_object_follows_the_table():
+    from rendezvous.items import Received
+    from rendezvous.rpc.delivery import OutgoingReply
+
+    class Servicer:
+        back: list = []
+
+        def put_back(self, req, key, item, stream):
+            self.back.append(item)
+
+    reply = OutgoingReply(iter([b"frame"]), None, "k", Received(1, False))
+    assert not reply.started and not reply.committed
+    reply.to(d.START)
+    assert reply.started and "STARTED" in repr(reply)
+    servicer = Servicer()
+    reply.give_back(servicer, None)
+    assert servicer.back == [Received(1, False)]
+    with pytest.raises(d.IllegalMove, match="GIVE_BACK is not allowed in state GIVEN_BACK"):
+        reply.give_back(servicer, None)
+    assert servicer.back == [Received(1, False)]  # not twice

@@ -27,11 +27,21 @@ with the call unanswered).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+from rendezvous.items import Received
 from rendezvous.paths import Path
 
-__all__ = ["Pending", "ASKED", "MOVING", "ORPHAN", "ORPHAN_MOVING", "SETTLED", "IN_DOUBT", "STATES",
+if TYPE_CHECKING:
+    from rendezvous.transport import Carry
+
+    from .producer_stream import Asked
+    from .retry import Handed
+    from .servicer import RecvTensorServicer
+
+__all__ = ["Pending", "OutgoingReply", "READY", "COMMITTED", "STARTED", "COMMITTED_STARTED", "GIVEN_BACK", "REPLY_STATES",
+           "COMMIT", "START", "GIVE_BACK", "REPLY_EVENTS", "REPLY_MOVES", "reply_after", "ASKED", "MOVING", "ORPHAN", "ORPHAN_MOVING", "SETTLED", "IN_DOUBT", "STATES",
            "GAVE_UP", "MOVED", "ANSWERED", "BROKE", "EVENTS", "MOVES", "IllegalMove", "after"]
 
 # states (small ints: a call's state is read on every reply)
@@ -63,7 +73,7 @@ _NEXT = [[MOVES.get((state, event), -1) for event in range(len(EVENTS))] for sta
 
 
 class IllegalMove(AssertionError):
-    """An event that the state of a call does not allow."""
+    """An event that the state of a call or a reply does not allow."""
 
 
 def after(state: int, event: int, what: object = "a call") -> int:
@@ -71,6 +81,46 @@ def after(state: int, event: int, what: object = "a call") -> int:
     nxt = _NEXT[state][event]
     if nxt < 0:
         raise IllegalMove(f"{what}: {EVENTS[event]} is not allowed in state {STATES[state]}")
+    return nxt
+
+
+# -- a producer's reply -----------------------------------------------------------------
+#
+# ``READY``: made and waiting for the writer; its tensors go back if the call is
+# cancelled or the stream ends. ``COMMITTED``: its bytes are on their way
+# (a descriptor's transfer started, or a re-send), so it is written whatever the
+# consumer says. ``STARTED`` / ``COMMITTED_STARTED``: its first frame was handed
+# to the writer (written to its end; a stream that ends first gives an
+# uncommitted one back). ``GIVEN_BACK``: its tensors went back to the table (or,
+# committed, only its transfer was released): never twice.
+
+READY, COMMITTED, STARTED, COMMITTED_STARTED, GIVEN_BACK = range(5)
+REPLY_STATES = ("READY", "COMMITTED", "STARTED", "COMMITTED_STARTED", "GIVEN_BACK")
+COMMIT, START, GIVE_BACK = range(3)
+REPLY_EVENTS = ("COMMIT", "START", "GIVE_BACK")
+
+#: (state, event) -> the state after it, for a reply; anything else is illegal
+REPLY_MOVES: dict[tuple[int, int], int] = {
+    (READY, COMMIT): COMMITTED,
+    (READY, START): STARTED,
+    (READY, GIVE_BACK): GIVEN_BACK,
+    (COMMITTED, COMMIT): COMMITTED,  # a re-sent descriptor's transfer starts: it was committed already
+    (COMMITTED, START): COMMITTED_STARTED,
+    (COMMITTED, GIVE_BACK): GIVEN_BACK,
+    (STARTED, START): STARTED,  # each later frame
+    (STARTED, GIVE_BACK): GIVEN_BACK,  # cut off by the stream's end before its last frame
+    (COMMITTED_STARTED, START): COMMITTED_STARTED,
+    (COMMITTED_STARTED, GIVE_BACK): GIVEN_BACK,
+}
+_REPLY_NEXT = [[REPLY_MOVES.get((state, event), -1) for event in range(len(REPLY_EVENTS))]
+               for state in range(len(REPLY_STATES))]
+
+
+def reply_after(state: int, event: int, what: object = "a reply") -> int:
+    """A reply's state after ``event``; :class:`IllegalMove` if the table has none."""
+    nxt = _REPLY_NEXT[state][event]
+    if nxt < 0:
+        raise IllegalMove(f"{what}: {REPLY_EVENTS[event]} is not allowed in state {REPLY_STATES[state]}")
     return nxt
 
 
@@ -112,3 +162,66 @@ class Pending:
 
     def __repr__(self) -> str:
         return f"<the call for {self.key!r} of step {self.step_id}, {STATES[self.delivery]}>"
+
+
+class OutgoingReply:
+    """A reply being written: its next frame is made one step ahead, so the
+    writer knows when a reply ends without an extra turn. ``item`` goes back to
+    the table if the call is cancelled before the first frame is written; a
+    ``committed`` reply (its bytes already on their way) is written anyway.
+    A descriptor's transfer (``carry``) starts as its frame is handed over,
+    and commits the reply; a reply dropped before that releases it."""
+
+    __slots__ = ("frames", "next_frame", "req", "key", "item", "state", "ack", "members",
+                 "carry", "remake", "resent")
+
+    def __init__(self, frames_: Iterator[bytes], req: "Asked", key: str,
+                 item: Received | None, committed: bool = False, ack: bool = False,
+                 members: list[tuple[int, Any, Received, str]] | None = None, carry: Carry | None = None,
+                 remake: Callable[[list[int]], Iterator[Any]] | None = None, resent: Handed | None = None) -> None:
+        self.frames = frames_
+        self.next_frame: bytes | None = next(frames_, None)
+        self.req = req
+        self.key = key
+        self.item = item
+        #: where it stands (rendezvous.rpc.delivery's reply states), moved only by :meth:`to`
+        self.state = COMMITTED if committed else READY
+        self.ack = ack  # only the CANCELLED answer to a cancel
+        #: a group reply's (call_id, request, item, key) of each call it answers
+        self.members = members
+        self.carry = carry
+        #: a descriptor reply's frames made again for other call ids (one per
+        #: member), to answer a retry with the same transfer (see Handed)
+        self.remake = remake
+        #: what a reply re-sending a handed-over descriptor re-sends
+        self.resent = resent
+
+    @property
+    def started(self) -> bool:
+        return self.state == STARTED or self.state == COMMITTED_STARTED
+
+    @property
+    def committed(self) -> bool:
+        return self.state == COMMITTED or self.state == COMMITTED_STARTED
+
+    def to(self, event: int) -> None:
+        self.state = reply_after(self.state, event, self)
+
+    def __repr__(self) -> str:
+        return f"<the reply for {self.key!r}, {REPLY_STATES[self.state]}>"
+
+    def give_back(self, servicer: "RecvTensorServicer", stream: object) -> None:
+        """Its tensors go back to the table: it was never written to its end
+        (a descriptor's transfer never started). Once: a second time raises."""
+        committed, started = self.committed, self.started
+        self.to(GIVE_BACK)
+        if committed:
+            if self.carry is not None and not started:
+                self.carry.release()  # a re-sent descriptor never handed over: the next retry gets it
+            return
+        if self.carry is not None and not started:
+            self.carry.release()
+        if self.item is not None:
+            servicer.put_back(self.req, self.key, self.item, stream)
+        for _, req, item, key in self.members or ():
+            servicer.put_back(req, key, item, stream)

@@ -31,6 +31,7 @@ from rendezvous.transport import Carry, Reply
 from rendezvous.transport.calls import StreamContext
 from rendezvous.v1 import rendezvous_pb2 as pb
 
+from .delivery import COMMIT, START, OutgoingReply
 from .retry import Handed
 
 if TYPE_CHECKING:
@@ -62,53 +63,6 @@ class KeyRequest:
 
 #: a request as the stream handler serves it: a whole one, or one key of a batch
 Asked = pb.RecvTensorRequest | KeyRequest
-
-
-class _Outgoing:
-    """A reply being written: its next frame is made one step ahead, so the
-    writer knows when a reply ends without an extra turn. ``item`` goes back to
-    the table if the call is cancelled before the first frame is written; a
-    ``committed`` reply (its bytes already on their way) is written anyway.
-    A descriptor's transfer (``carry``) starts as its frame is handed over,
-    and commits the reply; a reply dropped before that releases it."""
-
-    __slots__ = ("frames", "next_frame", "req", "key", "item", "started", "committed", "ack", "members",
-                 "carry", "remake", "resent")
-
-    def __init__(self, frames_: Iterator[bytes], req: Asked, key: str,
-                 item: Received | None, committed: bool = False, ack: bool = False,
-                 members: list[tuple[int, Any, Received, str]] | None = None, carry: Carry | None = None,
-                 remake: Callable[[list[int]], Iterator[Any]] | None = None, resent: Handed | None = None) -> None:
-        self.frames = frames_
-        self.next_frame: bytes | None = next(frames_, None)
-        self.req = req
-        self.key = key
-        self.item = item
-        self.started = False
-        self.committed = committed
-        self.ack = ack  # only the CANCELLED answer to a cancel
-        #: a group reply's (call_id, request, item, key) of each call it answers
-        self.members = members
-        self.carry = carry
-        #: a descriptor reply's frames made again for other call ids (one per
-        #: member), to answer a retry with the same transfer (see Handed)
-        self.remake = remake
-        #: what a reply re-sending a handed-over descriptor re-sends
-        self.resent = resent
-
-    def give_back(self, servicer: RecvTensorServicer, stream: ProducerStream) -> None:
-        """Its tensors go back to the table: it was never written to its end
-        (a descriptor's transfer never started)."""
-        if self.committed:
-            if self.carry is not None and not self.started:
-                self.carry.release()  # a re-sent descriptor never handed over: the next retry gets it
-            return
-        if self.carry is not None and not self.started:
-            self.carry.release()
-        if self.item is not None:
-            servicer.put_back(self.req, self.key, self.item, stream)
-        for _, req, item, key in self.members or ():
-            servicer.put_back(req, key, item, stream)
 
 
 # Frames up to this size are packed together into one message (a `batch`);
@@ -153,8 +107,8 @@ class ProducerStream:
         #: waiting calls that ask again with a request_id the retry cache knows
         #: (see _cancel_retry)
         self.retried: dict[int, Any] = {}
-        self.replies: dict[int, _Outgoing] = {}
-        self.flushing: dict[int, _Outgoing] = {}  # replies whose last frame is being written
+        self.replies: dict[int, OutgoingReply] = {}
+        self.flushing: dict[int, OutgoingReply] = {}  # replies whose last frame is being written
         self.ready: collections.deque[int] = collections.deque()
         self.wakeup = asyncio.Event()
         self.reader_done = False
@@ -456,7 +410,7 @@ class ProducerStream:
         if carry is not None:
             def remake(ids: list[int], lay: fused.Layout = lay, options: bytes = carry.options) -> Iterator[Any]:
                 return iter((wire.frame(fused.group_parts(ids, None, lay, _now_micros(), options), 0),))
-        self._ready(group_id, _Outgoing(iter((frame,)), None, "", None,  # type: ignore[arg-type]
+        self._ready(group_id, OutgoingReply(iter((frame,)), None, "", None,  # type: ignore[arg-type]
                                         members=members, carry=carry, remake=remake))
 
     def _cancel(self, call_id: int) -> None:
@@ -503,7 +457,7 @@ class ProducerStream:
 
     def _ack_cancel(self, call_id: int) -> None:
         frame = frames.error_frame(call_id, Cancelled(f"call {call_id} cancelled by the consumer; nothing sent"))
-        self._ready(call_id, _Outgoing(iter((frame,)), None, "", None, ack=True))  # type: ignore[arg-type]
+        self._ready(call_id, OutgoingReply(iter((frame,)), None, "", None, ack=True))  # type: ignore[arg-type]
 
     def _done_waiting(self, call_id: int) -> None:
         # Only this call's own task: a cancelled call's task may unwind after a
@@ -625,15 +579,15 @@ class ProducerStream:
         return self.inline_path if path is Path.GRPC else path
 
     @staticmethod
-    def _outgoing(call_id: int, req: Asked, key: str, plan: Reply) -> _Outgoing:
+    def _outgoing(call_id: int, req: Asked, key: str, plan: Reply) -> OutgoingReply:
         carry = plan.carry
         if carry is None:
-            return _Outgoing(plan.stream_frames(call_id), req, key, plan.item, plan.committed)
+            return OutgoingReply(plan.stream_frames(call_id), req, key, plan.item, plan.committed)
         make = plan.stream_frames
-        return _Outgoing(make(call_id), req, key, plan.item, plan.committed, carry=carry,
+        return OutgoingReply(make(call_id), req, key, plan.item, plan.committed, carry=carry,
                          remake=lambda ids: make(ids[0]))
 
-    def _hand_over(self, reply: _Outgoing) -> None:
+    def _hand_over(self, reply: OutgoingReply) -> None:
         """A descriptor leaves and its transfer is posted: a retry of its request
         ids (the connection died under it) is answered with it again."""
         handed = reply.resent
@@ -660,11 +614,11 @@ class ProducerStream:
         ids[at] = call_id
         again = Handed(handed.make, [rid if i == at else 0 for i in range(len(handed.rids))])
         retry = self.s.retry
-        self._ready(call_id, _Outgoing(handed.make(ids), req, key, None, committed=True,
+        self._ready(call_id, OutgoingReply(handed.make(ids), req, key, None, committed=True,
                                        carry=Carry(b"", _nothing, lambda: retry.restore(rid, again)),
                                        resent=again))
 
-    def _carry_failed(self, call_id: int, reply: _Outgoing, exc: Exception) -> None:
+    def _carry_failed(self, call_id: int, reply: OutgoingReply, exc: Exception) -> None:
         """A descriptor's transfer could not start (the MPI engine is stopping):
         its tensors go back to the table, and its calls are answered with the
         error instead."""
@@ -682,9 +636,9 @@ class ProducerStream:
         if not isinstance(exc, RendezvousError):
             log.error("RecvTensorStream call %d failed", call_id, exc_info=exc)
         self.s.stats.error(self.inline_path)
-        self._ready(call_id, _Outgoing(iter([frames.error_frame(call_id, exc)]), req, "", None))
+        self._ready(call_id, OutgoingReply(iter([frames.error_frame(call_id, exc)]), req, "", None))
 
-    def _ready(self, call_id: int, reply: _Outgoing) -> None:
+    def _ready(self, call_id: int, reply: OutgoingReply) -> None:
         self.replies[call_id] = reply
         self.ready.append(call_id)
         self.wakeup.set()
@@ -713,9 +667,9 @@ class ProducerStream:
                     del self.replies[call_id]
                     self._carry_failed(call_id, reply, exc)
                     continue
-                reply.committed = True
+                reply.to(COMMIT)
                 self._hand_over(reply)
-            reply.started = True
+            reply.to(START)
             reply.next_frame = next(reply.frames, None)
             if reply.next_frame is None:
                 del self.replies[call_id]
