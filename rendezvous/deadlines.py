@@ -52,7 +52,7 @@ _AGAIN = 5e-4
 _IDLE, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
 
 
-class _Entry:
+class _Scheduled:
     """What the heap holds: given up (``_drop``) or fired (``_expire``) once."""
 
     __slots__ = ("_deadlines", "live", "due")
@@ -79,7 +79,7 @@ def _nothing(*_: Any) -> None:
     pass
 
 
-class Timer(_Entry):
+class Timer(_Scheduled):
     """One callback at a time on the loop (:meth:`Deadlines.call_later`)."""
 
     __slots__ = ("_callback", "_args")
@@ -100,7 +100,7 @@ class Timer(_Entry):
         self._callback(*self._args)
 
 
-class Timeout(_Entry):
+class Timeout(_Scheduled):
     """``asyncio.timeout_at``'s async context manager on a shared timer."""
 
     __slots__ = ("_when", "_task", "_cancelling", "_state", "_fallback")
@@ -170,7 +170,7 @@ class Deadlines:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: (when, sequence, entry): the earliest first; entries given up stay
         #: until they come to the top or the heap is compacted
-        self._heap: list[tuple[float, int, _Entry]] = []
+        self._heap: list[tuple[float, int, _Scheduled]] = []
         self._order = itertools.count()
         self._dead = 0  # given-up entries still in the heap
         self._handle: asyncio.TimerHandle | None = None
@@ -217,7 +217,7 @@ class Deadlines:
         self._loop = loop
         return True
 
-    def _push(self, when: float, entry: _Entry) -> None:
+    def _push(self, when: float, entry: _Scheduled) -> None:
         heapq.heappush(self._heap, (when, next(self._order), entry))
         if self._handle is None or when < self._armed:
             self._arm(when)
@@ -242,7 +242,7 @@ class Deadlines:
         self._handle = None
         heap = self._heap
         now = self._loop.time()  # type: ignore[union-attr]
-        fired: list[_Entry] = []
+        fired: list[_Scheduled] = []
         while heap and (heap[0][0] <= now or not heap[0][2].live):
             _, _, entry = heapq.heappop(heap)
             if entry.live:

@@ -3,7 +3,7 @@ parent and children that no pipe reaches (the ranks mpiexec starts).
 
 :class:`Listener` is the parent's end: it accepts its children's
 connections and waits for their messages while watching its
-:class:`rendezvous.bench.procs.Group` (a child that dies, or a deadline that
+:class:`rendezvous.bench.procs.ProcGroup` (a child that dies, or a deadline that
 passes, ends the wait with a :class:`rendezvous.bench.procs.BenchError`).
 :class:`Link` is a child's end. ``bench-scale`` drives its ranks through one;
 ``bench-daemon`` its raw MPI ranks.
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .procs import BenchError, Group
+from .procs import BenchError, ProcGroup
 
 __all__ = ["Listener", "Link"]
 
@@ -26,7 +26,7 @@ class Listener:
     """The parent's end of its children's control connections (a Unix socket at
     ``path``): JSON objects, one per line, waited for while ``group`` is watched."""
 
-    def __init__(self, group: Group, path: str, backlog: int = 1) -> None:
+    def __init__(self, group: ProcGroup, path: str, backlog: int = 1) -> None:
         self.group = group
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)

@@ -1,6 +1,6 @@
 """The processes of a ``bench-daemon`` run, and what they hold.
 
-:class:`Fleet` starts them, all in one :class:`rendezvous.bench.procs.Group`
+:class:`Fleet` starts them, all in one :class:`rendezvous.bench.procs.ProcGroup`
 (the run's deadline; a wait fails at once when one of them dies):
 ``rendezvousd`` processes (one local daemon, a ``grpc+mpi`` pair under
 ``mpiexec``, a ``grpc`` pair), the worker processes that hold their clients
@@ -25,7 +25,7 @@ from typing import Any
 
 from . import rss
 from .control import Listener
-from .procs import BenchError, Child, Group, Worker, environ
+from .procs import BenchError, Child, ProcGroup, Worker, environ
 
 __all__ = ["Daemon", "Fleet", "transfer_timeout", "daemon_env"]
 
@@ -78,7 +78,7 @@ class Fleet:
     """Every process of one run, started on demand; ``env`` is the daemons' environment."""
 
     def __init__(self, timeout: float, env: dict[str, str]) -> None:
-        self.group = Group(timeout)
+        self.group = ProcGroup(timeout)
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="rbd", dir="/tmp")  # short: Unix socket paths fit 107 bytes
         self.daemons: dict[str, Daemon] = {}

@@ -62,7 +62,7 @@ class LocalClient(Contender):
         from rendezvous.daemon.daemon import Daemon
 
         from .daemon_workers import Worker
-        from .procs import Group
+        from .procs import ProcGroup
 
         rank = self.ctx.rank
         self._dir = tempfile.mkdtemp(prefix="rendezvous-bench-")
@@ -72,7 +72,7 @@ class LocalClient(Contender):
         # Collective (the daemons' rank servers start with MPI's exchange), as the others' setup.
         self.daemon = Daemon(config, cluster=self.ctx.cluster(self.job))
         await self.daemon.start()
-        self._group = Group(timeout=24 * 3600, label="rendezvous bench: ")
+        self._group = ProcGroup(timeout=24 * 3600, label="rendezvous bench: ")
         self.worker = await asyncio.to_thread(self._group.worker, f"{self.name}-{rank}", Worker,
                                               f"rendezvous-bench-client-{rank}")
         await asyncio.to_thread(self.worker.call, "connect", "c", self.daemon.local_target, "blocking",

@@ -13,8 +13,8 @@ workers (``bench-daemon``'s clients and echo server).
 * :func:`run`: a job to its end within a deadline, its lines handed over as
   they come; :func:`emit` and :func:`parse` are the result lines a child
   prints (a prefix, then JSON);
-* :class:`Group`: every process of a run under one deadline: a wait fails
-  at once when one of them dies, and :meth:`Group.close` stops them all;
+* :class:`ProcGroup`: every process of a run under one deadline: a wait fails
+  at once when one of them dies, and :meth:`ProcGroup.close` stops them all;
 * :class:`Worker` and :func:`serve`: a spawned Python process that runs
   commands sent over a pipe.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["mpiexec", "NO_MPIEXEC", "environ", "BenchError", "TimedOut", "Child", "Finished", "run", "emit", "parse",
-           "Group", "Worker", "serve"]
+           "ProcGroup", "Worker", "serve"]
 
 NO_MPIEXEC = "no mpiexec found (pip install 'rendezvous[mpi]', or set RENDEZVOUS_MPIEXEC)"
 
@@ -234,7 +234,7 @@ def run(name: str, argv: list[str], timeout: float, *, env: dict[str, str] | Non
 
 # -- every process of a run -------------------------------------------------------------
 
-class Group:
+class ProcGroup:
     """The children and workers of one run, under one deadline; ``label``
     heads every error message about them."""
 
@@ -299,7 +299,7 @@ class Worker:
     """The parent's end of a spawned Python process that takes commands: tuples
     ``(op, *args)`` over a pipe, answered ``("ok", result)`` or ``("error", text)``."""
 
-    def __init__(self, group: Group, name: str, cls: type, title: str) -> None:
+    def __init__(self, group: ProcGroup, name: str, cls: type, title: str) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")

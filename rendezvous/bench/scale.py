@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from .control import Listener
-from .procs import NO_MPIEXEC, BenchError, Group, environ, mpiexec
+from .procs import NO_MPIEXEC, BenchError, ProcGroup, environ, mpiexec
 from .scale_rank import BIG_BYTES, JOB, SMALL_BYTES
 
 __all__ = ["add_arguments", "run", "main", "parser", "options", "HELP", "DESCRIPTION", "EPILOG", "SETUPS",
@@ -84,7 +84,7 @@ class _Job:
 
     def __init__(self, setup: str, n: int, timeout: float, big_bytes: int) -> None:
         self.setup, self.n, self.big_bytes = setup, n, big_bytes
-        self.group = Group(timeout, label=f"{setup} N={n}: ")
+        self.group = ProcGroup(timeout, label=f"{setup} N={n}: ")
         self.dir = tempfile.mkdtemp(prefix="rdv-scale-")
         self.path = os.path.join(self.dir, "ctl")
         self.control = Listener(self.group, self.path, backlog=n)

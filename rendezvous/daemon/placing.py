@@ -34,13 +34,13 @@ if TYPE_CHECKING:
 
     from .listener import SessionListener
 
-__all__ = ["Placing", "Reply"]
+__all__ = ["Placing", "Answer"]
 
 #: copies this big into a segment run on a worker thread (numpy releases the GIL)
 _OFF_LOOP_BYTES = 4 << 20
 
 
-class Reply(NamedTuple):
+class Answer(NamedTuple):
     """A RECV's answer: the LocalRecvResponse bytes, how it crosses the hop, its payload bytes."""
 
     body: bytes
@@ -61,16 +61,16 @@ class Placing:
     def _introduce(self, seg: Segment) -> None:
         raise NotImplementedError
 
-    async def _reply(self, item: Received, path: Path) -> Reply:
+    async def _reply(self, item: Received, path: Path) -> Answer:
         """A fetched tensor as its LocalRecvResponse (see :meth:`_places`), its
         segment (if any) handed over."""
         places = await self._places([item])
         prepared, handed = self._pooled([(item, path)], places)
         body = prepared.get(0)
         if body is None:
-            reply = Reply(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(item.value))
+            reply = Answer(messages.inline_reply(item, path), Hop.INLINE, payload_nbytes(item.value))
         else:
-            reply = Reply(body, Hop.SHM, places[0][0].nbytes)  # type: ignore[index]
+            reply = Answer(body, Hop.SHM, places[0][0].nbytes)  # type: ignore[index]
         self._hand_over(handed)
         return reply
 

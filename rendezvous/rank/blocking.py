@@ -9,7 +9,7 @@ A caller interrupted while it waits (Ctrl-C) loses nothing, wherever the
 interrupt lands: the loop's task is cancelled if it still runs, and what a
 recv received and its caller did not get, because the task had ended before
 the interrupt or ends with its tensors after it, is kept for the next recv of
-each key (:class:`_Call`). The tensors count as the caller's only once the
+each key (:class:`_LoopCall`). The tensors count as the caller's only once the
 method returns them.
 """
 
@@ -38,7 +38,7 @@ T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 
-class _Call(Generic[T]):
+class _LoopCall(Generic[T]):
     """One blocking method's coroutine, run as a task on the loop, and its outcome.
 
     The caller's thread waits on :attr:`future`. A caller that stops before the
@@ -143,12 +143,12 @@ class Server:
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None,
               orphaned: Callable[[T, str | None], None] | None = None, attended: bool = False,
-              call: _Call[T] | None = None) -> T:
+              call: _LoopCall[T] | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result. Interrupted here
         (Ctrl-C, ``timeout``), the coroutine is cancelled, and a result it had
         or still ends with goes to ``orphaned(result, why)`` on the loop (a
         recv's tensors are kept for the next recv of their keys, never
-        dropped): see :class:`_Call`. ``call``: the caller's own, when it must
+        dropped): see :class:`_LoopCall`. ``call``: the caller's own, when it must
         still be able to give the result up after this returns (it then marks
         it delivered itself). ``attended``: the loop polls MPI while this
         caller waits (see aio.Server.attending)."""
@@ -158,7 +158,7 @@ class Server:
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
         runs = self._aio.attending(coro) if attended else coro
         if call is None:
-            call = _Call()
+            call = _LoopCall()
         try:
             call.launch(loop, runs, orphaned)
         except RuntimeError:  # the loop closed in between: the server stopped
@@ -171,8 +171,8 @@ class Server:
             self._abandon(call)  # KeyboardInterrupt or a timeout here: stop the remote wait too
             raise
 
-    def _abandon(self, call: _Call[Any]) -> None:
-        """``call``'s caller stopped without its result (see :class:`_Call`)."""
+    def _abandon(self, call: _LoopCall[Any]) -> None:
+        """``call``'s caller stopped without its result (see :class:`_LoopCall`)."""
         if call.launched and not call.delivered and self._loop is not None:  # (launched: it has one)
             try:
                 self._loop.call_soon_threadsafe(call.abandon)
@@ -320,7 +320,7 @@ class Server:
         """Block until the tensor is here (None if dead): numpy, or a cupy array when
         the key's dst_device (or ``device="gpu:N"``) is a GPU, or a torch tensor
         sharing that memory with ``framework="torch"``; errors as in the aio form."""
-        call: _Call[list[Received]] = _Call()
+        call: _LoopCall[list[Received]] = _LoopCall()
         try:
             value = self._received(call, [key], step_id, timeout, device, framework, one=True)[0].value
             call.delivered = True
@@ -332,7 +332,7 @@ class Server:
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                   device: str | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        call: _Call[list[Received]] = _Call()
+        call: _LoopCall[list[Received]] = _LoopCall()
         try:
             item = self._received(call, [key], step_id, timeout, device, framework, one=True)[0]
             call.delivered = True
@@ -353,7 +353,7 @@ class Server:
                   device: str | None = None, framework: str | None = None) -> list[Any]:
         """Many tensors in one call, under one deadline, all or none (see
         :meth:`rendezvous.aio.Server.recv_many`): one trip to the loop for the batch."""
-        call: _Call[list[Received]] = _Call()
+        call: _LoopCall[list[Received]] = _LoopCall()
         try:
             values = [item.value for item in self._received(call, keys, step_id, timeout, device, framework,
                                                             one=False)]
@@ -366,7 +366,7 @@ class Server:
     def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                         device: str | None = None, framework: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
-        call: _Call[list[Received]] = _Call()
+        call: _LoopCall[list[Received]] = _LoopCall()
         try:
             items = self._received(call, keys, step_id, timeout, device, framework, one=False)
             call.delivered = True
@@ -375,7 +375,7 @@ class Server:
             self._abandon(call)
             raise
 
-    def _received(self, call: _Call[list[Received]], keys: Sequence[Key | str], step_id: int,
+    def _received(self, call: _LoopCall[list[Received]], keys: Sequence[Key | str], step_id: int,
                   timeout: float | None, device: str | None, framework: str | None, one: bool) -> list[Received]:
         """The items of ``keys`` (``one``: a single key, received as :meth:`recv`
         does), converted to ``framework`` here, on the caller's thread, by
