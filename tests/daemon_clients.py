@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from rendezvous.client.core import Op
+from rendezvous.client.core import LocalOp
 from rendezvous.local import segments as shm
 from rendezvous.client import Client
 from rendezvous.errors import RendezvousError
@@ -98,7 +98,7 @@ def hold(address: str, key: str) -> None:
 
     with Client(address) as c:
         value = c.recv(key, step_id=1, timeout=30)
-        c._link.call(Op(Kind.LEND, struct.pack("<Q", 1 << 16)))
+        c._link.call(LocalOp(Kind.LEND, struct.pack("<Q", 1 << 16)))
         sys.stdout.write(f"HOLDING {value.nbytes}\n")
         sys.stdout.flush()
         sys.stdin.read()  # until killed (or stdin closes)

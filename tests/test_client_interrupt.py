@@ -19,7 +19,7 @@ import pytest
 from rendezvous import errors
 from rendezvous.client import Client as BlockingClient
 from rendezvous.client.blocking import _BlockingLink
-from rendezvous.client.core import Op, Pending
+from rendezvous.client.core import LocalOp, InFlight
 from rendezvous.local.frames import Kind
 
 from conftest import run
@@ -29,10 +29,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def interrupt_once_in_answered(monkeypatch, thread_name: str | None = None, op_kind: int | None = None) -> list[bool]:
-    """``Pending.answered`` raises KeyboardInterrupt once (on threads whose name
+    """``InFlight.answered`` raises KeyboardInterrupt once (on threads whose name
     starts with ``thread_name``; for an answer of ``op_kind``), as a Ctrl-C landing
     there would. Returns the arming flag."""
-    answered = Pending.answered
+    answered = InFlight.answered
     armed = [True]
 
     def interrupted(self, kind, body):
@@ -41,7 +41,7 @@ def interrupt_once_in_answered(monkeypatch, thread_name: str | None = None, op_k
             armed[0] = False
             raise KeyboardInterrupt
         return answered(self, kind, body)
-    monkeypatch.setattr(Pending, "answered", interrupted)
+    monkeypatch.setattr(InFlight, "answered", interrupted)
     return armed
 
 
@@ -81,10 +81,10 @@ def test_frames_read_for_other_callers_are_routed_though_the_reader_was_interrup
     link._ops, link._cancelled = {}, {}
     link._cond = threading.Condition()
     link._routed, link._routing = -1, (-1, None)
-    entries = {i: Pending(Op(Kind.RECV, b"", None, f"k{i}")) for i in (1, 2, 3)}
+    entries = {i: InFlight(LocalOp(Kind.RECV, b"", None, f"k{i}")) for i in (1, 2, 3)}
     link._ops.update(entries)
     frames = [(Kind.RECV_REPLY, i, memoryview(b"answer %d" % i)) for i in (1, 2, 3)]
-    answered = Pending.answered
+    answered = InFlight.answered
     calls = []
 
     def interrupted(self, kind, body):
@@ -92,7 +92,7 @@ def test_frames_read_for_other_callers_are_routed_though_the_reader_was_interrup
         if len(calls) == 2:
             raise KeyboardInterrupt
         return answered(self, kind, body)
-    monkeypatch.setattr(Pending, "answered", interrupted)
+    monkeypatch.setattr(InFlight, "answered", interrupted)
     with pytest.raises(KeyboardInterrupt):
         link._route_all(frames)
     assert all(e.done for e in entries.values()) and not link._ops

@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rendezvous.client.core import Op
+from rendezvous.client.core import LocalOp
 from rendezvous import aio as rank_aio
 from rendezvous import errors
 from rendezvous.local import frames as localwire
@@ -281,7 +281,7 @@ def test_local_limits(sockdir):
                 raw = lpb.SendRequest(step_id=1, rendezvous_key=key(0, 0, "hostile"), tensor=tensor)
                 assert len(raw.SerializeToString()) < (1 << 20) or tensor is content
                 with pytest.raises(errors.ResourceExhausted, match="max_tensor_bytes"):
-                    await c._link.call(Op(Kind.SEND, raw.SerializeToString(), 10))
+                    await c._link.call(LocalOp(Kind.SEND, raw.SerializeToString(), 10))
             assert not d.server.pending()  # none of them was queued
             await c.send(key(0, 0, "fits"), np.ones(1 << 20, np.uint8))
     run(main())
@@ -737,7 +737,7 @@ def test_get_command_sends_the_token_and_speaks_tls(sockdir, pki, capsys):
 
 
 async def lend(c: Client, nbytes: int) -> int:
-    await c._link.call(Op(Kind.LEND, struct.pack("<Q", nbytes)))
+    await c._link.call(LocalOp(Kind.LEND, struct.pack("<Q", nbytes)))
     seg_id = c._link.segments.take(nbytes)
     assert seg_id is not None
     return seg_id
@@ -762,19 +762,19 @@ def test_a_client_cannot_hand_over_another_clients_segment(sockdir):
             a._link.segments.write(seg_id, value)
             for bogus in (seg_id, seg_id + 1000):
                 with pytest.raises(errors.InvalidArgument, match="not lent to this client"):
-                    await b._link.call(Op(Kind.SEND, pooled(1, "stolen", value, bogus), 10))
+                    await b._link.call(LocalOp(Kind.SEND, pooled(1, "stolen", value, bogus), 10))
             assert d.pool.get(seg_id).lent_to is not None  # untouched: still a's to send
             assert not d.server.pending()
             with pytest.raises(errors.InvalidArgument, match="holds"):  # more than the segment holds
-                await a._link.call(Op(Kind.SEND, pooled(1, "big", np.zeros(1 << 20), seg_id), 10))
+                await a._link.call(LocalOp(Kind.SEND, pooled(1, "big", np.zeros(1 << 20), seg_id), 10))
             # a refused pooled send gives the segment back: the client must ask again
             assert d.pool.get(seg_id).lent_to is None
             seg_id = await lend(a, value.nbytes)
             a._link.segments.write(seg_id, value)
             # its owner may send it, once
-            await a._link.call(Op(Kind.SEND, pooled(1, "mine", value, seg_id), 10))
+            await a._link.call(LocalOp(Kind.SEND, pooled(1, "mine", value, seg_id), 10))
             with pytest.raises(errors.InvalidArgument, match="not lent"):
-                await a._link.call(Op(Kind.SEND, pooled(1, "twice", value, seg_id), 10))
+                await a._link.call(LocalOp(Kind.SEND, pooled(1, "twice", value, seg_id), 10))
             np.testing.assert_array_equal(await b.recv(key(0, 0, "mine"), step_id=1, timeout=10), value)
             # a release of a segment the client does not hold changes nothing
             a._link.conn.write(localwire.frame(Kind.RELEASE, 0, localwire.pack_ids([seg_id, 99999])))
@@ -795,16 +795,16 @@ def test_a_pooled_reply_whose_recv_gave_up_is_given_back_and_kept(sockdir):
             value = np.arange(1 << 17, dtype=np.float64)  # 1 MiB
             await a.send(key(0, 0, "late"), value, step_id=3)
             req = lpb.LocalRecvRequest(step_id=3, rendezvous_key=key(0, 0, "late")).SerializeToString()
-            raw = await b._link.call(Op(Kind.RECV, req, 10))  # as if its caller had given up meanwhile
+            raw = await b._link.call(LocalOp(Kind.RECV, req, 10))  # as if its caller had given up meanwhile
             assert d.pool.stats()["held"] == 1
-            await b._link.call(Op(Kind.RETURN, returned(key(0, 0, "late"), 3, raw), 10))
+            await b._link.call(LocalOp(Kind.RETURN, returned(key(0, 0, "late"), 3, raw), 10))
             stats = d.pool.stats()
             assert stats["held"] == 0 and stats["in_table"] == 1, stats
             # the same tensor, on the same segment, for the next recv (here another client's)
             np.testing.assert_array_equal(await a.recv(key(0, 0, "late"), step_id=3, timeout=10), value)
             # a RETURN naming a segment the client does not hold is refused
             with pytest.raises(errors.InvalidArgument, match="not held"):
-                await b._link.call(Op(Kind.RETURN, returned(key(0, 0, "late"), 3, raw), 10))
+                await b._link.call(LocalOp(Kind.RETURN, returned(key(0, 0, "late"), 3, raw), 10))
             assert not d.server.pending() and not d.server.kept
     run(main())
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rendezvous.rpc import delivery as d
-from rendezvous.rpc.consumer_stream import Pending
+from rendezvous.rpc.consumer_stream import PendingCall
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -51,7 +51,7 @@ def test_bytes_on_their_way_are_never_in_doubt():
 
 
 def test_a_call_follows_the_table_and_says_where_it_stands():
-    p = Pending(asyncio.Future(loop=asyncio.new_event_loop()), "k", 3, request_id=7)
+    p = PendingCall(asyncio.Future(loop=asyncio.new_event_loop()), "k", 3, request_id=7)
     assert not p.orphan and not p.settled and "ASKED" in repr(p)
     p.to(d.MOVED)
     p.to(d.GAVE_UP)

@@ -42,7 +42,7 @@ from hypothesis import assume, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rendezvous.client.core import GRPC_METHODS, Op
+from rendezvous.client.core import GRPC_METHODS, LocalOp
 from rendezvous import fields as F
 from rendezvous import dtypes, frames, fused, keys, tensors, wire
 from rendezvous.local import frames as localwire
@@ -1049,7 +1049,7 @@ async def _session_call(c: Client, kind: int, raw: bytes, timeout: float) -> byt
     """One frame on ``c``'s session: its reply's body, or the error of its ERROR frame
     (DeadlineExceeded if none came within ``timeout``: a recv is cancelled then)."""
     try:
-        return bytes(await c._link.call(Op(kind, raw, timeout)))
+        return bytes(await c._link.call(LocalOp(kind, raw, timeout)))
     except RendezvousError as exc:
         return exc
     except TimeoutError:
@@ -1059,7 +1059,7 @@ async def _session_call(c: Client, kind: int, raw: bytes, timeout: float) -> byt
 async def _rpc_call(c: Client, method: str, raw: bytes, timeout: float) -> bytes | RendezvousError:
     kind = next(k for k, name in GRPC_METHODS.items() if name == method)
     try:
-        return await c._do(Op(kind, raw, timeout))
+        return await c._do(LocalOp(kind, raw, timeout))
     except RendezvousError as exc:
         return exc
 
@@ -1326,7 +1326,7 @@ def test_fuzz_pooled_sends(node):
         owner = Client(d.local_target)
         await owner.connect()
         sid = _session_of(d, owner)
-        grant = await owner._link.call(Op(Kind.LEND, struct.pack("<Q", value.nbytes), 5))
+        grant = await owner._link.call(LocalOp(Kind.LEND, struct.pack("<Q", value.nbytes), 5))
         [(granted, size)] = localwire.unpack_grants(grant)
         seg_id = owner._link.segments.take(value.nbytes)
         assert seg_id == granted and size == shm.size_class(value.nbytes)

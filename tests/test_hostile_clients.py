@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rendezvous.client.core import Op
+from rendezvous.client.core import LocalOp
 from rendezvous.local import frames as localwire
 from rendezvous.client import Client as BlockingClient
 from rendezvous.client.aio import Client
@@ -347,9 +347,9 @@ def test_a_session_holds_at_most_its_share_of_segments(sockdir):  # noqa: F811
         async with daemons(sockdir) as (d,), Client(d.local_target) as a, Client(d.local_target) as b:
             share = d.sessions.segment_share
             for _ in range(share):
-                await a._link.call(Op(Kind.LEND, struct.pack("<Q", 1 << 16), 10))
+                await a._link.call(LocalOp(Kind.LEND, struct.pack("<Q", 1 << 16), 10))
             with pytest.raises(ResourceExhausted, match=f"at most {share}"):
-                await a._link.call(Op(Kind.LEND, struct.pack("<Q", 1 << 16), 10))
+                await a._link.call(LocalOp(Kind.LEND, struct.pack("<Q", 1 << 16), 10))
             (sa,) = [s for s in d.sessions.sessions.values() if d.pool.holds(s.id)]
             assert d.pool.holds(sa.id) == share
             # another client is served as ever: a large send and recv through the pool

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from rendezvous.client.aio import Client
-from rendezvous.client.core import Op
+from rendezvous.client.core import LocalOp
 from rendezvous.errors import DeadlineExceeded
 from rendezvous.local.frames import Kind
 from rendezvous.local.messages import returned
@@ -140,10 +140,10 @@ def test_a_late_answer_given_back_goes_to_a_local_recv_of_its_key_already_waitin
             value = np.arange(5, dtype=np.int64)
             await a.send(k, value, step_id=3)
             req = lpb.LocalRecvRequest(step_id=3, rendezvous_key=k).SerializeToString()
-            raw = await b._link.call(Op(Kind.RECV, req, 10))  # as if its caller had given up meanwhile
+            raw = await b._link.call(LocalOp(Kind.RECV, req, 10))  # as if its caller had given up meanwhile
             recv = asyncio.ensure_future(c.recv(k, step_id=3, timeout=LONG))
             await until(lambda: _at(producer.server, k, "waiter") == 1, what="c's recv to wait")
-            await b._link.call(Op(Kind.RETURN, returned(k, 3, raw), 10))
+            await b._link.call(LocalOp(Kind.RETURN, returned(k, 3, raw), 10))
             np.testing.assert_array_equal(await _got_promptly(recv), value)
             await until(lambda: daemons_settled(*ds), what="the recvs in flight")
             await _nothing_answers(lambda x: c.recv(x, step_id=3, timeout=0.3), k)

@@ -545,7 +545,7 @@ if __name__ == "__main__":
 #: asyncio form of one public class (as grpc and grpc.aio do)
 SHARED_CLASS_NAMES = {"Client", "Server"}
 #: duplicates still to be renamed; the list only shrinks
-DUPLICATE_CLASS_NAMES_LEFT = {"Control", "Daemon", "Listener", "Op", "Pending", "Rendezvous", "Worker"}
+DUPLICATE_CLASS_NAMES_LEFT: set[str] = set()
 
 
 def duplicate_class_names(paths) -> dict[str, list[str]]:

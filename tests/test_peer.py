@@ -25,7 +25,7 @@ from rendezvous.errors import (
     ResourceExhausted,
 )
 from rendezvous.keys import TaskName
-from rendezvous.rpc.consumer_stream import Pending
+from rendezvous.rpc.consumer_stream import PendingCall
 from rendezvous.rpc.peer import BatchFailed, PeerClient
 from rendezvous.stats import Stats
 from rendezvous.items import Received
@@ -1254,7 +1254,7 @@ def test_a_cancel_never_overtakes_the_request_it_cancels():
         async with scripted() as (peer, client):
             side = await connected(peer, client)
             stream = client.live_stream()
-            pending = Pending(asyncio.get_running_loop().create_future(), K1, 5, None, 77)
+            pending = PendingCall(asyncio.get_running_loop().create_future(), K1, 5, None, 77)
             # submitted and given up in the same turn: the request still waits for the turn's end
             stream.submit(1000, pending, 5, K1.encode(), 77, None)
             assert stream.cancel(1000, pending)
@@ -1306,16 +1306,16 @@ def test_a_batch_waits_on_one_future_resolved_by_its_calls():
 
 
 def test_a_batchs_call_starts_as_a_pending_recv_does():
-    """A batch's call sets its Pending fields itself (once per key, without
-    Pending.__init__): every field a Pending has, with the same values."""
-    from rendezvous.rpc.consumer_stream import Pending
+    """A batch's call sets its PendingCall fields itself (once per key, without
+    PendingCall.__init__): every field a PendingCall has, with the same values."""
+    from rendezvous.rpc.consumer_stream import PendingCall
     from rendezvous.rpc.batch import _Batch, _Call
 
     async def main():
         loop = asyncio.get_running_loop()
         call = _Call(_Batch(loop, 1), "k", 7, "where", 42)
-        pending = Pending(loop.create_future(), "k", 7, "where", 42)
-        for name in Pending.__slots__:
+        pending = PendingCall(loop.create_future(), "k", 7, "where", 42)
+        for name in PendingCall.__slots__:
             if name != "future":
                 assert getattr(call, name) == getattr(pending, name), name
         assert call.future is call and not call.done()

@@ -297,7 +297,7 @@ def test_recv_many_mistakes_and_its_share_of_waiting_recvs(sockdir):  # noqa: F8
 def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
     """A client whose batch gave up before its answer came returns every tensor
     (last first, so the daemon, which keeps each in front, keeps their order)."""
-    from rendezvous.client.core import Op, Router
+    from rendezvous.client.core import LocalOp, Router
 
     class Link(Router):
         def __init__(self):
@@ -315,7 +315,7 @@ def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
                                          {1: messages.inline_reply(Received(np.arange(2), False), Path.GRPC)}))
             assert [len(a) for a in messages.parse_many(reply, 3).answers] == [4, 2, 4]
             link = Link()
-            link._cancelled[9] = Op(Kind.RECV_MANY, b"", step_id=3, keys=(k, key(0, 0, "other"), k))
+            link._cancelled[9] = LocalOp(Kind.RECV_MANY, b"", step_id=3, keys=(k, key(0, 0, "other"), k))
             assert link._route(Kind.RECV_MANY_REPLY, 9, memoryview(reply)) is None
             [data] = link.written
             sock = await session(d.sessions.path)
@@ -325,7 +325,7 @@ def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
             assert [v.tolist() for _, v in answered(body, 3)] == [[0], [0, 1, 2], [0, 1]]
             # a failed batch's late answer has nothing to give back
             link.written.clear()
-            link._cancelled[10] = Op(Kind.RECV_MANY, b"", step_id=3, keys=(k,))
+            link._cancelled[10] = LocalOp(Kind.RECV_MANY, b"", step_id=3, keys=(k,))
             link._route(Kind.RECV_MANY_REPLY, 10, memoryview(messages.many_failed([(0, 4, "late")])))
             assert link.written == []
             sock.close()

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from rendezvous.client.core import Op
+from rendezvous.client.core import LocalOp
 from rendezvous import errors
 from rendezvous.local.frames import Kind
 from rendezvous.client.aio import Client
@@ -61,7 +61,7 @@ async def _hostile(client: Client, i: int) -> str:
         raw = lpb.SendRequest(step_id=1, rendezvous_key=key(1, 0, f"h{i}"),
                               tensor=tpb.TensorProto(dtype=9)).SerializeToString()
     try:
-        await client._link.call(Op(Kind.SEND, raw, 10))
+        await client._link.call(LocalOp(Kind.SEND, raw, 10))
     except errors.RendezvousError as exc:
         return exc.code.name
     return "OK"

@@ -26,7 +26,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # grpc: imported at run time by the contenders that use it
     import grpc
-__all__ = ["Contender", "RawMpi", "RawGrpc", "Rendezvous", "BlockingRendezvous", "Gloo", "Memcpy", "pattern",
+__all__ = ["Contender", "RawMpi", "RawGrpc", "ServerContender", "BlockingRendezvous", "Gloo", "Memcpy", "pattern",
            "check", "cell_name", "cell_label"]
 
 _RAW_METHOD = "/rendezvous.bench.Raw/Get"
@@ -248,7 +248,7 @@ class RawGrpc(Contender):
             await self._server.stop(0)
 
 
-class Rendezvous(Contender):
+class ServerContender(Contender):
     """``await server.recv(key, step)`` on a rendezvous rank server
     (``rendezvous.aio.Server``, protocol ``grpc+mpi``), the tensor already
     produced on rank 1: the full RecvTensor round trip, numpy array in hand.
@@ -394,11 +394,11 @@ def cell_label(optimal: bool, mpi_requests: bool, disabled: bool) -> str:
     return ("optimal path" if optimal else "default path") + (", requests over MPI" if mpi_requests else "")
 
 
-class BlockingRendezvous(Rendezvous):
+class BlockingRendezvous(ServerContender):
     """``server.recv(key, step)`` on the blocking ``rendezvous.Server`` (the
     README's first example, its server on a loop thread of its own), called
     from the bench's thread as a training script calls it: one cell of the
-    matrix, as :class:`Rendezvous`."""
+    matrix, as :class:`ServerContender`."""
 
     rate = False  # one caller thread: a blocking API has no outstanding recvs
     rss = False

@@ -1,7 +1,7 @@
 """Control sockets: JSON objects, one per line, over a Unix socket between a
 parent and children that no pipe reaches (the ranks mpiexec starts).
 
-:class:`Listener` is the parent's end: it accepts its children's
+:class:`ControlListener` is the parent's end: it accepts its children's
 connections and waits for their messages while watching its
 :class:`rendezvous.bench.procs.ProcGroup` (a child that dies, or a deadline that
 passes, ends the wait with a :class:`rendezvous.bench.procs.BenchError`).
@@ -19,10 +19,10 @@ from typing import Any
 
 from .procs import BenchError, ProcGroup
 
-__all__ = ["Listener", "Link"]
+__all__ = ["ControlListener", "Link"]
 
 
-class Listener:
+class ControlListener:
     """The parent's end of its children's control connections (a Unix socket at
     ``path``): JSON objects, one per line, waited for while ``group`` is watched."""
 
@@ -102,7 +102,7 @@ class Listener:
 
 
 class Link:
-    """A child's end of a :class:`Listener`: JSON objects, one per line."""
+    """A child's end of a :class:`ControlListener`: JSON objects, one per line."""
 
     def __init__(self, path: str, timeout: float | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -6,7 +6,7 @@
 ``mpiexec``, a ``grpc`` pair), the worker processes that hold their clients
 (:mod:`rendezvous.bench.daemon_workers`), and the raw MPI ranks, driven over
 a control socket. It snapshots every process's memory and CPU around a
-scenario, with each daemon's pool (:class:`Daemon`, from its ``/metrics``),
+scenario, with each daemon's pool (:class:`FleetDaemon`, from its ``/metrics``),
 and stops everything and removes its socket folder at the end.
 """
 
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from . import rss
-from .control import Listener
+from .control import ControlListener
 from .procs import BenchError, Child, ProcGroup, Worker, environ
 
-__all__ = ["Daemon", "Fleet", "transfer_timeout", "daemon_env"]
+__all__ = ["FleetDaemon", "Fleet", "transfer_timeout", "daemon_env"]
 
 
 def transfer_timeout(size: int) -> float:
@@ -42,7 +42,7 @@ def daemon_env(pool_bytes: int, extra: dict[str, str]) -> dict[str, str]:
                    RENDEZVOUS_SHM_POOL_BYTES=str(pool_bytes), **extra)
 
 
-class Daemon:
+class FleetDaemon:
     """One rendezvousd (its ready line parsed)."""
 
     def __init__(self, name: str, child: Child, line: str) -> None:
@@ -81,8 +81,8 @@ class Fleet:
         self.group = ProcGroup(timeout)
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="rbd", dir="/tmp")  # short: Unix socket paths fit 107 bytes
-        self.daemons: dict[str, Daemon] = {}
-        self.raw: Listener | None = None
+        self.daemons: dict[str, FleetDaemon] = {}
+        self.raw: ControlListener | None = None
         self.raw_pids: list[int] = []
         self.mpi_library = ""
         #: per scenario: its processes' memory and CPU, the daemons' pools, the clients' counts
@@ -112,7 +112,7 @@ class Fleet:
         cluster = self._cluster("local.json", ["127.0.0.1:0"])
         child = self._daemon("rendezvousd (local)", [self._rendezvousd(), "--cluster", cluster, "--task-index", "0",
                                                      "--protocol", "grpc", "--local", f"unix:{self.dir}/l.sock"])
-        self.daemons["local"] = Daemon("local", child, child.line("rendezvousd: ", 60))
+        self.daemons["local"] = FleetDaemon("local", child, child.line("rendezvousd: ", 60))
 
     def start_mpi_daemons(self, launcher: list[str]) -> None:
         cluster = self._cluster("mpi.json", ["127.0.0.1:0", "127.0.0.1:0"])
@@ -120,7 +120,7 @@ class Fleet:
                              [*launcher, "-n", "2", self._rendezvousd(), "--cluster", cluster, "--protocol",
                               "grpc+mpi", "--local", f"unix:{self.dir}/m{{task_index}}.sock"])
         for _ in range(2):
-            d = Daemon("", child, child.line("rendezvousd: ", 90))
+            d = FleetDaemon("", child, child.line("rendezvousd: ", 90))
             d.name = f"mpi{d.index}"
             self.daemons[d.name] = d
         if {"mpi0", "mpi1"} - set(self.daemons):
@@ -140,11 +140,11 @@ class Fleet:
             child = self._daemon(f"rendezvousd grpc{i}", [self._rendezvousd(), "--cluster", cluster, "--task-index",
                                                           str(i), "--protocol", "grpc", "--local",
                                                           f"unix:{self.dir}/g{i}.sock"])
-            self.daemons[f"grpc{i}"] = Daemon(f"grpc{i}", child, child.line("rendezvousd: ", 60))
+            self.daemons[f"grpc{i}"] = FleetDaemon(f"grpc{i}", child, child.line("rendezvousd: ", 60))
 
     def start_raw_mpi(self, launcher: list[str]) -> None:
         path = f"{self.dir}/raw.sock"
-        self.raw = Listener(self.group, path)
+        self.raw = ControlListener(self.group, path)
         self.group.spawn("raw MPI ranks (mpiexec)",
                          [*launcher, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
                           "rendezvous.bench.daemon_workers", "--raw-mpi", path], self.env, service=True)
@@ -161,7 +161,7 @@ class Fleet:
         return got["ns"]
 
     def start_worker(self, name: str) -> Worker:
-        from .daemon_workers import Worker as ClientsWorker
+        from .daemon_workers import ClientsWorker
 
         return self.group.worker(name, ClientsWorker, f"bench-daemon-{name}")
 

@@ -1,6 +1,6 @@
 """What runs in ``bench-daemon``'s worker processes.
 
-* :class:`Worker`: a spawned process (:class:`rendezvous.bench.procs.Worker`)
+* :class:`ClientsWorker`: a spawned process (:class:`rendezvous.bench.procs.Worker`)
   holding rendezvous clients of a daemon (:class:`Clients`: send, recv, the
   small-tensor runs and the rate test, each timed in the process that makes
   the call) and bare gRPC (:class:`BareGrpc`: the 1 KiB echo calls the small
@@ -25,7 +25,7 @@ import numpy as np
 
 from .control import Link
 
-__all__ = ["Worker", "Clients", "BareGrpc", "raw_mpi_rank", "fill", "verify", "key"]
+__all__ = ["ClientsWorker", "Clients", "BareGrpc", "raw_mpi_rank", "fill", "verify", "key"]
 
 _ECHO = "/rendezvous.bench.Echo/Echo"
 
@@ -424,7 +424,7 @@ class BareGrpc(_OnLoop):
         super().close()
 
 
-class Worker(Clients, BareGrpc):
+class ClientsWorker(Clients, BareGrpc):
     """A ``bench-daemon`` worker process: its clients, then its bare gRPC, closed in that order."""
 
 

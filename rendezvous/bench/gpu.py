@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .contenders import Contender, Rendezvous, check
+from .contenders import Contender, ServerContender, check
 
 __all__ = ["GPU_CONTENDERS", "gpu_backend", "GpuRendezvous", "DeviceToHost"]
 
@@ -59,7 +59,7 @@ def _to_host(value: Any) -> np.ndarray:
     return value.get()
 
 
-class GpuRendezvous(Rendezvous):
+class GpuRendezvous(ServerContender):
     """GPU -> GPU through rank servers on the optimal path: the host contender's
     round trip with device tensors at both ends."""
 

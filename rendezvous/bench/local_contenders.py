@@ -61,7 +61,7 @@ class LocalClient(Contender):
         from rendezvous.config import Config
         from rendezvous.daemon.daemon import Daemon
 
-        from .daemon_workers import Worker
+        from .daemon_workers import ClientsWorker
         from .procs import ProcGroup
 
         rank = self.ctx.rank
@@ -73,7 +73,7 @@ class LocalClient(Contender):
         self.daemon = Daemon(config, cluster=self.ctx.cluster(self.job))
         await self.daemon.start()
         self._group = ProcGroup(timeout=24 * 3600, label="rendezvous bench: ")
-        self.worker = await asyncio.to_thread(self._group.worker, f"{self.name}-{rank}", Worker,
+        self.worker = await asyncio.to_thread(self._group.worker, f"{self.name}-{rank}", ClientsWorker,
                                               f"rendezvous-bench-client-{rank}")
         await asyncio.to_thread(self.worker.call, "connect", "c", self.daemon.local_target, "blocking",
                                 self.session)

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .control import Listener
+from .control import ControlListener
 from .procs import NO_MPIEXEC, BenchError, ProcGroup, environ, mpiexec
 from .scale_rank import BIG_BYTES, JOB, SMALL_BYTES
 
@@ -87,7 +87,7 @@ class _Job:
         self.group = ProcGroup(timeout, label=f"{setup} N={n}: ")
         self.dir = tempfile.mkdtemp(prefix="rdv-scale-")
         self.path = os.path.join(self.dir, "ctl")
-        self.control = Listener(self.group, self.path, backlog=n)
+        self.control = ControlListener(self.group, self.path, backlog=n)
         self.rank_of: dict[int, int] = {}  # connection -> rank, from its "started"
 
     def launch(self) -> None:

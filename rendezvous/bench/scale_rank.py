@@ -28,7 +28,7 @@ BIG_BYTES = 1 << 20    # the MPI optimal path under grpc+mpi
 STEP = 1
 
 
-class Control(Link):
+class RankControl(Link):
     """The rank's end of the parent's Unix socket: messages ``{"kind": ..., ...}``."""
 
     def send_kind(self, kind: str, **fields: Any) -> None:
@@ -62,7 +62,7 @@ def _peer_addresses(cluster: Any, me: Any) -> set[tuple[str, int]]:
 
 
 def main(path: str, setup: str, n: int, index: int, big_bytes: int) -> int:
-    ctl = Control(path)
+    ctl = RankControl(path)
     try:
         _rank(ctl, setup, n, index, big_bytes)
     except BaseException:
@@ -78,7 +78,7 @@ def main(path: str, setup: str, n: int, index: int, big_bytes: int) -> int:
     return 0
 
 
-def _rank(ctl: Control, setup: str, n: int, index: int, big_bytes: int) -> None:
+def _rank(ctl: RankControl, setup: str, n: int, index: int, big_bytes: int) -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     import rendezvous
     from rendezvous.cluster import parse_address

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from . import rss
-from .contenders import BlockingRendezvous, Contender, Gloo, Memcpy, RawGrpc, RawMpi, Rendezvous, cell_name, pattern
+from .contenders import BlockingRendezvous, Contender, Gloo, Memcpy, RawGrpc, RawMpi, ServerContender, cell_name, pattern
 from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend
 from .local_contenders import LOCAL_CELLS, LocalClient
 from .stats import samples_for
@@ -99,7 +99,7 @@ class Options:
         return cls(**base)
 
 
-class Control:
+class RunControl:
     """JSON lines over one loopback TCP connection between the two ranks."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -107,7 +107,7 @@ class Control:
         self.writer = writer
 
     @classmethod
-    async def connect(cls, rank: int, comm: Any, hosts: list[str]) -> "Control":
+    async def connect(cls, rank: int, comm: Any, hosts: list[str]) -> "RunControl":
         """Rank 1 listens on its host, rank 0 connects to it."""
         if rank == 1:
             family = socket.AF_INET6 if ":" in hosts[1] else socket.AF_INET
@@ -147,7 +147,7 @@ class Context:
     """What contenders share on one rank. ``hosts``: each rank's host, where its
     servers bind and its peer reaches them (both 127.0.0.1 on one machine)."""
 
-    def __init__(self, MPI: Any, comm: Any, control: Control, hosts: list[str] | None = None) -> None:
+    def __init__(self, MPI: Any, comm: Any, control: RunControl, hosts: list[str] | None = None) -> None:
         self.MPI = MPI
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -191,7 +191,7 @@ def _build(ctx: Context, names: tuple[str, ...], gpu: Any = None) -> list[Conten
         "mpi": RawMpi(ctx), "mpi_alloc": RawMpi(ctx, fresh=True), "grpc": RawGrpc(ctx),
         "gloo": Gloo(ctx), "memcpy": Memcpy(ctx),
     }
-    for cls in (Rendezvous, BlockingRendezvous):
+    for cls in (ServerContender, BlockingRendezvous):
         for optimal, mr, off in ((False, False, False), (True, False, False), (False, True, False),
                                  (True, True, False), (False, False, True)):
             c = cls(ctx, optimal, mpi_requests=mr, disabled=off)
@@ -368,7 +368,7 @@ class Rank:
         rss.release_free_memory()
         await self.sync()
         base = rss.reset_peak()
-        own = c if isinstance(c, Rendezvous) else None  # a contender that may send copies of its source
+        own = c if isinstance(c, ServerContender) else None  # a contender that may send copies of its source
         if own is not None:
             distinct, own.distinct = own.distinct, False  # the source is the produced tensor: no copy of its own
         try:
@@ -415,7 +415,7 @@ async def run_rank(opts: Options, progress: Callable[[int, int, str], None]) -> 
         raise SystemExit(f"rendezvous bench needs exactly 2 MPI ranks, got {world.Get_size()}")
     comm = world.Dup()
     where = hosts() or [LOOPBACK, LOOPBACK]
-    control = await Control.connect(comm.Get_rank(), comm, where)
+    control = await RunControl.connect(comm.Get_rank(), comm, where)
     ctx = Context(MPI, comm, control, where)
     notes: list[str] = []
     names = tuple(opts.contenders)

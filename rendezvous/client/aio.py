@@ -39,7 +39,7 @@ from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import (GRPC_METHODS, RECVS, ClientCore, Copy, Op, Pending, Router, check_items, check_socket,
+from .core import (GRPC_METHODS, RECVS, ClientCore, Copy, LocalOp, InFlight, Router, check_items, check_socket,
                    connect_within, drive_async)
 from .segments import Segments
 
@@ -55,8 +55,8 @@ class _AioLink(Router):
     def __init__(self, sock: socket.socket) -> None:
         self.loop = asyncio.get_running_loop()
         self.segments = Segments(self._release_soon)
-        self._ops: dict[int, Pending] = {}
-        self._cancelled: dict[int, Op] = {}
+        self._ops: dict[int, InFlight] = {}
+        self._cancelled: dict[int, LocalOp] = {}
         self._ids = itertools.count(1)
         self._error: BaseException | None = None
         self._release_pending = False
@@ -98,10 +98,10 @@ class _AioLink(Router):
         if data:
             self.conn.write(data)
 
-    async def call(self, op: Op) -> memoryview:
+    async def call(self, op: LocalOp) -> memoryview:
         if self._error is not None:
             raise self._error
-        entry = Pending(op, self.loop.create_future())
+        entry = InFlight(op, self.loop.create_future())
         op_id = next(self._ids)
         self._ops[op_id] = entry
         released = self.segments.drain_released()
@@ -197,7 +197,7 @@ class Client:
         link = _AioLink(sock)
         try:
             hello = lpb.AttachRequest(client_id=self.client_id, pid=os.getpid()).SerializeToString()
-            info = lpb.AttachResponse.FromString(bytes(await link.call(Op(Kind.HELLO, hello, within))))
+            info = lpb.AttachResponse.FromString(bytes(await link.call(LocalOp(Kind.HELLO, hello, within))))
         except TimeoutError:
             link.close()
             raise Unavailable(f"no rendezvousd answers on {path} within {within:g}s") from None
@@ -229,7 +229,7 @@ class Client:
         self._session = session
         return lpb.AttachResponse.FromString(first)
 
-    async def _do(self, op: Op) -> bytes | memoryview:
+    async def _do(self, op: LocalOp) -> bytes | memoryview:
         """Carry out ``op``: on the session socket, or as a gRPC call."""
         if self._link is not None:
             return await self._link.call(op)
@@ -267,9 +267,9 @@ class Client:
         """See :meth:`rendezvous.client.Client.send_many`."""
         checked = check_items(items)
         await self.connect()
-        batch: list[Op] = []  # SEND_MANY ops written together (in order), answered together
+        batch: list[LocalOp] = []  # SEND_MANY ops written together (in order), answered together
         for step in self._core.send_many_plan(checked, step_id):
-            if isinstance(step, Op):
+            if isinstance(step, LocalOp):
                 if self._link is None:  # gRPC calls may overtake each other: one at a time
                     await self._do(step)
                 else:

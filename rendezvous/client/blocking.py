@@ -56,7 +56,7 @@ from rendezvous.rpc.options import local_channel_options
 from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 
-from .core import GRPC_METHODS, RECVS, ClientCore, Op, Pending, Router, check_items, check_socket, drive
+from .core import GRPC_METHODS, RECVS, ClientCore, LocalOp, InFlight, Router, check_items, check_socket, drive
 from .segments import Segments
 
 __all__ = ["Client", "token_metadata"]
@@ -88,8 +88,8 @@ class _BlockingLink(Router):
         self.path = path
         self.reader = FrameReader(1 << 62)  # the daemon is trusted with the frame sizes it sends
         self.segments = Segments(self._release_soon)
-        self._ops: dict[int, Pending] = {}
-        self._cancelled: dict[int, Op] = {}
+        self._ops: dict[int, InFlight] = {}
+        self._cancelled: dict[int, LocalOp] = {}
         self._ids = itertools.count(1)
         self._wlock = threading.Lock()
         self._rlock = threading.Lock()
@@ -98,10 +98,10 @@ class _BlockingLink(Router):
         #: the frames of the read being routed: the last one routed whole, and
         #: the one begun (its position, and the waiting call it answers, if any)
         self._routed = -1
-        self._routing: tuple[int, Pending | None] = (-1, None)
+        self._routing: tuple[int, InFlight | None] = (-1, None)
         hello = lpb.AttachRequest(client_id=client_id, pid=os.getpid()).SerializeToString()
         try:
-            self.info = lpb.AttachResponse.FromString(bytes(self.call(Op(Kind.HELLO, hello, timeout))))
+            self.info = lpb.AttachResponse.FromString(bytes(self.call(LocalOp(Kind.HELLO, hello, timeout))))
         except DeadlineExceeded:
             self.close()
             raise Unavailable(f"no rendezvousd answers on {path} within {timeout:g}s") from None
@@ -131,12 +131,12 @@ class _BlockingLink(Router):
 
     # -- calls ------------------------------------------------------------------
 
-    def call(self, op: Op) -> memoryview:
+    def call(self, op: LocalOp) -> memoryview:
         """Send one operation and wait for its answer (its body; the error it carries
         is raised). ``op.timeout``: give up (DeadlineExceeded) after this many seconds."""
         if self._error is not None:
             raise self._error
-        entry = Pending(op)
+        entry = InFlight(op)
         op_id = next(self._ids)
         self._ops[op_id] = entry
         try:
@@ -159,7 +159,7 @@ class _BlockingLink(Router):
             raise messages.frame_error(entry.body)
         return entry.body
 
-    def _wait(self, entry: Pending, deadline: float | None) -> None:
+    def _wait(self, entry: InFlight, deadline: float | None) -> None:
         self._wait_until(lambda: entry.done, deadline)
 
     def _wait_until(self, ready: Callable[[], bool], deadline: float | None) -> None:
@@ -329,7 +329,7 @@ class Client:
 
     # -- calls -----------------------------------------------------------------------
 
-    def _do(self, op: Op) -> bytes | memoryview:
+    def _do(self, op: LocalOp) -> bytes | memoryview:
         """Carry out ``op``: on the session socket, or as a gRPC call."""
         if self._closed:
             raise Unavailable("client is closed")
@@ -370,7 +370,7 @@ class Client:
         in one operation of up to 4 MiB, the others (large, dead, strings) one
         by one. Returns once the daemon holds them all."""
         for step in self._core.send_many_plan(check_items(items), step_id):
-            if isinstance(step, Op):
+            if isinstance(step, LocalOp):
                 self._do(step)  # a run of small tensors, packed in one operation
             else:
                 self.send(step[0], step[1], step_id, step[2])

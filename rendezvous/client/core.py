@@ -10,7 +10,7 @@ decisions are written once here; each client only carries out the
 operations they ask for, blocking or awaiting.
 
 A send is a generator (:meth:`ClientCore.send_plan`) that yields what it
-needs done (an :class:`Op` for the daemon, a :class:`Copy` into a segment)
+needs done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment)
 and is sent each one's outcome; :func:`drive` runs it with a blocking
 caller, and the asyncio client awaits each step the same way.
 """
@@ -41,7 +41,7 @@ from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
 
-__all__ = ["Op", "Copy", "ClientCore", "Router", "Pending", "RECVS", "drive", "drive_async", "GRPC_METHODS",
+__all__ = ["LocalOp", "Copy", "ClientCore", "Router", "InFlight", "RECVS", "drive", "drive_async", "GRPC_METHODS",
            "check_items", "check_socket", "connect_within"]
 
 #: the gRPC method of each operation, for a client without a session socket
@@ -76,7 +76,7 @@ def connect_within(connect_timeout: float, timeout: float | None) -> float:
     return connect_timeout if timeout is None else max(0.0, min(connect_timeout, timeout))
 
 
-class Op(NamedTuple):
+class LocalOp(NamedTuple):
     """One operation for the daemon: its kind, body, a deadline for the answer
     (None: none), and for a RECV (RECV_MANY) the key (keys) and step, to give
     a late reply back."""
@@ -96,7 +96,7 @@ class Copy(NamedTuple):
     arr: np.ndarray
 
 
-Step = Op | Copy
+Step = LocalOp | Copy
 SendPlan = Generator[Step, Any, Hop]
 
 
@@ -132,27 +132,27 @@ class ClientCore:
                 seg_id = segments.take(arr.nbytes)
                 if seg_id is None:
                     try:
-                        yield Op(Kind.LEND, struct.pack("<Q", arr.nbytes))
+                        yield LocalOp(Kind.LEND, struct.pack("<Q", arr.nbytes))
                     except ResourceExhausted:
                         pass  # the pool (or this client's share of it) is full: inline
                     seg_id = segments.take(arr.nbytes)
                 if seg_id is not None:
                     yield Copy(seg_id, arr)
-                    yield Op(Kind.SEND, messages.pooled_send(head, arr, seg_id))
+                    yield LocalOp(Kind.SEND, messages.pooled_send(head, arr, seg_id))
                     self._count(f"send_{Hop.SHM}")
                     return Hop.SHM
         body, _ = messages.inline_send(head, tensor, is_dead)
-        yield Op(Kind.SEND, body)
+        yield LocalOp(Kind.SEND, body)
         self._count(f"send_{Hop.INLINE}")
         return Hop.INLINE
 
-    def send_many_plan(self, items: list[tuple[Any, Any, bool]], step_id: int) -> list[Op | tuple[Any, Any, bool]]:
+    def send_many_plan(self, items: list[tuple[Any, Any, bool]], step_id: int) -> list[LocalOp | tuple[Any, Any, bool]]:
         """send_many's checked ``items`` as what to do, in their order (so FIFO per
         key holds): a SEND_MANY op for each run of host arrays that travel
         inside frames (a fixed-size dtype, under the shared-memory threshold),
         packed in one group, up to :data:`SEND_MANY_BYTES` each; the others
         (dead, strings, large: through a segment) as items for :meth:`send_plan`."""
-        plan: list[Op | tuple[Any, Any, bool]] = []
+        plan: list[LocalOp | tuple[Any, Any, bool]] = []
         keys: list[str] = []
         arrays: list[np.ndarray] = []
         size = packed = 0
@@ -161,7 +161,7 @@ class ClientCore:
         def flush() -> None:
             nonlocal size
             if arrays:
-                plan.append(Op(Kind.SEND_MANY, messages.send_many_request(keys, arrays, step_id)))
+                plan.append(LocalOp(Kind.SEND_MANY, messages.send_many_request(keys, arrays, step_id)))
                 keys.clear()
                 arrays.clear()
                 size = 0
@@ -187,13 +187,13 @@ class ClientCore:
         return plan
 
     @staticmethod
-    def recv_op(key: Key | str, step_id: int, timeout: float | None) -> Op:
+    def recv_op(key: Key | str, step_id: int, timeout: float | None) -> LocalOp:
         """The RECV of ``key``. The daemon enforces ``timeout`` (DEADLINE_EXCEEDED
         naming the key); the client's own deadline, 10 s later, only guards
         against a daemon that never answers."""
         canonical = canonical_key(key)
         guard = None if timeout is None else timeout + 10.0
-        return Op(Kind.RECV, messages.recv_request(canonical, step_id, timeout), guard, canonical, step_id)
+        return LocalOp(Kind.RECV, messages.recv_request(canonical, step_id, timeout), guard, canonical, step_id)
 
     def received(self, raw: bytes | memoryview) -> Received:
         """A RECV's answer as the item (a view on shared memory for a pooled reply)."""
@@ -203,7 +203,7 @@ class ClientCore:
             self._counts[reply.path] += 1
         return reply.item
 
-    def recv_many_op(self, keys: Sequence[Key | str], step_id: int, timeout: float | None) -> Op:
+    def recv_many_op(self, keys: Sequence[Key | str], step_id: int, timeout: float | None) -> LocalOp:
         """The RECV_MANY of ``keys``: one operation, one deadline (the daemon's;
         the client's guard is 10 s later, as for :meth:`recv_op`). On the
         session socket its frame is at most :data:`SMALL_BODY`, as the daemon
@@ -211,12 +211,12 @@ class ClientCore:
         before anything is asked."""
         canonical = tuple(canonical_key(k) for k in keys)  # a malformed key: refused before anything is sent
         guard = None if timeout is None else timeout + 10.0
-        op = Op(Kind.RECV_MANY, messages.recv_many_request(list(canonical), step_id, timeout), guard,
+        op = LocalOp(Kind.RECV_MANY, messages.recv_many_request(list(canonical), step_id, timeout), guard,
                 step_id=step_id, keys=canonical)
         self.check_many(op)
         return op
 
-    def check_many(self, op: Op) -> None:
+    def check_many(self, op: LocalOp) -> None:
         """RESOURCE_EXHAUSTED for a RECV_MANY larger than the session socket's
         daemon reads (:data:`SMALL_BODY`); nothing is asked then. (A client not
         attached yet is checked again once it is.)"""
@@ -225,7 +225,7 @@ class ClientCore:
                                     f"reads at most {SMALL_BODY} in one (about 8,000 keys of 120 characters): ask "
                                     "for fewer keys at once")
 
-    def received_many(self, raw: bytes | memoryview, op: Op) -> list[Received]:
+    def received_many(self, raw: bytes | memoryview, op: LocalOp) -> list[Received]:
         """A RECV_MANY's answer as the items, in key order, or its error naming each
         key that failed (nothing of the batch was taken)."""
         got = messages.parse_many(raw, len(op.keys))
@@ -247,12 +247,12 @@ class ClientCore:
         return items
 
     @staticmethod
-    def abort_op(step_id: int, message: str) -> Op:
-        return Op(Kind.ABORT, lpb.AbortRequest(step_id=step_id, message=message).SerializeToString())
+    def abort_op(step_id: int, message: str) -> LocalOp:
+        return LocalOp(Kind.ABORT, lpb.AbortRequest(step_id=step_id, message=message).SerializeToString())
 
     @staticmethod
-    def pending_op() -> Op:
-        return Op(Kind.PENDING, b"")
+    def pending_op() -> LocalOp:
+        return LocalOp(Kind.PENDING, b"")
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -265,7 +265,7 @@ class ClientCore:
             return {str(k): v for k, v in self._counts.items()}
 
 
-def drive(plan: SendPlan, do: Callable[[Op], Any], copy: Callable[[int, np.ndarray], None] | None) -> Hop:
+def drive(plan: SendPlan, do: Callable[[LocalOp], Any], copy: Callable[[int, np.ndarray], None] | None) -> Hop:
     """Run a send's steps with a blocking ``do(op)`` (its answer, or raises) and
     ``copy(seg_id, arr)`` (None without a session: a plan copies only into its segments)."""
     outcome: Any = None
@@ -287,7 +287,7 @@ def drive(plan: SendPlan, do: Callable[[Op], Any], copy: Callable[[int, np.ndarr
             error = exc
 
 
-async def drive_async(plan: SendPlan, do: Callable[[Op], Awaitable[Any]],
+async def drive_async(plan: SendPlan, do: Callable[[LocalOp], Awaitable[Any]],
                       copy: Callable[[Copy], Awaitable[None]]) -> Hop:
     """:func:`drive`, each step awaited."""
     outcome: Any = None
@@ -308,13 +308,13 @@ async def drive_async(plan: SendPlan, do: Callable[[Op], Awaitable[Any]],
 _NO_BODY = memoryview(b"")
 
 
-class Pending:
+class InFlight:
     """An operation sent on the session socket and not answered yet: its answer
     (kind and body) once ``done``."""
 
     __slots__ = ("op", "kind", "body", "done", "waiter")
 
-    def __init__(self, op: Op, waiter: Any = None) -> None:
+    def __init__(self, op: LocalOp, waiter: Any = None) -> None:
         self.op = op
         self.kind = 0
         self.body = _NO_BODY
@@ -330,17 +330,17 @@ class Router:
     """What both session links do with a frame from the daemon that is not an
     answer for a waiting caller: map and retire segments, take lent grants,
     and give back a tensor whose recv gave up. Subclasses hold ``segments``,
-    ``_ops`` (operation id -> :class:`Pending`), ``_cancelled`` (operation id
-    -> the :class:`Op` of a recv that gave up) and ``_write(data)``."""
+    ``_ops`` (operation id -> :class:`InFlight`), ``_cancelled`` (operation id
+    -> the :class:`LocalOp` of a recv that gave up) and ``_write(data)``."""
 
     segments: Segments
-    _ops: dict[int, Pending]
-    _cancelled: dict[int, Op]
+    _ops: dict[int, InFlight]
+    _cancelled: dict[int, LocalOp]
 
     def _write(self, data: bytes) -> None:
         raise NotImplementedError
 
-    def _give_up(self, op_id: int, entry: Pending) -> None:
+    def _give_up(self, op_id: int, entry: InFlight) -> None:
         """The caller of RECV (RECV_MANY) ``op_id`` stopped waiting (a deadline of
         its own, a cancel, Ctrl-C). Its answer is given back, never dropped: if
         it already came, the tensors go back now (RETURN); if not, the daemon's
@@ -352,7 +352,7 @@ class Router:
         elif entry.done:
             self._return(entry.op, entry.kind, entry.body)
 
-    def _return(self, op: Op, kind: int, body: memoryview) -> None:
+    def _return(self, op: LocalOp, kind: int, body: memoryview) -> None:
         """Give back the tensors of ``op``'s answer, which nobody takes (RETURN frames)."""
         if kind == Kind.RECV_REPLY:
             self._write(frame(Kind.RETURN, 0, messages.returned(op.key, op.step_id, body)))
@@ -361,7 +361,7 @@ class Router:
             if back:
                 self._write(b"".join(frame(Kind.RETURN, 0, one) for one in back))
 
-    def _route(self, kind: int, op_id: int, body: memoryview) -> Pending | None:
+    def _route(self, kind: int, op_id: int, body: memoryview) -> InFlight | None:
         """The pending entry this frame answers, or None (handled here)."""
         if kind == Kind.SEGMENTS:
             self.segments.introduce(body)

@@ -1,7 +1,7 @@
 """A batch of keys from one peer, asked at once on its stream: what
 :meth:`rendezvous.rpc.peer.PeerClient.recv_batch` runs.
 
-Each key is a call of its own (:class:`_Call`: its :class:`Pending` and its
+Each key is a call of its own (:class:`_Call`: its :class:`PendingCall` and its
 outcome in one object) and the batch waits on one future (:class:`_Batch`).
 All or none: on the first failure, or the caller's cancel, every other call
 gives up by a recv's rules, and every tensor that arrived is kept for the
@@ -22,7 +22,7 @@ from rendezvous import frames
 from rendezvous.errors import PeerUnavailable, RendezvousError, Unavailable
 from rendezvous.transport import Fetched, Path
 
-from .consumer_stream import Broken, ConsumerStream, Pending
+from .consumer_stream import Broken, ConsumerStream, PendingCall
 from .delivery import ASKED
 
 if TYPE_CHECKING:
@@ -74,8 +74,8 @@ class _Batch:
 _PENDING, _DONE, _CANCELLED = 0, 1, 2
 
 
-class _Call(Pending):
-    """A batch's call: its :class:`Pending` and its outcome in one object, with
+class _Call(PendingCall):
+    """A batch's call: its :class:`PendingCall` and its outcome in one object, with
     the part of ``asyncio.Future``'s interface the stream and the batch use
     (no callbacks, no loop round trip): its ``future`` is itself. A batch of
     thousands of keys resolves thousands of these and one future, and makes
@@ -85,7 +85,7 @@ class _Call(Pending):
     __slots__ = ("_state", "_result", "_exc", "_batch")
 
     def __init__(self, batch: _Batch, key: str, step_id: int, placement: Any, request_id: int) -> None:
-        # Pending.__init__(self, None, ...), inlined: once per key of a batch
+        # PendingCall.__init__(self, None, ...), inlined: once per key of a batch
         self.request_id = request_id
         self.assembly = None
         self.path = Path.GRPC

@@ -31,7 +31,7 @@ from rendezvous.tensors import decode_meta
 from rendezvous.transport import Fetched
 from rendezvous.transport.calls import EOF, CallEnded, RequestCall
 
-from .delivery import ANSWERED, BROKE, GAVE_UP, MOVED, Pending
+from .delivery import ANSWERED, BROKE, GAVE_UP, MOVED, PendingCall
 
 if TYPE_CHECKING:
     from .peer import PeerClient
@@ -96,9 +96,9 @@ class ConsumerStream:
         self.inline_path = call.inline_path  # how frames travel: the path of a tensor inside them
         self.client = client
         self.call = call
-        self.pending: dict[int, Pending] = {}
+        self.pending: dict[int, PendingCall] = {}
         #: calls whose bytes are on their way another way (an MPI transfer posted)
-        self.moving: dict[int, Pending] = {}
+        self.moving: dict[int, PendingCall] = {}
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         #: recvs (and cancels, as their frames) asked in this turn of the loop,
         #: not sent yet (see submit and _flush)
@@ -120,7 +120,7 @@ class ConsumerStream:
         if deliver_to is not None:  # replies dispatched as they arrive (MPI), see _arrived
             deliver_to(self._arrived)
 
-    def submit(self, call_id: int, pending: Pending, step_id: int, key: bytes, request_id: int,
+    def submit(self, call_id: int, pending: PendingCall, step_id: int, key: bytes, request_id: int,
                options: bytes | None) -> None:
         """One recv's request. The recvs submitted in one turn of the loop (an
         ``asyncio.gather`` of recvs, a daemon's batch of local recvs) leave
@@ -132,7 +132,7 @@ class ConsumerStream:
             asyncio.get_running_loop().call_soon(self._flush)
         self._coalescing.append((call_id, step_id, key, request_id, options))
 
-    def submit_many(self, first: int, pendings: Sequence[Pending], request: bytes) -> None:
+    def submit_many(self, first: int, pendings: Sequence[PendingCall], request: bytes) -> None:
         """The calls ``first`` .. ``first + len(pendings) - 1`` of one RecvMany."""
         self._flush()  # requests leave in the order they were made
         self.pending.update(zip(range(first, first + len(pendings)), pendings))
@@ -192,7 +192,7 @@ class ConsumerStream:
         for message in messages[sent:]:
             self.outbox.put_nowait(message)
 
-    def cancel(self, call_id: int, p: Pending) -> bool:
+    def cancel(self, call_id: int, p: PendingCall) -> bool:
         """The recv of ``call_id`` (``p``) gave up. True when this stream settles
         the call: its answer is already in (the tensor went to another recv or to
         the server), its bytes are on their way (kept when they land), or the
@@ -296,7 +296,7 @@ class ConsumerStream:
             self.call.cancel()
             self.reader.cancel()
 
-    def _cut_off(self, cut: list[tuple[int, Pending]], error: RendezvousError, waited: float | None = None) -> None:
+    def _cut_off(self, cut: list[tuple[int, PendingCall]], error: RendezvousError, waited: float | None = None) -> None:
         """The recvs of ``cut``, whose bytes were on their way when the stream
         ended (and have not landed after ``waited`` seconds), stop waiting."""
         late = "" if waited is None else f" and did not land within {waited:g}s of its end"
@@ -355,7 +355,7 @@ class ConsumerStream:
                     self._deliver(p, fetched)
             return
         path, landing = planes.receive_group(buf, group)  # posted even if nobody waits: its bytes are on the way
-        moving: list[tuple[int, int, Pending]] = []
+        moving: list[tuple[int, int, PendingCall]] = []
         on_the_way = self.moving
         for i, call_id in enumerate(group.call_ids):
             p = pending.pop(call_id, None)
@@ -368,7 +368,7 @@ class ConsumerStream:
             planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
         landing.add_done_callback(lambda f: self._settle_group(group, moving, f, path))
 
-    def _settle_group(self, group: fused.Group, moving: list[tuple[int, int, Pending]],
+    def _settle_group(self, group: fused.Group, moving: list[tuple[int, int, PendingCall]],
                       landed: asyncio.Future, path: Path) -> None:
         """A group's fusion buffer is here (or failed): each call takes its view."""
         on_the_way = self.moving
@@ -469,11 +469,11 @@ class ConsumerStream:
             if not p.future.done():
                 p.future.set_exception(exc)
 
-    def _finish(self, call_id: int, p: Pending, fetched: Fetched) -> None:
+    def _finish(self, call_id: int, p: PendingCall, fetched: Fetched) -> None:
         self.pending.pop(call_id, None)
         self._deliver(p, fetched)
 
-    def _deliver(self, p: Pending, fetched: Fetched) -> None:
+    def _deliver(self, p: PendingCall, fetched: Fetched) -> None:
         p.to(ANSWERED)
         if not p.orphan and not p.future.done():
             p.future.set_result(fetched)
@@ -493,7 +493,7 @@ class ConsumerStream:
             return
         self.client.unclaimed(p.step_id, p.key, kept)
 
-    def _waiting_for(self, step_id: int, key: str) -> tuple[int, Pending] | None:
+    def _waiting_for(self, step_id: int, key: str) -> tuple[int, PendingCall] | None:
         """The oldest call of ``key`` in ``step_id`` still waiting on this
         stream, taken out of the index (it is about to be answered), or None.
         The index is made from ``pending`` when first asked, and again once a
@@ -519,7 +519,7 @@ class ConsumerStream:
                 return call_id, waiting
         return None
 
-    def _settle(self, call_id: int, p: Pending, task: asyncio.Future, path: Path, placed: bool) -> None:
+    def _settle(self, call_id: int, p: PendingCall, task: asyncio.Future, path: Path, placed: bool) -> None:
         """A reply whose bytes came another way (a plane's pending transfer) is done."""
         if self.moving.get(call_id) is p:
             del self.moving[call_id]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .retry import Handed
     from .servicer import RecvTensorServicer
 
-__all__ = ["Pending", "OutgoingReply", "READY", "COMMITTED", "STARTED", "COMMITTED_STARTED", "GIVEN_BACK", "REPLY_STATES",
+__all__ = ["PendingCall", "OutgoingReply", "READY", "COMMITTED", "STARTED", "COMMITTED_STARTED", "GIVEN_BACK", "REPLY_STATES",
            "COMMIT", "START", "GIVE_BACK", "REPLY_EVENTS", "REPLY_MOVES", "reply_after", "ASKED", "MOVING", "ORPHAN", "ORPHAN_MOVING", "SETTLED", "IN_DOUBT", "STATES",
            "GAVE_UP", "MOVED", "ANSWERED", "BROKE", "EVENTS", "MOVES", "IllegalMove", "after"]
 
@@ -124,7 +124,7 @@ def reply_after(state: int, event: int, what: object = "a reply") -> int:
     return nxt
 
 
-class Pending:
+class PendingCall:
     """One call on a stream: its recv's future (a Fetched), the key and step it
     asks, its request_id, and where its delivery stands."""
 

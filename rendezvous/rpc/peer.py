@@ -54,7 +54,7 @@ from rendezvous.keys import TaskName
 from rendezvous.transport import Fetched, Path, Planes
 
 from .batch import BatchFailed, fetch_batch
-from .consumer_stream import MANY_REQUEST_BYTES, Broken, ConsumerStream, Pending
+from .consumer_stream import MANY_REQUEST_BYTES, Broken, ConsumerStream, PendingCall
 from .grpc_calls import GrpcCall
 from .options import STREAM_METHOD, peer_channel_options
 
@@ -196,7 +196,7 @@ class PeerClient:
                     if stream is None or not stream.alive:  # (a live one needs no coroutine)
                         stream = await self._get_stream(deadline)
                     call_id = self._take_ids(1)
-                    pending = Pending(loop.create_future(), key, step_id, placement, request_id)
+                    pending = PendingCall(loop.create_future(), key, step_id, placement, request_id)
                     stream.submit(call_id, pending, step_id, key_bytes, request_id, options)
                     asked = True
                     try:
