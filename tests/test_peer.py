@@ -35,7 +35,7 @@ from rendezvous.transport.calls import EOF, CallBase
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb
 
-from conftest import key, run, until
+from conftest import free_port, key, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1320,3 +1320,34 @@ def test_a_batchs_call_starts_as_a_pending_recv_does():
                 assert getattr(call, name) == getattr(pending, name), name
         assert call.future is call and not call.done()
     run(main())
+
+
+def test_a_first_connect_cut_short_by_the_recvs_deadline_is_deadline_exceeded(monkeypatch):
+    """A recv whose deadline comes before the connect timeout waits for the
+    first connection only that long; when that wait ends (its timer may fire a
+    hair before the deadline, as the loop's do), the recv fails with
+    DEADLINE_EXCEEDED, never UNAVAILABLE: the peer may be fine, the recv was
+    short. (It raised PeerUnavailable "could not connect within 0.005s" in a
+    race of 2-20 ms deadlines.)
+
+    Checked to fail: with the wait's end judged by the clock (loop.time() >=
+    deadline), the early timer made it UNAVAILABLE."""
+    real_wait_for = asyncio.wait_for
+
+    async def early_timer(aw, timeout):
+        if getattr(aw, "__qualname__", "").endswith("channel_ready"):
+            aw.close()
+            raise TimeoutError  # fired before the deadline, as a loop timer may
+        return await real_wait_for(aw, timeout)
+
+    async def main():
+        port = free_port()  # nothing listens: the first connect never completes
+        client = PeerClient(PEER, f"127.0.0.1:{port}", Config.load({}, env={}), planes=_inline_planes())
+        monkeypatch.setattr(asyncio, "wait_for", early_timer)
+        try:
+            with pytest.raises(errors.DeadlineExceeded, match="never reached"):
+                await client.recv(key(1, 0, "x"), 1, timeout=5)
+        finally:
+            monkeypatch.undo()
+            await client.close()
+    run(main(), 30)

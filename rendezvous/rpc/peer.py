@@ -312,13 +312,14 @@ class PeerClient:
             if first:
                 loop = asyncio.get_running_loop()
                 limit = self.config.connect_timeout
-                if deadline is not None:
-                    limit = min(limit, max(0.0, deadline - loop.time()))
+                left = float("inf") if deadline is None else deadline - loop.time()
+                own = left < limit  # the recv's own deadline bounds the wait when it comes first
+                limit = max(0.0, min(limit, left))
                 try:
                     await asyncio.wait_for(self._channel.channel_ready(), limit)
                 except TimeoutError:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise  # the recv's own deadline: DeadlineExceeded upstream
+                    if own:  # (its timer may fire a hair before the deadline: still the recv's own)
+                        raise  # DeadlineExceeded upstream
                     raise PeerUnavailable(
                         f"could not connect to {self.describe()} within {limit:g}s") from None
                 self._connected_once = True
