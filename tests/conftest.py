@@ -10,11 +10,12 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import asyncio  # noqa: E402
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+import rendezvous
 from rendezvous import aio
 from rendezvous.keys import make_key
 
@@ -65,6 +66,20 @@ async def cluster(n: int = 2, job: str = "worker", **overrides) -> AsyncIterator
     finally:
         for s in servers:
             await s.stop(0)
+
+
+@contextlib.contextmanager
+def two_servers() -> Iterator[tuple[rendezvous.Server, rendezvous.Server]]:
+    """Two started blocking servers (tasks 0 and 1 of job "worker") on
+    OS-chosen loopback ports, each knowing the other's address."""
+    spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
+    a = rendezvous.Server(spec, "worker", 0)
+    b = rendezvous.Server(spec, "worker", 1)
+    with a, b:
+        full = {"worker": [a.target, b.target]}
+        a.update_cluster(full)
+        b.update_cluster(full)
+        yield a, b
 
 
 def run(coro, timeout: float = 60.0):

@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import threading
 import time
-import traceback
 
 import numpy as np
 
@@ -26,17 +24,7 @@ from rendezvous.mpi.plane import DELIVERED_BYTES
 from rendezvous.rank.launch import launcher_rank
 
 
-def _abort_job(exc_type, exc, tb):
-    traceback.print_exception(exc_type, exc, tb)
-    sys.stderr.flush()
-    if "mpi4py.MPI" in sys.modules:
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(1)
-    import os
-    os._exit(1)
-
-
-sys.excepthook = _abort_job
-threading.excepthook = lambda args: _abort_job(args.exc_type, args.exc_value, args.exc_traceback)
+import mpi_abort  # noqa: E402,F401  (a failing rank aborts the job)
 
 
 def key(src: int, dst: int, name: str) -> str:

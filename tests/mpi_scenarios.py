@@ -13,7 +13,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 
 import numpy as np
 
@@ -22,16 +21,7 @@ from rendezvous.keys import TaskName
 from rendezvous.rank.launch import launcher_rank
 
 
-def _abort_job(exc_type, exc, tb):
-    traceback.print_exception(exc_type, exc, tb)
-    sys.stderr.flush()
-    if "mpi4py.MPI" in sys.modules:
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(1)
-    os._exit(1)
-
-
-sys.excepthook = _abort_job
-threading.excepthook = lambda args: _abort_job(args.exc_type, args.exc_value, args.exc_traceback)
+import mpi_abort  # noqa: E402,F401  (a failing rank aborts the job)
 
 
 def key(src: str, dst: str, name: str) -> str:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,21 +20,10 @@ import rendezvous
 from rendezvous import interop
 from rendezvous.rank import blocking
 
-from conftest import key
+from conftest import key, two_servers
 
 pytestmark = pytest.mark.timeout(60)
 
-
-@contextlib.contextmanager
-def two_servers() -> Iterator[tuple[rendezvous.Server, rendezvous.Server]]:
-    spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
-    a = rendezvous.Server(spec, "worker", 0)
-    b = rendezvous.Server(spec, "worker", 1)
-    with a, b:
-        full = {"worker": [a.target, b.target]}
-        a.update_cluster(full)
-        b.update_cluster(full)
-        yield a, b
 
 
 class LoopHold:

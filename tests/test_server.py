@@ -9,11 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-import rendezvous
 from rendezvous import errors, frames
 from rendezvous.v1 import rendezvous_pb2 as pb
 
-from conftest import cluster, key, run, until
+from conftest import cluster, key, run, two_servers, until
 
 
 def _unary(target: str, path: str = "/rendezvous.v1.Rendezvous/RecvTensor"):
@@ -323,13 +322,7 @@ def test_tensorflow_worker_service_path():
 
 
 def test_blocking_server_threads():
-    spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
-    a = rendezvous.Server(spec, "worker", 0)
-    b = rendezvous.Server(spec, "worker", 1)
-    with a, b:
-        full = {"worker": [a.target, b.target]}
-        a.update_cluster(full)
-        b.update_cluster(full)
+    with two_servers() as (a, b):
         producers = [threading.Thread(target=lambda t=t: [b.send(key(1, 0, f"p{t}"), np.array([t, i]), step_id=3)
                                                             for i in range(50)]) for t in range(4)]
         for p in producers:
@@ -352,13 +345,7 @@ def test_blocking_recvs_of_large_tensors_reuse_their_receive_buffers():
     the server's receive cache, reused once the caller drops the array: a
     training loop's recvs take no fresh pages. (A recv's deadline once kept the
     recv's task, and the task its result, alive: every buffer stayed in use.)"""
-    spec = {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}
-    a = rendezvous.Server(spec, "worker", 0)
-    b = rendezvous.Server(spec, "worker", 1)
-    with a, b:
-        full = {"worker": [a.target, b.target]}
-        a.update_cluster(full)
-        b.update_cluster(full)
+    with two_servers() as (a, b):
         tensor = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: assembled from chunks
         for i in range(6):
             b.send(key(1, 0, f"big{i}"), tensor)

@@ -7,6 +7,7 @@ a receiver joined by a scripted wire that matches messages as MPI does).
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import threading
 import time
@@ -111,7 +112,7 @@ def run_until(pipe, cond, timeout=20.0):
         if time.monotonic() > end:
             raise AssertionError("pipeline made no progress")
         if not pipe.step():
-            time.sleep(0)  # let the copy threads run
+            os.sched_yield()  # the copy threads run (it releases the GIL); the deadline bounds the wait
 
 
 @pytest.fixture
@@ -327,7 +328,7 @@ def run_pair(send, recv, timeout=10.0):
         moved = send.step() if not send.done else False
         moved = (recv.step() if not recv.done else False) or moved
         if not moved:
-            time.sleep(0)
+            os.sched_yield()  # as run_until: the fake's copy threads run meanwhile
 
 
 def staged_pair(fake, wire, data, chunk=1024, depth=2, tag=7):

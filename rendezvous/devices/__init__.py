@@ -58,25 +58,12 @@ from rendezvous.dtypes import as_array
 from rendezvous.errors import FailedPrecondition, InvalidArgument
 
 # the contract's names, importable from here too
+from .backend import __all__ as backend_all
 from .backend import (CPU, KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED, KDL_GPU_KINDS, STREAM_LEGACY,
                       STREAM_PER_THREAD, Allocation, DeviceBackend, DeviceTensor, Placement, is_device,
                       parse_placement, placement_for_device)
 
-__all__ = [
-    "Placement",
-    "CPU",
-    "parse_placement",
-    "placement_for_device",
-    "DeviceTensor",
-    "DeviceBackend",
-    "Allocation",
-    "PinnedPool",
-    "PinnedBudget",
-    "Devices",
-    "import_device",
-    "import_host",
-    "is_device",
-]
+__all__ = [*backend_all, "PinnedPool", "PinnedBudget", "Devices", "import_device", "import_host"]
 
 log = logging.getLogger("rendezvous.devices")
 
