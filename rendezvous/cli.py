@@ -377,7 +377,7 @@ def _get(args: argparse.Namespace, argv: list[str]) -> int:
     import numpy as np
     from google.protobuf import text_format
 
-    from . import frames
+    from .codec.parsing import decode_inline, parse_response
     from .errors import RendezvousError, from_status
     from .keys import parse_key
     from .rpc.options import UNARY_METHOD
@@ -411,12 +411,12 @@ def _get(args: argparse.Namespace, argv: list[str]) -> int:
         print(text_format.MessageToString(pb.RecvTensorResponse.FromString(raw)), end="")
         return 0
     try:
-        head = frames.parse_response(raw)
+        head = parse_response(raw)
         if head.is_dead:
             print("dead tensor (the producer's branch did not run)")
             return 0
         limit = Config.load().max_tensor_bytes  # what the server announces is checked first
-        value = frames.decode_inline(raw, head.tensor, max_bytes=limit) if head.tensor else None
+        value = decode_inline(raw, head.tensor, max_bytes=limit) if head.tensor else None
     except RendezvousError as exc:
         print(f"rendezvous get: {what}: malformed reply: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1

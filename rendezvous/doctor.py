@@ -155,7 +155,7 @@ def _gpu_finding() -> Finding:
     except ImportError:
         return Finding("gpu", "warn", "nvidia-smi runs but cupy is not installed: GPU tensors cannot be sent "
                                       "(pip install 'rendezvous[gpu]')")
-    from rendezvous.cupy_backend import CupyBackend
+    from rendezvous.devices.cupy_backend import CupyBackend
 
     backend = CupyBackend()
     if not backend.available():

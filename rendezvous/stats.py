@@ -4,7 +4,7 @@ Each path counts, on the consumer side, ``transfers`` completed, their payload
 ``bytes``, ``errors``, and ``fallbacks`` (transfers that took this path because
 a faster one could not be used); on the producer side ``served`` replies and
 ``served_bytes``, and of those ``served_fused``: tensors that went packed with
-others in one group reply (:mod:`rendezvous.fused`). Updated on the event-loop thread only; read from anywhere.
+others in one group reply (:mod:`rendezvous.codec.groups`). Updated on the event-loop thread only; read from anywhere.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
-from rendezvous import errors, fused, wire
-from rendezvous import fields as F
+from rendezvous import errors
+from rendezvous.codec import groups, wire
+from rendezvous.codec import fields as F
 from rendezvous.client import Client as BlockingClient
 from rendezvous.client.aio import Client
 from rendezvous.daemon import sessions as daemon_sessions
@@ -139,12 +140,12 @@ def test_a_clients_frames_stay_within_the_bounds_the_daemon_reads(sockdir, block
 def lying_send_many(k: str, dims: tuple[int, ...], step_id: int = 1) -> bytes:
     """A SEND_MANY of one empty float64 tensor whose group claims shape ``dims``."""
     empty = np.zeros(0, np.float64)
-    lay = fused.layout([empty])
+    lay = groups.layout([empty])
     lay.ranks = np.array([len(dims)], "<u4").tobytes()
     lay.dims = np.array(dims, "<u8").tobytes()
     head = wire.varint_field(F.SEND_MANY_STEP_ID, step_id) + wire.len_field_header(F.SEND_MANY_KEYS, len(k)) + \
         k.encode()
-    return head + b"".join(fused.group_parts([0], [empty], lay, field=F.SEND_MANY_GROUP))
+    return head + b"".join(groups.group_parts([0], [empty], lay, field=F.SEND_MANY_GROUP))
 
 
 LIES = [(0, 2**62), (2**62, 0), (0, 2**64 - 1), (2**31, 2**31, 0), (0, 2**40, 2**40)]

@@ -316,7 +316,7 @@ class _CupyEvent:
 def test_cupy_event_of_a_failed_copy_raises_instead_of_never_being_done():
     from types import SimpleNamespace
 
-    from rendezvous.cupy_backend import CupyBackend
+    from rendezvous.devices.cupy_backend import CupyBackend
 
     runtime = _Runtime()
     backend = CupyBackend()

@@ -1,4 +1,4 @@
-"""Group replies (rendezvous/fused.py): many tensors in one frame, read back as
+"""Group replies (rendezvous/groups.py): many tensors in one frame, read back as
 views; every lie a producer could tell in a group is refused before anything
 is allocated or read."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rendezvous import fields as F
-from rendezvous import fused, wire
-from rendezvous.dtypes import DT_STRING
+from rendezvous.codec import fields as F
+from rendezvous.codec import groups, wire
+from rendezvous.codec.dtypes import DT_STRING
 from rendezvous.errors import InvalidArgument, ResourceExhausted
 
 pytestmark = pytest.mark.timeout(30)
@@ -37,12 +37,12 @@ def _span(frame: bytes) -> tuple[int, int]:
 
 
 def test_a_group_round_trips_every_fixed_size_dtype_as_aligned_views():
-    lay = fused.layout(ARRAYS)
-    assert all(o % fused.ALIGN == 0 for o in lay.offsets[:-1])
-    frame = fused.group_frame(list(range(40, 40 + len(ARRAYS))), ARRAYS, lay, 123)
-    group = fused.parse_group(frame, *_span(frame))
+    lay = groups.layout(ARRAYS)
+    assert all(o % groups.ALIGN == 0 for o in lay.offsets[:-1])
+    frame = groups.group_frame(list(range(40, 40 + len(ARRAYS))), ARRAYS, lay, 123)
+    group = groups.parse_group(frame, *_span(frame))
     assert group.call_ids == list(range(40, 48)) and group.send_start_micros == 123
-    got = fused.views(group, frame, group.payload[0])
+    got = groups.views(group, frame, group.payload[0])
     for want, have in zip(ARRAYS, got):
         assert have.dtype == want.dtype and have.shape == want.shape
         np.testing.assert_array_equal(have, want)
@@ -50,21 +50,21 @@ def test_a_group_round_trips_every_fixed_size_dtype_as_aligned_views():
 
 
 def test_a_payload_announced_elsewhere_is_filled_at_the_same_offsets():
-    lay = fused.layout(ARRAYS)
+    lay = groups.layout(ARRAYS)
     buffer = np.empty(lay.nbytes, np.uint8)
-    fused.fill(buffer, lay)
-    frame = fused.group_frame(list(range(len(ARRAYS))), None, lay, 0, b"\x0a\x01x")
-    group = fused.parse_group(frame, *_span(frame))
+    groups.fill(buffer, lay)
+    frame = groups.group_frame(list(range(len(ARRAYS))), None, lay, 0, b"\x0a\x01x")
+    group = groups.parse_group(frame, *_span(frame))
     assert group.payload is None and group.transport_options is not None and group.nbytes == lay.nbytes
-    for want, have in zip(ARRAYS, fused.views(group, buffer)):
+    for want, have in zip(ARRAYS, groups.views(group, buffer)):
         np.testing.assert_array_equal(have, want)
 
 
 def test_which_tensors_may_be_packed():
-    assert fused.fusable(np.ones(10), 80) and not fused.fusable(np.ones(11), 80)
-    assert not fused.fusable(np.array([b"a"], dtype=object), 1 << 20)
-    assert not fused.fusable(np.array([b"a"]), 1 << 20)  # bytes strings: DT_STRING
-    assert not fused.fusable([1.0], 1 << 20) and not fused.fusable(None, 1 << 20)
+    assert groups.fusable(np.ones(10), 80) and not groups.fusable(np.ones(11), 80)
+    assert not groups.fusable(np.array([b"a"], dtype=object), 1 << 20)
+    assert not groups.fusable(np.array([b"a"]), 1 << 20)  # bytes strings: DT_STRING
+    assert not groups.fusable([1.0], 1 << 20) and not groups.fusable(None, 1 << 20)
 
 
 def _lie(**change) -> bytes:
@@ -87,8 +87,8 @@ def _lie(**change) -> bytes:
 
 def test_the_hand_written_group_of_the_lies_below_is_valid_as_it_stands():
     frame = _lie()
-    group = fused.parse_group(frame, *_span(frame))
-    assert [v.tolist() for v in fused.views(group, frame, group.payload[0])] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    group = groups.parse_group(frame, *_span(frame))
+    assert [v.tolist() for v in groups.views(group, frame, group.payload[0])] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("frame, words", [
@@ -112,16 +112,16 @@ def test_the_hand_written_group_of_the_lies_below_is_valid_as_it_stands():
 ])
 def test_a_group_that_lies_is_refused(frame, words):
     with pytest.raises(InvalidArgument, match=words):
-        fused.parse_group(frame, *_span(frame))
+        groups.parse_group(frame, *_span(frame))
 
 
 def test_a_group_announcing_more_than_the_limit_is_refused_before_any_allocation():
     value = np.ones(1000, np.float64)
-    lay = fused.layout([value])
-    frame = fused.group_frame([1], None, lay, 0, b"\x0a\x01x")
+    lay = groups.layout([value])
+    frame = groups.group_frame([1], None, lay, 0, b"\x0a\x01x")
     with pytest.raises(ResourceExhausted, match="8000 bytes"):
-        fused.parse_group(frame, *_span(frame), max_bytes=4096)
-    fused.parse_group(frame, *_span(frame), max_bytes=8000)
+        groups.parse_group(frame, *_span(frame), max_bytes=4096)
+    groups.parse_group(frame, *_span(frame), max_bytes=8000)
 
 
 @pytest.mark.parametrize("frame", [
@@ -135,8 +135,8 @@ def test_a_group_whose_shape_no_array_can_have_is_refused(frame):
     raised ValueError when the views were made: a consumer's stream reader
     died with it, and a daemon's SEND_MANY parser raised it too."""
     with pytest.raises(InvalidArgument, match="larger than any array"):
-        group = fused.parse_group(frame, *_span(frame))
-        fused.views(group, frame, group.payload[0]) if group.payload else None
+        group = groups.parse_group(frame, *_span(frame))
+        groups.views(group, frame, group.payload[0]) if group.payload else None
 
 
 def _group_span(buf: bytes) -> tuple[int, int]:
@@ -153,10 +153,10 @@ def test_a_groups_payload_starts_aligned_in_its_frame(n, extra):
     byte): a frame that arrives at an aligned address is read in place."""
     for grow in range(0, 24, 3):
         arrays = [np.arange(i + 1, dtype=np.float64) for i in range(n)] + [np.zeros(extra + grow, np.uint8)]
-        frame = fused.group_frame(list(range(7, 7 + len(arrays))), arrays, fused.layout(arrays), 10**n)
-        group = fused.parse_group(frame, *_group_span(frame))
-        assert group.payload[0] % fused.ALIGN == 0, (n, extra, grow, group.payload[0])
-        for want, have in zip(arrays, fused.views(group, frame, group.payload[0])):
+        frame = groups.group_frame(list(range(7, 7 + len(arrays))), arrays, groups.layout(arrays), 10**n)
+        group = groups.parse_group(frame, *_group_span(frame))
+        assert group.payload[0] % groups.ALIGN == 0, (n, extra, grow, group.payload[0])
+        for want, have in zip(arrays, groups.views(group, frame, group.payload[0])):
             np.testing.assert_array_equal(have, want)
 
 
@@ -168,9 +168,9 @@ def test_views_are_aligned_to_their_dtypes_wherever_the_payload_lies(shift):
     is read in place."""
     arrays = [np.arange(5, dtype=np.float64) + 0.25, np.array([1 + 2j], np.complex128), np.arange(3, dtype=np.int16),
               np.arange(6, dtype=np.int64).reshape(3, 2)]
-    frame = (_skipped_field(shift) if shift else b"") + fused.group_frame([1, 2, 3, 4], arrays, fused.layout(arrays))
-    group = fused.parse_group(frame, *_group_span(frame))
-    got = fused.views(group, frame, group.payload[0])
+    frame = (_skipped_field(shift) if shift else b"") + groups.group_frame([1, 2, 3, 4], arrays, groups.layout(arrays))
+    group = groups.parse_group(frame, *_group_span(frame))
+    got = groups.views(group, frame, group.payload[0])
     for want, have in zip(arrays, got):
         assert have.ctypes.data % have.dtype.alignment == 0, (shift, have.dtype, have.ctypes.data % 8)
         np.testing.assert_array_equal(have, want)

@@ -43,8 +43,12 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from rendezvous.client.core import GRPC_METHODS, LocalOp
-from rendezvous import fields as F
-from rendezvous import dtypes, frames, fused, keys, tensors, wire
+from rendezvous.codec import fields as F
+from rendezvous import keys
+from rendezvous.codec import dtypes, groups, tensors, wire
+from rendezvous.codec.assembly import Assembly
+from rendezvous.codec.parsing import StreamFrame, decode_inline, iter_stream_frames, parse_response, parse_stream_frame
+from rendezvous.codec.replies import batch_responses, error_frame, stream_frames, unary_response
 from rendezvous.local import frames as localwire
 from rendezvous.local import segments as shm
 from rendezvous.local import messages as local_messages
@@ -494,17 +498,17 @@ def _frame_messages(draw: st.DrawFn) -> bytes:
                   if not a.dtype.hasobject and a.dtype.kind not in "SUV"] or [np.zeros(2)]
         ids = draw(st.lists(_CALL_IDS, min_size=len(arrays), max_size=len(arrays), unique=True))
         inside = draw(st.booleans())
-        return fused.group_frame(ids, arrays if inside else None, fused.layout(arrays),
+        return groups.group_frame(ids, arrays if inside else None, groups.layout(arrays),
                                  draw(st.integers(0, 2**63 - 1)), None if inside else b"\x0a\x01x")
     if kind == "error":
-        return frames.error_frame(cid, draw(_ERRORS))
+        return error_frame(cid, draw(_ERRORS))
     if kind == "dead":
-        return next(frames.stream_frames(cid, Received(None, True), 1024))
+        return next(stream_frames(cid, Received(None, True), 1024))
     if kind == "unary":
-        return frames.unary_response(Received(draw(_small_arrays()), False), draw(st.integers(-2**63, 2**63 - 1)))
+        return unary_response(Received(draw(_small_arrays()), False), draw(st.integers(-2**63, 2**63 - 1)))
     if kind == "batch":
-        return frames.batch_responses(draw(st.lists(_frame_messages(), min_size=1, max_size=3)))
-    msgs = list(frames.stream_frames(cid, Received(draw(_small_arrays()), False), draw(st.integers(1, 64)),
+        return batch_responses(draw(st.lists(_frame_messages(), min_size=1, max_size=3)))
+    msgs = list(stream_frames(cid, Received(draw(_small_arrays()), False), draw(st.integers(1, 64)),
                                      draw(st.integers(0, 2**63 - 1))))
     return msgs[draw(st.integers(0, len(msgs) - 1))]
 
@@ -520,21 +524,21 @@ def _check_inline(buf: bytes, span: tuple[int, int]) -> None:
     except RendezvousError as exc:
         assert isinstance(exc, InvalidArgument), repr(exc)
         with pytest.raises(InvalidArgument):
-            frames.decode_inline(buf, span)
+            decode_inline(buf, span)
         return
     assert not _beyond_numpy(meta)  # refused by decode_meta (see _beyond_numpy)
     if tensors.announced_bytes(meta) > LIMIT:
         # bounded by the caller's max_bytes before anything is allocated (once it
         # was not: the DEFECT test_decode_inline_without_decoded_meta_refuses_an_impossible_size)
         with pytest.raises(ResourceExhausted):
-            frames.decode_inline(buf, span, max_bytes=LIMIT)
+            decode_inline(buf, span, max_bytes=LIMIT)
         return
     try:
-        out = frames.decode_inline(buf, span, max_bytes=LIMIT)
+        out = decode_inline(buf, span, max_bytes=LIMIT)
     except RendezvousError as exc:
         assert isinstance(exc, InvalidArgument), repr(exc)
         return
-    if isinstance(out, frames.Assembly):
+    if isinstance(out, Assembly):
         assert out.meta == meta and dtypes.is_memcpyable(meta.dtype)
         assert out.dest.nbytes == meta.nbytes and out.filled == ce - cs < meta.nbytes
         assert out.dest[:out.filled].tobytes() == bytes(buf[cs:ce])
@@ -543,9 +547,9 @@ def _check_inline(buf: bytes, span: tuple[int, int]) -> None:
         assert (out.size * 8 if out.dtype == object else out.nbytes) <= LIMIT
 
 
-def _check_stream_frame(buf: bytes, fr: frames.StreamFrame) -> None:
+def _check_stream_frame(buf: bytes, fr: StreamFrame) -> None:
     # a frame names its call, or is a group (which names its calls inside)
-    assert isinstance(fr, frames.StreamFrame) and (0 <= fr.call_id < 2**64 or fr.group is not None)
+    assert isinstance(fr, StreamFrame) and (0 <= fr.call_id < 2**64 or fr.group is not None)
     head = fr.head
     for span in (fr.chunk, head and head.tensor, head and head.transport_options):
         if span:
@@ -563,7 +567,7 @@ def _check_group(buf: bytes, span: tuple[int, int]) -> None:
     InvalidArgument; its views never reach past its payload."""
     assert 0 <= span[0] <= span[1] <= len(buf)
     try:
-        group = fused.parse_group(buf, *span, max_bytes=1 << 20)
+        group = groups.parse_group(buf, *span, max_bytes=1 << 20)
     except RendezvousError as exc:
         assert isinstance(exc, (InvalidArgument, ResourceExhausted)), repr(exc)
         return
@@ -573,7 +577,7 @@ def _check_group(buf: bytes, span: tuple[int, int]) -> None:
         return
     a, b = group.payload
     assert span[0] <= a <= b <= span[1] and b - a == group.nbytes
-    for v, o in zip(fused.views(group, buf, a), group.offsets):
+    for v, o in zip(groups.views(group, buf, a), group.offsets):
         assert o + v.nbytes <= group.nbytes
 
 
@@ -581,13 +585,13 @@ def _check_group(buf: bytes, span: tuple[int, int]) -> None:
 @given(_frame_inputs, st.integers(-2, 210), st.integers(-2, 210))
 def test_fuzz_frames_parse_or_raise_invalid_argument(buf, start, end):
     try:
-        fr = frames.parse_stream_frame(buf)
+        fr = parse_stream_frame(buf)
     except RendezvousError as exc:
         assert isinstance(exc, InvalidArgument), repr(exc)
     else:
         _check_stream_frame(buf, fr)
     try:
-        got = list(frames.iter_stream_frames(buf))
+        got = list(iter_stream_frames(buf))
     except RendezvousError as exc:
         assert isinstance(exc, InvalidArgument), repr(exc)
     else:
@@ -595,7 +599,7 @@ def test_fuzz_frames_parse_or_raise_invalid_argument(buf, start, end):
         for fr in got:
             _check_stream_frame(buf, fr)
     try:
-        head = frames.parse_response(buf)
+        head = parse_response(buf)
     except RendezvousError as exc:
         assert isinstance(exc, InvalidArgument), repr(exc)
     else:
@@ -603,7 +607,7 @@ def test_fuzz_frames_parse_or_raise_invalid_argument(buf, start, end):
             _check_inline(buf, head.tensor)
     # any span: parsed as a frame, and as a tensor
     try:
-        fr = frames.parse_stream_frame(buf, start, end)
+        fr = parse_stream_frame(buf, start, end)
     except RendezvousError as exc:
         assert isinstance(exc, InvalidArgument), repr(exc)
     else:
@@ -614,17 +618,17 @@ def test_fuzz_frames_parse_or_raise_invalid_argument(buf, start, end):
 @settings(deadline=None, max_examples=200)
 @given(st.one_of(_small_arrays(), _round_trip_arrays), _CALL_IDS, st.integers(1, 64), st.booleans())
 def test_fuzz_stream_frames_reassemble_to_the_tensor(a, call_id, chunk, batched):
-    msgs = list(frames.stream_frames(call_id, Received(a, False), chunk))
+    msgs = list(stream_frames(call_id, Received(a, False), chunk))
     if batched:
-        msgs = [frames.batch_responses(msgs)]
+        msgs = [batch_responses(msgs)]
     result = assembly = None
     for buf in msgs:
-        for fr in frames.iter_stream_frames(buf):
+        for fr in iter_stream_frames(buf):
             assert fr.call_id == call_id and fr.error is None and result is None
             if fr.head is not None:
                 assert assembly is None and not fr.head.is_dead
-                out = frames.decode_inline(buf, fr.head.tensor)
-                if isinstance(out, frames.Assembly):
+                out = decode_inline(buf, fr.head.tensor)
+                if isinstance(out, Assembly):
                     assembly = out
                 else:
                     result = out
@@ -655,9 +659,9 @@ def test_fuzz_assembly_never_writes_past_the_announced_size(dtype, shape, first,
     head = piece(first)
     if first > meta.nbytes:
         with pytest.raises(InvalidArgument):
-            frames.Assembly(meta, memoryview(head), buffers)
+            Assembly(meta, memoryview(head), buffers)
         return
-    asm = frames.Assembly(meta, memoryview(head), buffers)
+    asm = Assembly(meta, memoryview(head), buffers)
     dest, expected = asm.dest, bytearray(head)
     for n in parts:
         part, before = piece(n), asm.filled
@@ -693,7 +697,7 @@ _ANNOUNCES_32_PIB = b'\x08\x01\x12\x0b\x12\t\x08\x80\x80\x80\x80\x80\x80\x80\x10
 def test_decode_inline_without_decoded_meta_refuses_an_impossible_size(buf):
     assert buf in (_proto(dtypes.DT_FLOAT, [1 << 61], bytes(4)), _proto(dtypes.DT_FLOAT, [1 << 53], bytes(4)))
     with pytest.raises(RendezvousError):
-        frames.decode_inline(buf, (0, len(buf)))
+        decode_inline(buf, (0, len(buf)))
 
 
 # DT_FLOAT, shape [0, 2**61]: no elements, so nothing announced, but numpy cannot shape it
@@ -910,7 +914,7 @@ async def _stream_call(channel, messages: list[bytes]) -> str:
     allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set())
     assert code in allowed, (code, details, messages)
     for reply in replies:  # every reply the server wrote is a well-formed frame of an error
-        for fr in frames.iter_stream_frames(reply):
+        for fr in iter_stream_frames(reply):
             assert fr.head is None and fr.chunk is None, "a tensor that was never produced was sent"
             assert fr.error is not None
             assert fr.error.code in INPUT_CODES - {Code.OK}, (fr.error.code, fr.error.message)

@@ -23,7 +23,7 @@ from rendezvous import devices, errors
 from rendezvous.devices import Devices, PinnedPool, Placement
 from rendezvous.testing.fakegpu import FakeBackend, FakeCudaError
 from rendezvous.mpi.staging import DirectRecv, StagedRecv, StagedSend
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 pytestmark = pytest.mark.timeout(60)
 

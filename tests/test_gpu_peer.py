@@ -20,7 +20,7 @@ from test_gpu_fake_hazards import gkey, in_thread
 from rendezvous import errors
 from rendezvous.devices import Devices, Placement
 from rendezvous.testing.fakegpu import FakeBackend, FakeCudaError
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -391,7 +391,7 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
 #: What one module (or package) of a layer may import beyond its layer's row:
 #: the GPU library where the GPU code lives, a framework where tensors are handed to it.
 THIRD_PARTY_MODULES: dict[str, dict[str, str]] = {
-    "cupy_backend": {"cupy": IN_FUNCTIONS},
+    "devices.cupy_backend": {"cupy": IN_FUNCTIONS},
     "interop": {"torch": IN_FUNCTIONS},
 }
 
@@ -469,7 +469,7 @@ def test_the_third_party_check_fails_when_a_rule_is_broken(tmp_path):
     for module, source in (("keys", "import mpi4py\n"),
                            ("client.core", "def f():\n    from mpi4py import MPI\n"),
                            ("interop", "import torch\n"),
-                           ("tensors", "def f():\n    import cupy\n"),
+                           ("codec.tensors", "def f():\n    import cupy\n"),
                            ("rank.server", "def f():\n    import torch\n"),
                            ("bench.report", "import matplotlib.pyplot as plt\n"),
                            ("transport", "import numpy\n")):
@@ -478,7 +478,7 @@ def test_the_third_party_check_fails_when_a_rule_is_broken(tmp_path):
         assert third_party_violations(module, fake), f"{module} with {source!r} went unnoticed"
     fake = tmp_path / "fine.py"
     fake.write_text("import os\nimport numpy as np\ndef f():\n    import torch\n")
-    assert not third_party_violations("interop", fake) and third_party_violations("dtypes", fake)
+    assert not third_party_violations("interop", fake) and third_party_violations("codec.dtypes", fake)
     fake.write_text("import grpc\n")
     assert not third_party_violations("errors", fake) and third_party_violations("errors", fake, exceptions={})
 
@@ -489,7 +489,7 @@ def root_names(module: str, path: Path, package: Path = PACKAGE) -> list[str]:
     """Where ``path`` takes a name from the package root (``from rendezvous import
     Server``, ``from .. import Server`` reaching it, ``rendezvous.Server`` after
     ``import rendezvous``) rather than from the module that defines it. Submodules
-    (``from rendezvous import frames``) are modules, not the root's names."""
+    (``from rendezvous import codec``) are modules, not the root's names."""
     tree = ast.parse(path.read_text(), str(path))
     mine = _package_of(module, path)
     bound: set[str] = set()  # local names for the root package
@@ -519,7 +519,7 @@ def test_no_module_takes_names_from_the_package_root():
 
 def test_the_root_check_fails_when_a_name_is_taken_from_the_root(tmp_path):
     for module, source in (("keys", "from rendezvous import Server\n"),
-                           ("keys", "def f():\n    from rendezvous import frames, Received\n"),
+                           ("keys", "def f():\n    from rendezvous import codec, Received\n"),
                            ("rank.receiver", "from .. import Server\n"),
                            ("keys", "import rendezvous\nserver = rendezvous.Server\n"),
                            ("keys", "import rendezvous.rank.launch\nx = rendezvous.ClusterSpec\n"),
@@ -529,7 +529,7 @@ def test_the_root_check_fails_when_a_name_is_taken_from_the_root(tmp_path):
         fake.write_text(source)
         assert root_names(module, fake), f"{module} with {source!r} went unnoticed"
     fake = tmp_path / "fake.py"
-    fake.write_text("from rendezvous import frames, wire\nfrom .. import keys\nimport rendezvous.rank.launch\n"
+    fake.write_text("from rendezvous import codec, items\nfrom .. import keys\nimport rendezvous.rank.launch\n"
                     "run = rendezvous.rank.launch.run_local\n")
     assert root_names("rank.receiver", fake) == []
 

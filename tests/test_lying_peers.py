@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import errors, fused
+from rendezvous import errors
+from rendezvous.codec import groups
 from rendezvous.errors import Internal
 from rendezvous.rpc.peer import BatchFailed
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 from rendezvous.transport import DataPlane, Path
 
 from conftest import key, run, until
@@ -40,9 +41,9 @@ def _shape_lie(call_id: int, options: bytes | None = None) -> bytes:
     """A group answering ``call_id`` with a float64 tensor of shape (0, 2**62):
     no bytes (so a check of its size alone passes), but numpy cannot make it."""
     value = np.zeros((0, 2), np.float64)
-    lay = fused.layout([value])
+    lay = groups.layout([value])
     lay.dims = np.array([0, 2**62], "<u8").tobytes()
-    return fused.group_frame([call_id], None if options else [value], lay, 0, options)
+    return groups.group_frame([call_id], None if options else [value], lay, 0, options)
 
 
 async def _outcome(r: asyncio.Future, peer, timeout: float = 10) -> object:
@@ -96,7 +97,7 @@ class FusionPlane(DataPlane):
     OPTIONS = any_pb2.Any(type_url=descriptor_url, value=b"\x08\x01").SerializeToString()
 
     def __init__(self) -> None:
-        self.posted: list[tuple[asyncio.Future, fused.Group]] = []
+        self.posted: list[tuple[asyncio.Future, groups.Group]] = []
 
     def plan(self, request, item):
         return None
@@ -144,7 +145,7 @@ def test_a_fusion_buffer_that_does_not_hold_its_group_fails_the_group_with_inter
             r = asyncio.ensure_future(client.recv_batch([K1, K2], step_id=2))
             q1, q2 = await side.recvs(2)
             arrays = [np.arange(4, dtype=np.float64), np.arange(3, dtype=np.int32)]
-            side.write(fused.group_frame([q1.call_id, q2.call_id], None, fused.layout(arrays), 0,
+            side.write(groups.group_frame([q1.call_id, q2.call_id], None, groups.layout(arrays), 0,
                                          FusionPlane.OPTIONS))
             await until(lambda: plane.posted, what="the fusion buffer's receive")
             (fut, group), = plane.posted

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import frames, fused
+from rendezvous.codec import groups
+from rendezvous.codec.parsing import ReplyHead, parse_stream_frame
+from rendezvous.codec.replies import descriptor_response, unary_response, with_call_id
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import CPU, Devices, Placement
@@ -23,7 +25,7 @@ from rendezvous.testing.fakegpu import FakeBackend
 from rendezvous.mpi.plane import MpiPlane
 from rendezvous.stats import Stats
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta, decode_meta
+from rendezvous.codec.tensors import TensorMeta, decode_meta
 from rendezvous.transport import Path, Planes
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -165,14 +167,14 @@ def planned(plane: MpiPlane, req, item: Received):
     return reply
 
 
-def first_frame(reply, call_id: int = 3) -> tuple[bytes, frames.ReplyHead]:
+def first_frame(reply, call_id: int = 3) -> tuple[bytes, ReplyHead]:
     (buf,) = list(reply.stream_frames(call_id))
-    frame = frames.parse_stream_frame(buf)
+    frame = parse_stream_frame(buf)
     assert frame.call_id == call_id and frame.head is not None
     return buf, frame.head
 
 
-def transfer_of(buf: bytes, head: frames.ReplyHead) -> pb.MpiTransfer:
+def transfer_of(buf: bytes, head: ReplyHead) -> pb.MpiTransfer:
     a, b = head.transport_options
     wrapped = any_pb2.Any.FromString(bytes(buf[a:b]))
     assert wrapped.type_url == TRANSFER_URL
@@ -183,12 +185,12 @@ def transfer_of(buf: bytes, head: frames.ReplyHead) -> pb.MpiTransfer:
 
 def descriptor(meta: TensorMeta, *, world_id: int = WORLD, source_rank: int = 0, tag: int = 5,
                nbytes: int | None = None, chunk_bytes: int = 1 << 20,
-               url: str = TRANSFER_URL) -> tuple[bytes, frames.ReplyHead]:
+               url: str = TRANSFER_URL) -> tuple[bytes, ReplyHead]:
     transfer = pb.MpiTransfer(world_id=world_id, source_rank=source_rank, tag=tag,
                               nbytes=meta.nbytes if nbytes is None else nbytes, chunk_bytes=chunk_bytes)
     options = any_pb2.Any(type_url=url, value=transfer.SerializeToString()).SerializeToString()
-    buf = frames.with_call_id(1, frames.descriptor_response(meta, options))
-    return buf, frames.parse_stream_frame(buf).head
+    buf = with_call_id(1, descriptor_response(meta, options))
+    return buf, parse_stream_frame(buf).head
 
 
 # --- construction and offer -------------------------------------------------------
@@ -278,12 +280,12 @@ def test_a_descriptor_dropped_before_it_is_handed_over_posts_nothing_and_frees_i
             dropped.carry.start()  # released: never started after all
         assert engine.sends == []
         # a group's fusion buffer alike
-        carry = plane.plan_group(request(), [arr, arr], fused.layout([arr, arr]))
+        carry = plane.plan_group(request(), [arr, arr], groups.layout([arr, arr]))
         assert carry is not None and len(plane._tags.busy[1]) == 1
         carry.release()
         assert engine.sends == [] and plane._tags.busy[1] == set()
         # started, the tag is held until the send completes
-        carry = plane.plan_group(request(), [arr, arr], fused.layout([arr, arr]))
+        carry = plane.plan_group(request(), [arr, arr], groups.layout([arr, arr]))
         carry.start()
         (send,) = engine.sends
         assert len(plane._tags.busy[1]) == 1
@@ -507,17 +509,17 @@ def test_a_groups_fusion_buffer_is_received_into_a_reused_buffer():
         arrays = [np.full((256, 64), i, np.float32) for i in range(8)]  # 512 KiB: above the cache's 256 KiB
 
         async def one_group(start: int) -> list:
-            lay = fused.layout(arrays)
+            lay = groups.layout(arrays)
             carry = producer.plan_group(request_from(consumer), arrays, lay)
             carry.start()
             options = carry.options
-            frame = fused.group_frame(list(range(start, start + len(arrays))), None, lay, 0, options)
-            group = fused.parse_group(frame, *frames.parse_stream_frame(frame).group)
+            frame = groups.group_frame(list(range(start, start + len(arrays))), None, lay, 0, options)
+            group = groups.parse_group(frame, *parse_stream_frame(frame).group)
             landing = consumer.receive_group(frame, group)
             recv = await consumer_engine.next_recv()
             consumer_engine.recvs.remove(recv)
             await deliver(producer_engine.sends.pop(0), recv)
-            return fused.views(group, await landing)
+            return groups.views(group, await landing)
 
         first = await one_group(0)
         assert consumer.buffers.reused == 0
@@ -578,8 +580,8 @@ def test_descriptor_without_a_tensor_is_internal():
     async def main():
         engine = FakeEngine()
         plane = make_plane(engine=engine)
-        buf = frames.with_call_id(1, frames.unary_response(Received(None, True)))
-        head = frames.parse_stream_frame(buf).head
+        buf = with_call_id(1, unary_response(Received(None, True)))
+        head = parse_stream_frame(buf).head
         with pytest.raises(Internal, match="dtype and shape"):
             plane.receive(buf, head, None)
         assert engine.recvs == []
@@ -664,7 +666,7 @@ def test_a_completed_send_of_a_megabyte_or_more_releases_its_request_id_and_no_o
         planned(plane, asked(11), Received(large, False))
         planned(plane, asked(12), Received(np.zeros(DELIVERED_BYTES - 1, np.uint8), False))
         planned(plane, asked(13), Received(large, False))
-        carry = plane.plan_group(request(), [large], fused.layout([large]))
+        carry = plane.plan_group(request(), [large], groups.layout([large]))
         carry.start()
         big, small, failing, group = engine.sends
         assert released == []  # posted, not completed

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import errors, frames, fused, wire
+from rendezvous import errors
+from rendezvous.codec import groups, wire
+from rendezvous.codec.assembly import Assembly
+from rendezvous.codec.parsing import ReplyHead
+from rendezvous.codec.replies import batch_responses, descriptor_response, error_frame, stream_frames, with_call_id
+from rendezvous.codec.requests import many_keys_field
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import Devices
@@ -29,7 +34,7 @@ from rendezvous.rpc.consumer_stream import PendingCall
 from rendezvous.rpc.peer import BatchFailed, PeerClient
 from rendezvous.stats import Stats
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 from rendezvous.transport import Arrival, DataPlane, Path, Planes
 from rendezvous.transport.calls import EOF, CallBase
 from rendezvous.transport.inline import InlinePlane
@@ -164,7 +169,7 @@ async def scripted(planes: Planes | None = None, on_unclaimed=None,
 
 
 def reply(call_id: int, value, chunk: int = 1 << 20) -> list[bytes]:
-    return list(frames.stream_frames(call_id, Received(value, value is None), chunk))
+    return list(stream_frames(call_id, Received(value, value is None), chunk))
 
 
 async def connected(peer: ScriptedPeer, client: PeerClient) -> PeerSide:
@@ -193,7 +198,7 @@ def test_replies_resolve_the_right_recv_out_of_order():
             assert all(r.recv.request_id != 0 and r.call_id != 0 for r in reqs)
             # answer in reverse order, the last two in one batched message
             side.write(*reply(by_key[K3].call_id, np.array([3.0])))
-            side.write(frames.batch_responses(reply(by_key[K2].call_id, np.array([2.0]))
+            side.write(batch_responses(reply(by_key[K2].call_id, np.array([2.0]))
                                               + reply(by_key[K1].call_id, np.array([1.0]))))
             got = await asyncio.gather(*recvs)
             assert [f.item.value.tolist() for f in got] == [[1.0], [2.0], [3.0]]
@@ -249,7 +254,7 @@ def test_error_frame_becomes_the_matching_error(error):
             r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
             side = await peer.stream()
             (req,) = await side.recvs(1)
-            side.write(frames.error_frame(req.call_id, error))
+            side.write(error_frame(req.call_id, error))
             with pytest.raises(type(error)) as info:
                 await r
             assert type(info.value) is type(error) and info.value.message == error.message
@@ -363,7 +368,7 @@ def test_error_frame_with_an_unparseable_status_is_internal():
 
 def _truncated_tensor(call_id: int) -> list[bytes]:
     bad_tensor = b"\x08\x01\x12\x05\x12\x03"  # dtype, then a shape field cut short
-    return [frames.with_call_id(call_id, wire.len_field_header(1, len(bad_tensor)) + bad_tensor)]
+    return [with_call_id(call_id, wire.len_field_header(1, len(bad_tensor)) + bad_tensor)]
 
 
 def _overlong_chunks(call_id: int) -> list[bytes]:
@@ -465,7 +470,7 @@ class DescriptorPlane(DataPlane):
 
     def __init__(self) -> None:
         self.arrivals: list[tuple[asyncio.Future, object]] = []
-        self.drained: list[frames.ReplyHead] = []
+        self.drained: list[ReplyHead] = []
 
     def offer(self, placement):
         return any_pb2.Any(type_url="type.googleapis.com/test.Endpoint", value=str(placement).encode()
@@ -485,7 +490,7 @@ class DescriptorPlane(DataPlane):
 
 def _descriptor(call_id: int, meta: TensorMeta) -> bytes:
     options = any_pb2.Any(type_url=DescriptorPlane.descriptor_url, value=b"\x08\x01").SerializeToString()
-    return frames.with_call_id(call_id, frames.descriptor_response(meta, options))
+    return with_call_id(call_id, descriptor_response(meta, options))
 
 
 def test_requests_carry_the_offer_and_descriptor_replies_go_to_their_plane():
@@ -626,7 +631,7 @@ def test_a_cancel_answered_with_cancelled_ends_the_orphan():
             with pytest.raises(DeadlineExceeded):
                 await r
             assert client._stream.pending  # kept as an orphan until the producer answers
-            side.write(frames.error_frame(req.call_id, errors.Cancelled("nothing sent")))
+            side.write(error_frame(req.call_id, errors.Cancelled("nothing sent")))
             await until(lambda: not client._stream.pending, what="the orphan to end")
             assert kept == []
     run(main(), 20)
@@ -635,7 +640,10 @@ def test_a_cancel_answered_with_cancelled_ends_the_orphan():
 def test_a_reply_too_large_for_memory_fails_that_recv_only(monkeypatch):
     """A tensor under max_tensor_bytes but larger than memory once raised an
     uncaught MemoryError that broke the stream (and re-sent its other recvs)."""
-    from rendezvous import frames as frames_mod
+    from rendezvous.codec.assembly import Assembly
+    from rendezvous.codec.parsing import ReplyHead
+    from rendezvous.codec.replies import batch_responses, descriptor_response, error_frame, stream_frames, with_call_id
+    from rendezvous.codec.requests import many_keys_field
 
     async def main():
         async with scripted() as (peer, client):
@@ -646,7 +654,7 @@ def test_a_reply_too_large_for_memory_fails_that_recv_only(monkeypatch):
 
             def no_memory(*args, **kwargs):
                 raise MemoryError()
-            monkeypatch.setattr(frames_mod.Assembly, "__init__", no_memory)
+            monkeypatch.setattr(Assembly, "__init__", no_memory)
             side.write(*reply(req_big.call_id, np.arange(4096, dtype=np.float64), chunk=1024))
             with pytest.raises(errors.ResourceExhausted, match="out of memory"):
                 await big
@@ -775,7 +783,7 @@ def test_a_recv_the_producer_answered_with_an_error_does_not_keep_its_id():
             side = await connected(peer, client)
             r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
             (req1,) = await side.recvs(1)
-            side.write(frames.error_frame(req1.call_id, errors.Aborted("step 2 aborted")))
+            side.write(error_frame(req1.call_id, errors.Aborted("step 2 aborted")))
             with pytest.raises(errors.Aborted):
                 await r
             r = asyncio.ensure_future(client.recv(K1, step_id=2, timeout=10))
@@ -1016,7 +1024,7 @@ def test_a_key_tuple_asked_again_is_sent_from_its_remembered_encoding_and_a_list
             mutable = list(LONG)
             client._key_parts(mutable)
             mutable.reverse()
-            assert [frames.many_keys_field([k.encode() for k in mutable[a:b]])
+            assert [many_keys_field([k.encode() for k in mutable[a:b]])
                     for a, b, _ in client._key_parts(mutable)] == [e for _, _, e in client._key_parts(mutable)]
     run(main(), 20)
 
@@ -1159,7 +1167,7 @@ def test_a_batch_with_an_error_keeps_what_arrived_and_cancels_the_rest():
             q1, q2, q3 = await side.recvs(3)
             side.write(*reply(q1.call_id, np.array([1])))
             await until(lambda: not client.live_stream().pending.get(q1.call_id), what="the first answer")
-            side.write(frames.error_frame(q2.call_id, errors.Aborted("step 2 aborted")))
+            side.write(error_frame(q2.call_id, errors.Aborted("step 2 aborted")))
             with pytest.raises(BatchFailed) as info:
                 await r
             assert list(info.value.failures) == [1] and isinstance(info.value.failures[1], errors.Aborted)
@@ -1173,7 +1181,7 @@ def test_a_batch_with_an_error_keeps_what_arrived_and_cancels_the_rest():
 
 def _group(calls: list[tuple[int, np.ndarray]]) -> bytes:
     arrays = [v for _, v in calls]
-    return fused.group_frame([c for c, _ in calls], arrays, fused.layout(arrays))
+    return groups.group_frame([c for c, _ in calls], arrays, groups.layout(arrays))
 
 
 def test_a_group_reply_answers_the_calls_it_names_in_any_order():
@@ -1214,13 +1222,13 @@ def test_a_group_that_lies_fails_its_calls_with_internal(lie):
             r = asyncio.ensure_future(client.recv_batch([K1, K2], step_id=2))
             q1, q2 = await side.recvs(2)
             value = np.array([1.0])
-            lay = fused.layout([value])
+            lay = groups.layout([value])
             if lie == "too short":  # announces 1,000 elements, carries one
                 lay.dims = np.array([1000], "<u8").tobytes()
                 lay.ranks = np.array([1], "<u4").tobytes()
             elif lie == "unknown dtype":
                 lay.dtypes = bytes([200])
-            side.write(fused.group_frame([q1.call_id], None if lie == "no payload" else [value], lay))
+            side.write(groups.group_frame([q1.call_id], None if lie == "no payload" else [value], lay))
             with pytest.raises(BatchFailed) as info:
                 await r
             assert all(isinstance(e, errors.Internal) for e in info.value.failures.values())

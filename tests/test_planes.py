@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rendezvous import frames, wire
+from rendezvous.codec import wire
+from rendezvous.codec.parsing import iter_stream_frames
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import Devices
@@ -82,7 +83,7 @@ async def _arrive(put: PlaneUnderTest, frames_out: list, call_id: int) -> tuple[
     """Receive one reply's frames as a consumer's stream reader does: (the value, the Arrival)."""
     frames_out = _written(frames_out)
     first = frames_out[0]
-    [head_frame] = list(frames.iter_stream_frames(first))
+    [head_frame] = list(iter_stream_frames(first))
     assert head_frame.call_id == call_id and head_frame.head is not None
     head = head_frame.head
     plane = put.planes.for_reply(first, head)
@@ -95,7 +96,7 @@ async def _arrive(put: PlaneUnderTest, frames_out: list, call_id: int) -> tuple[
     if arrival.assembly is not None:
         done = False
         for more in frames_out[1:]:
-            [chunk] = list(frames.iter_stream_frames(more))
+            [chunk] = list(iter_stream_frames(more))
             assert chunk.call_id == call_id and chunk.chunk is not None
             a, b = chunk.chunk
             done = arrival.assembly.add(memoryview(more)[a:b])
@@ -155,7 +156,7 @@ async def check_data_plane(put: PlaneUnderTest) -> None:
     big = next(v for v in carried if v.nbytes >= 4 << 20)
     first = plane.plan(_request(put), Received(np.full(big.shape, 0xAB, big.dtype), False))
     out = _written(_handed(first, 90))
-    [head_frame] = list(frames.iter_stream_frames(out[0]))
+    [head_frame] = list(iter_stream_frames(out[0]))
     put.planes.drain(out[0], head_frame.head)
     second = np.full(big.shape, 0x11, big.dtype)
     got, _ = await _arrive(put, _handed(plane.plan(_request(put), Received(second, False)), 91), 91)

@@ -138,7 +138,7 @@ def test_a_recv_is_resent_with_its_request_id_when_the_producers_server_restarts
     The recv is re-sent there, once, with the request_id it first carried, and
     completes with the tensor the new server produces; nothing is left behind.
 
-    Checked to fail: with rendezvous.frames.recv_request patched to draw a new
+    Checked to fail: with recv_request (in rendezvous.rpc.consumer_stream) patched to draw a new
     request_id per request (a re-send under a new id) the id assertion fails;
     with PeerClient.recv patched to ignore reconnect_attempts (as if 0) the
     recv fails with PeerUnavailable."""

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import errors, frames
+from rendezvous import errors
+from rendezvous.codec.replies import descriptor_response, with_call_id
 from rendezvous.devices import Devices
 from rendezvous.errors import Internal
 from rendezvous.testing.fakegpu import FakeBackend
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 from rendezvous.transport import Carry, DataPlane, Path, Planes, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -130,14 +131,14 @@ class _RefusingPlane(DataPlane):
             self.refusals -= 1
             raise Internal("all 32767 MPI tags to rank 1 are in flight")
         carry = Carry(options, self._start, self._release)
-        response = frames.descriptor_response(TensorMeta(item.value.dtype, item.value.shape), options)
+        response = descriptor_response(TensorMeta(item.value.dtype, item.value.shape), options)
         if self.refusals:
             self.refusals -= 1
 
             def broken(call_id):
                 raise Internal("descriptor frame cannot be made")
             return Reply(Path.MPI, broken, lambda: response, item, carry=carry)
-        return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
+        return Reply(Path.MPI, lambda call_id: iter((with_call_id(call_id, response),)),
                      lambda: response, item, carry=carry)
 
     def _start(self):

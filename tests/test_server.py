@@ -9,7 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
-from rendezvous import errors, frames
+from rendezvous import errors
+from rendezvous.codec.parsing import parse_response
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from conftest import cluster, key, run, two_servers, until
@@ -314,7 +315,7 @@ def test_tensorflow_worker_service_path():
             async with channel:
                 raw = await call(pb.RecvTensorRequest(step_id=11, rendezvous_key=key(1, 0, "tf")).SerializeToString(),
                                  timeout=5)
-            head = frames.parse_response(raw)
+            head = parse_response(raw)
             tf_tensor = tf_tensor_pb2.TensorProto.FromString(raw[head.tensor[0]:head.tensor[1]])
             assert tf_tensor.dtype == 9  # DT_INT64
             assert np.frombuffer(tf_tensor.tensor_content, np.int64).tolist() == value.tolist()

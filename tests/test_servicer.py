@@ -1,6 +1,6 @@
 """The producer side (rendezvous/rpc/servicer.py), driven through a real grpc.aio
 server on an OS-chosen loopback port by a raw-bytes client: requests are
-written with rendezvous.frames, replies parsed frame by frame."""
+written with rendezvous.codec, replies parsed frame by frame."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import errors, frames, fused
+from rendezvous import errors
+from rendezvous.codec import groups, wire
+from rendezvous.codec.assembly import Assembly
+from rendezvous.codec.parsing import StreamFrame, decode_inline, iter_stream_frames, parse_stream_frame
+from rendezvous.codec.replies import descriptor_response, with_call_id
+from rendezvous.codec.requests import batch_requests, cancel_request, recv_many_request, recv_request
 from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices
 from rendezvous.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -25,7 +30,7 @@ from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
 from rendezvous.table import WaitingTable
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 from rendezvous.transport import Carry, DataPlane, Path, Planes, Reply
 from rendezvous.transport.calls import ContextBase
 from rendezvous.transport.inline import InlinePlane
@@ -75,8 +80,8 @@ class CommittedPlane(DataPlane):
     def plan(self, request, item):
         self.planned.append(item)
         carry = self._carry()
-        response = frames.descriptor_response(TensorMeta(item.value.dtype, item.value.shape), carry.options)
-        return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
+        response = descriptor_response(TensorMeta(item.value.dtype, item.value.shape), carry.options)
+        return Reply(Path.MPI, lambda call_id: iter((with_call_id(call_id, response),)),
                      lambda: response, item, carry=carry)
 
     def plan_group(self, request, arrays, layout):
@@ -138,25 +143,25 @@ class RawStream:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.call = channel.stream_stream(STREAM)()
-        self.messages: list[list[frames.StreamFrame]] = []
+        self.messages: list[list[StreamFrame]] = []
         self.done: dict[int, object] = {}
         self.order: list[int] = []  # call ids in the order their replies completed
         self.groups: list[list[int]] = []  # the call ids of each group reply, in order
         self.options: dict[int, bytes] = {}  # each descriptor's transport_options, by call id
-        self._assembling: dict[int, frames.Assembly] = {}
+        self._assembling: dict[int, Assembly] = {}
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self._finishing: asyncio.Future | None = None
 
     async def send(self, *requests: bytes) -> None:
-        await self.call.write(requests[0] if len(requests) == 1 else frames.batch_requests(list(requests)))
+        await self.call.write(requests[0] if len(requests) == 1 else batch_requests(list(requests)))
 
     def _complete(self, call_id: int, outcome: object) -> None:
         assert call_id not in self.done, f"call {call_id} answered twice"
         self.done[call_id] = outcome
         self.order.append(call_id)
 
-    async def read(self) -> list[frames.StreamFrame] | None:
+    async def read(self) -> list[StreamFrame] | None:
         """One message (its frames), or None at the end of the stream (``code`` set)."""
         try:
             buf = await self.call.read()
@@ -166,12 +171,12 @@ class RawStream:
         if buf is grpc.aio.EOF:
             self.code, self.details = await self.call.code(), await self.call.details()
             return None
-        got = list(frames.iter_stream_frames(buf))
+        got = list(iter_stream_frames(buf))
         self.messages.append(got)
         for frame in got:
             cid = frame.call_id
             if frame.group is not None:
-                group = fused.parse_group(buf, *frame.group)
+                group = groups.parse_group(buf, *frame.group)
                 self.groups.append(group.call_ids)
                 if group.payload is None:
                     a, b = group.transport_options
@@ -179,7 +184,7 @@ class RawStream:
                         self._complete(c, ("group descriptor", group))
                         self.options[c] = bytes(buf[a:b])
                 else:
-                    for c, v in zip(group.call_ids, fused.views(group, buf, group.payload[0])):
+                    for c, v in zip(group.call_ids, groups.views(group, buf, group.payload[0])):
                         self._complete(c, v)
             elif frame.error is not None:
                 self._complete(cid, frame.error)
@@ -192,8 +197,8 @@ class RawStream:
                     a, b = head.transport_options
                     self.options[cid] = bytes(buf[a:b])
                 else:
-                    value = frames.decode_inline(buf, head.tensor)
-                    if isinstance(value, frames.Assembly):
+                    value = decode_inline(buf, head.tensor)
+                    if isinstance(value, Assembly):
                         self._assembling[cid] = value
                     else:
                         self._complete(cid, value)
@@ -240,11 +245,11 @@ class RawStream:
 
 
 def recv(call_id: int, k: str, step: int = 1, request_id: int = 0) -> bytes:
-    return frames.recv_request(call_id, step, k.encode(), request_id)
+    return recv_request(call_id, step, k.encode(), request_id)
 
 
 def recv_many(call_id: int, keys: list[str], step: int = 1, request_ids: list[int] | None = None) -> bytes:
-    return frames.recv_many_request(call_id, step, [k.encode() for k in keys],
+    return recv_many_request(call_id, step, [k.encode() for k in keys],
                                     request_ids if request_ids is not None else [0] * len(keys))
 
 
@@ -313,7 +318,7 @@ def test_cancel_before_the_tensor_exists_consumes_nothing():
             s = h.stream()
             await s.send(recv(1, K("c")))
             await until(lambda: _waiters(h.table) == {K("c"): 1}, what="the recv to wait")
-            await s.send(frames.cancel_request(1))
+            await s.send(cancel_request(1))
             await until(lambda: not _waiters(h.table), what="the waiter to be withdrawn")
             value = np.arange(5)
             h.table.send(1, K("c"), value)
@@ -336,7 +341,7 @@ def test_cancel_of_a_reply_not_started_puts_the_tensor_back():
             h.table.send(1, K("b"), np.array([2.0]))
             # one message: the reply for call 1 is planned, then cancelled before the
             # writer ever runs; call 2 is answered
-            await s.send(recv(1, K("a"), request_id=41), frames.cancel_request(1), recv(2, K("b")))
+            await s.send(recv(1, K("a"), request_id=41), cancel_request(1), recv(2, K("b")))
             assert (await s.value(2))[0] == 2.0
             # call 1 gets no tensor, only CANCELLED (nothing was sent)
             assert [f.call_id for m in s.messages for f in m if f.error is None] == [2]
@@ -362,7 +367,7 @@ def test_a_descriptors_transfer_starts_as_it_is_handed_over_and_a_cancel_before_
             value = np.ones((4, 8), np.float32)
             h.table.send(1, K("m"), value)
             # one message: planned, then cancelled before the writer ever runs
-            await s.send(recv(1, K("m"), request_id=31), frames.cancel_request(1))
+            await s.send(recv(1, K("m"), request_id=31), cancel_request(1))
             assert isinstance(await s.result(1), errors.Cancelled)
             assert plane.started == [] and plane.released == [0]
             assert _tensors(h.table) == {K("m"): 1}  # back, as if never asked
@@ -370,7 +375,7 @@ def test_a_descriptors_transfer_starts_as_it_is_handed_over_and_a_cancel_before_
             kind, head = await s.result(2)
             assert kind == "descriptor" and head.tensor is not None
             assert len(plane.planned) == 2 and plane.planned[1].value is value and plane.started == [1]
-            await s.send(frames.cancel_request(2))  # handed over: committed, the cancel changes nothing
+            await s.send(cancel_request(2))  # handed over: committed, the cancel changes nothing
             assert len(h.table) == 0
             assert h.stats.snapshot()["mpi"]["served"] == 2
             # dead tensors still go inline
@@ -464,7 +469,7 @@ def test_a_retry_of_one_call_of_a_handed_over_group_gets_the_group_for_it_alone(
             await retry.send(recv(7, K("g1"), request_id=12))
             kind, group = await retry.result(7)
             assert kind == "group descriptor" and retry.options[7] == first.options[2]
-            assert retry.groups == [[fused.NO_CALL, 7, fused.NO_CALL + 2]]
+            assert retry.groups == [[groups.NO_CALL, 7, groups.NO_CALL + 2]]
             assert plane.started == [0] and len(plane.planned) == 1  # the same transfer
             await retry.send(recv(8, K("g0"), request_id=11))
             kind, _ = await retry.result(8)
@@ -487,7 +492,7 @@ def test_a_retry_cancelled_as_it_arrives_puts_the_answer_held_for_its_id_back():
             await first.send(recv(1, K("lost"), request_id=31))
             await until(lambda: h.servicer.retry.has(31), what="the first reply to take the tensor")
             again = h.stream()
-            await again.send(recv(2, K("lost"), request_id=31), frames.cancel_request(2))
+            await again.send(recv(2, K("lost"), request_id=31), cancel_request(2))
             assert isinstance(await again.result(2), errors.Cancelled)
             assert _tensors(h.table) == {K("lost"): 1}, "the answer held for the cancelled retry was lost"
             assert not h.servicer.retry.has(31)
@@ -509,7 +514,7 @@ def test_a_retry_cancelled_as_it_arrives_still_gets_its_handed_over_descriptor()
         async with serving(descriptor=True) as h:
             plane, first = await _handed_over(h, 51)
             again = h.stream()
-            await again.send(recv(2, K("d"), request_id=51), frames.cancel_request(2))
+            await again.send(recv(2, K("d"), request_id=51), cancel_request(2))
             assert (await again.result(2))[0] == "descriptor"
             assert again.options[2] == first.options[1] and plane.started == [0]
             assert len(h.table) == 0
@@ -601,7 +606,7 @@ def test_draining_serves_produced_tensors_and_refuses_waits():
 
 # --- protocol errors --------------------------------------------------------------
 
-@pytest.mark.parametrize("message", [b"\xff\xff\xff", frames.recv_request(1, 1, b"k", 0)[:-3],
+@pytest.mark.parametrize("message", [b"\xff\xff\xff", recv_request(1, 1, b"k", 0)[:-3],
                                      pb.StreamRequest(call_id=3).SerializeToString()],
                          ids=["garbage", "truncated", "neither-recv-nor-cancel"])
 def test_malformed_message_ends_the_stream_and_the_server_serves_on(message):
@@ -659,7 +664,7 @@ def test_call_id_reused_after_cancel_is_served():
             s = h.stream()
             await s.send(recv(1, K("a")))
             await until(lambda: _waiters(h.table) == {K("a"): 1}, what="the first recv to wait")
-            await s.send(frames.cancel_request(1), recv(1, K("b")))
+            await s.send(cancel_request(1), recv(1, K("b")))
             await until(lambda: _waiters(h.table) == {K("b"): 1}, what="the cancel and the new recv")
             assert h.servicer.busy(), "the new recv on call 1 is no longer tracked by its stream"
             await s.call.done_writing()
@@ -910,8 +915,8 @@ def test_a_reply_whose_last_frame_was_handed_over_is_not_put_back_when_the_strea
             yield await retry.get()
 
         await asyncio.wait_for(servicer.serve_stream(retried(), again), 10)
-        [(call_id, value)] = [(f.call_id, frames.decode_inline(m, f.head.tensor)) for m in again.written
-                              for f in frames.iter_stream_frames(m) if f.head is not None]
+        [(call_id, value)] = [(f.call_id, decode_inline(m, f.head.tensor)) for m in again.written
+                              for f in iter_stream_frames(m) if f.head is not None]
         assert call_id == 1 and value.tolist() == [0, 1, 2, 3]
         assert len(table) == 0
     run(main(), 20)
@@ -1002,7 +1007,7 @@ def test_a_cancel_of_a_call_a_group_answers_is_not_acknowledged_the_group_carrie
             h.table.send(1, K("b"), np.array([2.0]))
             s = h.stream()
             # one message: the group is planned, then call 2's cancel comes before any write
-            await s.send(recv_many(1, [K("a"), K("b")]), frames.cancel_request(2))
+            await s.send(recv_many(1, [K("a"), K("b")]), cancel_request(2))
             assert (await s.value(2)).tolist() == [2.0]
             assert (await s.value(1)).tolist() == [1.0]
             assert s.groups == [[1, 2]] and len(h.table) == 0
@@ -1031,7 +1036,7 @@ def test_a_malformed_batched_request_ends_the_stream_with_invalid_argument(bad):
         async with serving() as h:
             s = h.stream()
             if bad == "ids":
-                await s.send(frames.recv_many_request(1, 1, [K("a").encode(), K("b").encode()], [3]))
+                await s.send(recv_many_request(1, 1, [K("a").encode(), K("b").encode()], [3]))
             else:
                 await s.send(recv(2, K("w")), recv_many(1, [K("x"), K("y")]))  # 2 is waiting already
             assert await s.finish_within(PROMPT) == grpc.StatusCode.INVALID_ARGUMENT
@@ -1210,10 +1215,10 @@ def test_small_tensors_taken_when_the_stream_ends_mid_batch_go_back(monkeypatch)
         await until(lambda: len(table) == 0 and written, what="the batch asked again to be answered")
         values: dict[int, object] = {}
         for m in written:
-            for f in frames.iter_stream_frames(m):
+            for f in iter_stream_frames(m):
                 if f.group is not None:
-                    g = fused.parse_group(m, *f.group)
-                    values.update(zip(g.call_ids, (v.tolist() for v in fused.views(g, m, g.payload[0]))))
+                    g = groups.parse_group(m, *f.group)
+                    values.update(zip(g.call_ids, (v.tolist() for v in groups.views(g, m, g.payload[0]))))
                 elif f.head is not None:
                     values[f.call_id] = "large"
         # the small ones in their order, "later", and the six large ones: each answered once
@@ -1272,16 +1277,16 @@ def test_large_frames_reach_a_gathering_context_in_pieces_and_any_other_as_bytes
         await asyncio.wait_for(servicer.serve_stream(incoming(), context), 10)
         assert len(table) == 0 and len(context.written) == 2
         kinds = {type(m) for m in context.written}
-        assert kinds == ({frames.wire.Pieces} if gathers else {bytes})
+        assert kinds == ({wire.Pieces} if gathers else {bytes})
         if gathers:
             shared = [p for m in context.written for p in m.parts if isinstance(p, memoryview)]
             assert any(np.shares_memory(np.frombuffer(p, np.uint8), big) for p in shared)
         single, group = [m if type(m) is bytes else m.join() for m in context.written]
-        head = frames.parse_stream_frame(single).head
-        np.testing.assert_array_equal(frames.decode_inline(single, head.tensor), big)
-        parsed = fused.parse_group(group, *frames.parse_stream_frame(group).group)
+        head = parse_stream_frame(single).head
+        np.testing.assert_array_equal(decode_inline(single, head.tensor), big)
+        parsed = groups.parse_group(group, *parse_stream_frame(group).group)
         assert parsed.call_ids == [2, 3, 4]
-        for want, have in zip(smalls, fused.views(parsed, group, parsed.payload[0])):
+        for want, have in zip(smalls, groups.views(parsed, group, parsed.payload[0])):
             np.testing.assert_array_equal(have, want)
     run(main(), 20)
 
@@ -1311,8 +1316,8 @@ def _answers(messages: list) -> list[tuple[int, list]]:
     out = []
     for m in messages:
         buf = m if type(m) is bytes else m.join()
-        for frame in frames.iter_stream_frames(buf):
-            out.append((frame.call_id, frames.decode_inline(buf, frame.head.tensor).tolist()))
+        for frame in iter_stream_frames(buf):
+            out.append((frame.call_id, decode_inline(buf, frame.head.tensor).tolist()))
     return out
 
 

@@ -16,12 +16,12 @@ from rendezvous.client.aio import Client
 from rendezvous.daemon.pool import Pool
 from rendezvous.daemon.sessions import PoolBuffers
 from rendezvous.local import frames as lf
-from rendezvous import wire
+from rendezvous.codec import wire
 from rendezvous.local import messages
 from rendezvous.local.frames import Kind
 from rendezvous.paths import Path
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta, encode_meta
+from rendezvous.codec.tensors import TensorMeta, encode_meta
 from rendezvous.v1 import local_pb2 as lpb
 
 from conftest import run, until
@@ -333,11 +333,11 @@ def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
 
 
 def test_a_batch_answer_that_lies_is_invalid_argument():
-    from rendezvous import fused
+    from rendezvous.codec import groups
     from rendezvous.errors import InvalidArgument
 
     arrays = [np.arange(3), np.ones(2, np.float32)]
-    group = b"".join(fused.group_parts([0, 1], arrays, fused.layout(arrays), field=3))
+    group = b"".join(groups.group_parts([0, 1], arrays, groups.layout(arrays), field=3))
     paths = bytes([1, 2])
     ok = group + b"\x22" + bytes([len(paths)]) + paths  # field 4, LEN
     assert [messages.packed_view(ok, a).tolist() for a in messages.parse_many(ok, 2).answers] == [[0, 1, 2], [1, 1]]
@@ -374,10 +374,10 @@ def test_send_many_produces_every_tensor_in_order_or_none(sockdir):  # noqa: F81
             # refused whole: a key another task produces, a malformed body, a group that does not
             # answer its keys in order, an aborted step
             arrays = [np.arange(2), np.arange(3)]
-            from rendezvous import fused
+            from rendezvous.codec import groups
             shuffled = b"".join([wire.varint_field(1, 4), *(wire.len_field_header(2, len(x)) + x.encode()
                                                             for x in (k, k)),
-                                 *fused.group_parts([1, 0], arrays, fused.layout(arrays), field=3)])
+                                 *groups.group_parts([1, 0], arrays, groups.layout(arrays), field=3)])
             d.server.abort(9, "gone")
             got = await ask(sock,
                             lf.frame(Kind.SEND_MANY, 4, messages.send_many_request([k, key(1, 0, "theirs")], arrays, 4)),

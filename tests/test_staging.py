@@ -22,7 +22,7 @@ from rendezvous.mpi import aborts
 from rendezvous.mpi.aborts import SendAborted
 from rendezvous.mpi.ops import Op, OpKind, check_part
 from rendezvous.mpi.staging import DirectRecv, DirectSend, StagedRecv, StagedSend
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 
 class FakeMPIError(Exception):

@@ -14,10 +14,10 @@ from tensorboard.compat.proto import tensor_shape_pb2 as tf_shape_pb2
 from tensorboard.compat.proto import types_pb2 as tf_types_pb2
 from tensorboard.util import tensor_util as tf_tensor_util
 
-from rendezvous import dtypes, wire
-from rendezvous.dtypes import as_array, dtype_to_proto, is_memcpyable, proto_to_dtype
+from rendezvous.codec import dtypes, wire
+from rendezvous.codec.dtypes import as_array, dtype_to_proto, is_memcpyable, proto_to_dtype
 from rendezvous.errors import InvalidArgument, UnsupportedDType
-from rendezvous.tensors import (
+from rendezvous.codec.tensors import (
     TensorMeta,
     decode_meta,
     decode_tensor,
@@ -736,7 +736,7 @@ def test_a_shape_seen_before_is_parsed_once_and_a_bad_one_is_refused_every_time(
     the same meta comes back; an invalid one raises each time it comes, with
     the shape in its message; one with more dimensions than numpy has is
     refused without being remembered."""
-    from rendezvous import tensors
+    from rendezvous.codec import tensors
 
     tensors._shape.cache_clear()
     tensors._valid_meta.cache_clear()

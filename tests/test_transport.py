@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 from google.protobuf import any_pb2
 
-from rendezvous import frames
+from rendezvous.codec.assembly import Assembly
+from rendezvous.codec.parsing import ReplyHead, decode_inline, parse_response, parse_stream_frame
+from rendezvous.codec.replies import descriptor_response, unary_response
 from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices, DeviceTensor
 from rendezvous.errors import Internal
 from rendezvous.testing.fakegpu import FakeBackend
 from rendezvous.stats import Stats
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 from rendezvous.transport import Arrival, DataPlane, Path, Planes, Reply, descriptor_type
 from rendezvous.transport.inline import InlinePlane
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -72,18 +74,18 @@ class ScriptedPlane(DataPlane):
         self.closed += 1
 
 
-def _descriptor(url: str, payload: bytes = b"\x08\x01") -> tuple[bytes, frames.ReplyHead]:
+def _descriptor(url: str, payload: bytes = b"\x08\x01") -> tuple[bytes, ReplyHead]:
     """A descriptor reply naming ``url`` in its transport_options, and its parsed head."""
     options = any_pb2.Any(type_url=url, value=payload).SerializeToString()
-    buf = frames.descriptor_response(TensorMeta(np.dtype(np.float32), (4,)), options)
-    head = frames.parse_response(buf)
+    buf = descriptor_response(TensorMeta(np.dtype(np.float32), (4,)), options)
+    head = parse_response(buf)
     assert head.transport_options is not None
     return buf, head
 
 
-def _inline_head(value: np.ndarray) -> tuple[bytes, frames.ReplyHead]:
-    buf = frames.unary_response(Received(value, False))
-    return buf, frames.parse_response(buf)
+def _inline_head(value: np.ndarray) -> tuple[bytes, ReplyHead]:
+    buf = unary_response(Received(value, False))
+    return buf, parse_response(buf)
 
 
 # --- Planes ---------------------------------------------------------------------
@@ -133,7 +135,7 @@ def test_dead_tensors_always_go_inline():
     assert eager.planned == []  # not even asked
     assert reply.path is Path.GRPC and reply.item is dead
     assert pb.RecvTensorResponse.FromString(reply.unary()).is_dead
-    frame = frames.parse_stream_frame(next(reply.stream_frames(9)))
+    frame = parse_stream_frame(next(reply.stream_frames(9)))
     assert frame.call_id == 9 and frame.head.is_dead and frame.head.tensor is None
 
 
@@ -205,12 +207,12 @@ def test_descriptor_type_reads_field_one_of_the_any():
     assert descriptor_type(buf, head.transport_options) == URL_A
     # value before type_url: the order of fields does not matter
     options = any_pb2.Any(value=b"xyz").SerializeToString() + any_pb2.Any(type_url=URL_B).SerializeToString()
-    buf = frames.descriptor_response(TensorMeta(np.dtype(np.int8), (1,)), options)
-    assert descriptor_type(buf, frames.parse_response(buf).transport_options) == URL_B
+    buf = descriptor_response(TensorMeta(np.dtype(np.int8), (1,)), options)
+    assert descriptor_type(buf, parse_response(buf).transport_options) == URL_B
     # no type_url at all
     options = any_pb2.Any(value=b"xyz").SerializeToString()
-    buf = frames.descriptor_response(TensorMeta(np.dtype(np.int8), (1,)), options)
-    assert descriptor_type(buf, frames.parse_response(buf).transport_options) == ""
+    buf = descriptor_response(TensorMeta(np.dtype(np.int8), (1,)), options)
+    assert descriptor_type(buf, parse_response(buf).transport_options) == ""
 
 
 def test_reply_committed_is_item_is_none():
@@ -222,14 +224,14 @@ def test_reply_committed_is_item_is_none():
 
 def _decode_frames(msgs: list[bytes], call_id: int, buffers: RecvBuffers | None = None) -> np.ndarray:
     """What a consumer makes of a reply's frames: a view or an assembled array."""
-    first = frames.parse_stream_frame(msgs[0])
+    first = parse_stream_frame(msgs[0])
     assert first.call_id == call_id and first.head is not None and first.chunk is None
-    got = frames.decode_inline(msgs[0], first.head.tensor, None, buffers)
-    if not isinstance(got, frames.Assembly):
+    got = decode_inline(msgs[0], first.head.tensor, None, buffers)
+    if not isinstance(got, Assembly):
         assert len(msgs) == 1
         return got
     for i, buf in enumerate(msgs[1:], 1):
-        frame = frames.parse_stream_frame(buf)
+        frame = parse_stream_frame(buf)
         assert frame.call_id == call_id and frame.head is None and frame.chunk is not None
         a, b = frame.chunk
         assert got.add(memoryview(buf)[a:b]) == (i == len(msgs) - 1)
@@ -292,7 +294,7 @@ def test_inline_receive_one_frame_is_a_view():
     plane = _inline(chunk_bytes=1 << 20)
     value = np.arange(12, dtype=np.float64).reshape(3, 4)
     (msg,) = list(plane.plan(pb.RecvTensorRequest(), Received(value, False)).stream_frames(1))
-    frame = frames.parse_stream_frame(msg)
+    frame = parse_stream_frame(msg)
     arrival = plane.receive(msg, frame.head, None)
     assert arrival.path is Path.GRPC and arrival.assembly is None and arrival.pending is None
     assert not arrival.placed
@@ -305,12 +307,12 @@ def test_inline_receive_chunked_reply_is_an_assembly():
     value = np.arange(25, dtype=np.int32)  # 100 bytes: 3 frames
     msgs = list(plane.plan(pb.RecvTensorRequest(), Received(value, False)).stream_frames(2))
     assert len(msgs) == 3
-    frame = frames.parse_stream_frame(msgs[0])
+    frame = parse_stream_frame(msgs[0])
     arrival = plane.receive(msgs[0], frame.head, None)
-    assert arrival.value is None and isinstance(arrival.assembly, frames.Assembly)
+    assert arrival.value is None and isinstance(arrival.assembly, Assembly)
     done = []
     for msg in msgs[1:]:
-        a, b = frames.parse_stream_frame(msg).chunk
+        a, b = parse_stream_frame(msg).chunk
         done.append(arrival.assembly.add(memoryview(msg)[a:b]))
     assert done == [False, True]
     np.testing.assert_array_equal(arrival.assembly.result(), value)
@@ -318,7 +320,7 @@ def test_inline_receive_chunked_reply_is_an_assembly():
 
 def test_inline_receive_without_a_tensor_is_internal():
     plane = _inline()
-    buf = frames.unary_response(Received(None, True))
-    head = frames.parse_response(buf)
+    buf = unary_response(Received(None, True))
+    head = parse_response(buf)
     with pytest.raises(Internal, match="neither"):
         plane.receive(buf, head, None)

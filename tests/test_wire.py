@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rendezvous import wire
+from rendezvous.codec import wire
 from rendezvous.errors import InvalidArgument
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import tensor_pb2

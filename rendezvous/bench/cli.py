@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _gpu_kind(choice: str) -> str:
     if choice != "auto":
         return choice
-    from rendezvous.cupy_backend import CupyBackend
+    from rendezvous.devices.cupy_backend import CupyBackend
 
     return "cupy" if CupyBackend().available() else "off"
 

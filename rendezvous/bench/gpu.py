@@ -37,7 +37,7 @@ def gpu_backend(kind: str) -> tuple[Any, str]:
         from rendezvous.testing.fakegpu import FakeBackend
 
         return FakeBackend(), "GPU contenders on the fake GPU (host memory, copy threads): pipeline overlap only"
-    from rendezvous.cupy_backend import CupyBackend
+    from rendezvous.devices.cupy_backend import CupyBackend
 
     backend = CupyBackend()
     if not backend.available():

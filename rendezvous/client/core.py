@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rendezvous import fused
+from rendezvous.codec import groups
 from rendezvous.errors import ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key, canonical_key
 from rendezvous.local import messages
@@ -35,8 +35,8 @@ from rendezvous.local.frames import SEND_MANY_TENSORS, SMALL_BODY, Kind, frame
 from rendezvous.paths import Hop
 from rendezvous.table import send_items
 from rendezvous.items import Received
-from rendezvous.dtypes import as_array, is_memcpyable
-from rendezvous.tensors import check_sendable
+from rendezvous.codec.dtypes import as_array, is_memcpyable
+from rendezvous.codec.tensors import check_sendable
 from rendezvous.v1 import local_pb2 as lpb
 
 from .segments import Segments
@@ -168,7 +168,7 @@ class ClientCore:
 
         for key, tensor, dead in items:
             arr = None if dead else as_array(tensor)
-            if arr is None or not fused.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes:
+            if arr is None or not groups.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes:
                 flush()
                 plan.append((key, tensor, dead))
                 continue

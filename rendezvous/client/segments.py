@@ -19,7 +19,7 @@ import numpy as np
 from rendezvous.errors import InvalidArgument
 from rendezvous.local.frames import FrameError, Kind, frame, pack_ids, unpack_grants, unpack_ids
 from rendezvous.local.segments import Mapping, map_segment, size_class
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 __all__ = ["Segments"]
 

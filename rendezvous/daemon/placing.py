@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from rendezvous.dtypes import is_memcpyable
+from rendezvous.codec.dtypes import is_memcpyable
 from rendezvous.errors import Unavailable
 from rendezvous.local import messages
 from rendezvous.paths import Hop, Path
 from rendezvous.stats import payload_nbytes
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 from .pool import Pool, Segment
 

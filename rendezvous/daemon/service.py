@@ -40,7 +40,7 @@ from rendezvous.paths import Hop, Path
 from rendezvous.rpc.admin import PENDING_BYTES, PENDING_ROWS, bounded_pending, pending_entries
 from rendezvous.stats import payload_nbytes
 from rendezvous.items import Received
-from rendezvous.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
+from rendezvous.codec.tensors import TensorMeta, check_announced, decode_meta, decode_tensor
 from rendezvous.v1 import local_pb2 as lpb
 
 __all__ = ["LocalServicer", "SERVICE", "PENDING_BYTES", "Sent", "LocalFetched"]

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from rendezvous import fields as F
-from rendezvous import wire
+from rendezvous.codec import fields as F
+from rendezvous.codec import wire
 from rendezvous.buffers import RecvBuffers
 from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted
 from rendezvous.local import messages
@@ -55,7 +55,7 @@ from rendezvous.local.frames import (HEADER, SEND_MANY_BODY, SMALL_BODY, FrameEr
 from rendezvous.paths import Hop
 from rendezvous.rpc.admin import PENDING_BYTES
 from rendezvous.stats import payload_nbytes
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 from rendezvous.v1 import local_pb2 as lpb
 
 from .placing import Placing

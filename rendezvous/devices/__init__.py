@@ -7,7 +7,7 @@ Tensors are typed by protocol, not by library:
 * GPU: objects with ``__cuda_array_interface__`` (cupy, torch, numba, ...) or a
   DLPack exporter on a CUDA device. A :class:`DeviceBackend` that recognizes
   the object imports it; the one shipped is
-  :class:`rendezvous.cupy_backend.CupyBackend`, which imports cupy only when
+  :class:`rendezvous.devices.cupy_backend.CupyBackend`, which imports cupy only when
   a GPU tensor is actually involved.
 
 The producer's stream need not be the caller's: a torch tensor written on a
@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from rendezvous.dtypes import as_array
+from rendezvous.codec.dtypes import as_array
 from rendezvous.errors import FailedPrecondition, InvalidArgument
 
 # the contract's names, importable from here too
@@ -187,7 +187,7 @@ class Devices:
                  pinned_keep_bytes: int = PINNED_KEEP_BYTES) -> None:
         if backends is None:
             # not at the top: cupy_backend imports .backend, which runs this package first
-            from rendezvous.cupy_backend import CupyBackend
+            from rendezvous.devices.cupy_backend import CupyBackend
 
             backends = [CupyBackend()]
         self.backends: tuple[DeviceBackend, ...] = tuple(backends)

@@ -1,5 +1,5 @@
 """What a GPU library supplies (:class:`DeviceBackend`), and the device
-tensors it makes. The one shipped is :class:`rendezvous.cupy_backend.CupyBackend`;
+tensors it makes. The one shipped is :class:`rendezvous.devices.cupy_backend.CupyBackend`;
 tests use :class:`rendezvous.testing.fakegpu.FakeBackend`. Which backends a server
 uses, its pinned staging pools and the import of a tensor by protocol are
 :mod:`rendezvous.devices`'s.
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from rendezvous.dtypes import as_array
+from rendezvous.codec.dtypes import as_array
 from rendezvous.errors import InvalidArgument
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 if TYPE_CHECKING:
     from rendezvous.devices import PinnedPool

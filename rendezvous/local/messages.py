@@ -24,14 +24,14 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from rendezvous import fields as F
-from rendezvous import frames, fused, wire
+from rendezvous.codec import fields as F, groups, wire
+from rendezvous.codec.replies import unary_response
 from rendezvous.errors import InvalidArgument, RendezvousError, from_status
 from rendezvous.keys import Key, canonical_key
 from rendezvous.paths import Hop, Path
 from rendezvous.items import Received
-from rendezvous.dtypes import as_array, is_memcpyable
-from rendezvous.tensors import TensorMeta, decode_meta, decode_tensor, encode_header, encode_meta
+from rendezvous.codec.dtypes import as_array, is_memcpyable
+from rendezvous.codec.tensors import TensorMeta, decode_meta, decode_tensor, encode_header, encode_meta
 from rendezvous.v1 import local_pb2 as lpb
 
 from .frames import unpack_error
@@ -134,7 +134,7 @@ def send_many_request(keys: list[str], arrays: list[np.ndarray], step_id: int) -
         head += [wire.len_field_header(F.SEND_MANY_KEYS, len(k)), k]
     # the group starts at an aligned offset of the body, and so does its payload
     head.append(wire.align_pad(sum(map(len, head))))
-    return b"".join([*head, *fused.group_parts(range(len(arrays)), arrays, fused.layout(arrays),
+    return b"".join([*head, *groups.group_parts(range(len(arrays)), arrays, groups.layout(arrays),
                                                field=F.SEND_MANY_GROUP)])
 
 
@@ -154,12 +154,12 @@ def parse_send_many(raw: bytes | memoryview) -> tuple[int, list[str], list[np.nd
         if keys:
             raise InvalidArgument(f"a SEND_MANY names {len(keys)} keys and carries no tensors")
         return step_id, keys, []
-    group = fused.parse_group(raw, *span)
+    group = groups.parse_group(raw, *span)
     if group.call_ids != list(range(len(keys))) or group.payload is None:
         raise InvalidArgument(f"a SEND_MANY of {len(keys)} keys carries {len(group.call_ids)} tensors "
                               "(they must be its keys', in order, inside it)")
     try:
-        return step_id, keys, fused.views(group, raw, group.payload[0])
+        return step_id, keys, groups.views(group, raw, group.payload[0])
     except (ValueError, TypeError, OverflowError) as exc:  # a shape no array can have
         raise InvalidArgument(f"a SEND_MANY carries a tensor that cannot be made: {exc}") from None
 
@@ -266,7 +266,7 @@ def many_reply(replies: list[bytes], packed: list[int] | None = None, arrays: li
         pad = wire.align_pad(sum(map(len, parts)))
         if pad:
             parts.append(pad)
-        parts += fused.group_parts(packed, arrays, fused.layout(arrays), field=F.LOCAL_MANY_GROUP)
+        parts += groups.group_parts(packed, arrays, groups.layout(arrays), field=F.LOCAL_MANY_GROUP)
         codes = bytes(_PATH_CODE[p] for p in paths)
         parts += [wire.len_field_header(F.LOCAL_MANY_GROUP_PATHS, len(codes)), codes]
     return parts
@@ -285,7 +285,7 @@ def many_answer(got: Sequence[tuple[Received, Path]], limit: int,
     paths: list[Path] = []
     for i, (item, path) in enumerate(got):
         body = prepared.get(i)
-        if body is None and not item.is_dead and fused.fusable(item.value, limit):
+        if body is None and not item.is_dead and groups.fusable(item.value, limit):
             packed.append(i)
             arrays.append(item.value)
             paths.append(path)
@@ -314,7 +314,7 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
     """The answers (spans and packed tensors of ``raw``) or failures of a batch
     of ``n`` keys. A reply that answers another number of keys, a key twice,
     or names a failure outside the batch is InvalidArgument (a group that
-    lies, as :func:`rendezvous.fused.parse_group` says)."""
+    lies, as :func:`rendezvous.codec.groups.parse_group` says)."""
     spans: list[tuple[int, int]] = []
     failures: dict[int, RendezvousError] = {}
     group = codes = None
@@ -322,7 +322,7 @@ def parse_many(raw: bytes | memoryview, n: int) -> ManyReply:
         if num == F.LOCAL_MANY_REPLIES and wt == wire.LEN:
             spans.append((a, b))
         elif num == F.LOCAL_MANY_GROUP and wt == wire.LEN:
-            group = fused.parse_group(raw, a, b)
+            group = groups.parse_group(raw, a, b)
         elif num == F.LOCAL_MANY_GROUP_PATHS and wt == wire.LEN:
             codes = bytes(raw[a:b])
         elif num == F.LOCAL_MANY_FAILURES and wt == wire.LEN:
@@ -402,7 +402,7 @@ def inline_reply(item: Received, path: Path) -> bytes:
     The tensor's bytes (the last of the tensor's field) start at an aligned
     offset, so a client whose frame arrives at an aligned address reads them
     in place."""
-    tensor = frames.unary_response(item)
+    tensor = unary_response(item)
     value = item.value
     pad = b""
     if not item.is_dead and type(value) is np.ndarray and value.nbytes and is_memcpyable(value):

@@ -39,7 +39,7 @@ from rendezvous.buffers import RecvBuffers
 from rendezvous.errors import Cancelled, Internal, RendezvousError, from_status
 from rendezvous.paths import Path
 from rendezvous.transport.calls import EOF, CallEnded
-from rendezvous.wire import Pieces
+from rendezvous.codec.wire import Pieces
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 from .engine import ProgressEngine

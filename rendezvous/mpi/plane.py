@@ -30,15 +30,17 @@ import numpy as np
 from google.protobuf import any_pb2
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames, fused
+from rendezvous.codec import groups
+from rendezvous.codec.parsing import ReplyHead
+from rendezvous.codec.replies import descriptor_response, with_call_id
 from rendezvous.buffers import RecvBuffers
 from rendezvous.config import Config
 from rendezvous.devices import Devices, DeviceTensor, Placement
 from rendezvous.errors import Internal, InvalidArgument, NotPlaced
 from rendezvous.stats import Stats
 from rendezvous.items import Received
-from rendezvous.dtypes import is_memcpyable
-from rendezvous.tensors import TensorMeta, decode_meta
+from rendezvous.codec.dtypes import is_memcpyable
+from rendezvous.codec.tensors import TensorMeta, decode_meta
 from rendezvous.transport import Arrival, Carry, DataPlane, Path, Reply
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -181,9 +183,9 @@ class MpiPlane(DataPlane):
 
         carry = self._plan_send(rank, counted if on_device else post, nbytes, chunk,
                                 req.request_id if nbytes >= DELIVERED_BYTES else 0)
-        response = frames.descriptor_response(TensorMeta(arr.dtype, arr.shape), carry.options)
+        response = descriptor_response(TensorMeta(arr.dtype, arr.shape), carry.options)
         # the send starts as the stream hands the descriptor over (Carry)
-        return Reply(Path.MPI, lambda call_id: iter((frames.with_call_id(call_id, response),)),
+        return Reply(Path.MPI, lambda call_id: iter((with_call_id(call_id, response),)),
                      _no_unary, item, carry=carry)
 
     def _endpoint(self, req: Any) -> pb.MpiEndpoint | None:
@@ -218,7 +220,7 @@ class MpiPlane(DataPlane):
         if endpoint is None or nbytes < endpoint.inline_below:
             return None
         buf = np.empty(nbytes, np.uint8)
-        fused.fill(buf, layout)
+        groups.fill(buf, layout)
         chunk = self._chunk(endpoint)
         rank = endpoint.rank
         return self._plan_send(rank, lambda t: self.engine.isend(buf, rank, t, chunk), nbytes, chunk)
@@ -283,7 +285,7 @@ class MpiPlane(DataPlane):
         staged = placement is not None and placement.is_gpu and not self.cuda_aware
         return self._staged_endpoint if staged else self.endpoint
 
-    def receive(self, buf: bytes, head: frames.ReplyHead, placement: Placement | None = None) -> Arrival:
+    def receive(self, buf: bytes, head: ReplyHead, placement: Placement | None = None) -> Arrival:
         """Post the receive a descriptor reply announces (the descriptor is checked
         first); the arrival's ``pending`` gives the tensor on ``placement``."""
         transfer, meta = self._parse(buf, head)
@@ -336,7 +338,7 @@ class MpiPlane(DataPlane):
             self.stats.gpu("to_device")
         return backend.user_array(dst)
 
-    def drain(self, buf: bytes, head: frames.ReplyHead) -> None:
+    def drain(self, buf: bytes, head: ReplyHead) -> None:
         """A descriptor for a recv nobody waits for any more: receive and drop its
         bytes, so they can never match a later transfer on the same tag."""
         try:
@@ -347,7 +349,7 @@ class MpiPlane(DataPlane):
                                 transfer.chunk_bytes)
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def receive_group(self, buf: bytes, group: fused.Group) -> asyncio.Future:
+    def receive_group(self, buf: bytes, group: groups.Group) -> asyncio.Future:
         """Post the receive of a group's fusion buffer (checked against the group
         first); the future gives the buffer. It lands even if nobody waits."""
         assert group.transport_options is not None
@@ -371,7 +373,7 @@ class MpiPlane(DataPlane):
             raise Internal("descriptor without a chunk size")
         return transfer
 
-    def _parse(self, buf: bytes, head: frames.ReplyHead) -> tuple[pb.MpiTransfer, TensorMeta]:
+    def _parse(self, buf: bytes, head: ReplyHead) -> tuple[pb.MpiTransfer, TensorMeta]:
         if head.tensor is None or head.transport_options is None:
             raise Internal("MPI descriptor without dtype and shape")
         transfer = self._transfer(buf, head.transport_options)

@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from rendezvous import auth, frames, interop
+from rendezvous import auth, interop
+from rendezvous.codec import allocator, dtypes, tensors
 from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
 from rendezvous.config import Config, Protocol
@@ -50,8 +51,6 @@ from rendezvous.rpc.peer import PeerClient
 from rendezvous.rpc.retry import RetryCache
 from rendezvous.rpc.servicer import RecvTensorServicer
 from rendezvous.stats import Stats
-from rendezvous.dtypes import dtype_to_proto
-from rendezvous.tensors import check_sendable
 from rendezvous.table import WaitingTable, send_items
 from rendezvous.items import PendingEntry, Received
 from rendezvous.timeline import Timeline, TracedPlanes, TracedTable
@@ -204,7 +203,7 @@ class Server:
         setup = self._setup
         # Chunked replies allocate chunk-sized frames: keep them reusable (a
         # process-wide allocator setting, applied by the server that needs it).
-        frames.prime_allocator(self.config.chunk_bytes)
+        allocator.prime_allocator(self.config.chunk_bytes)
         server = grpc.aio.server(interceptors=setup.interceptors or None,
                                  options=server_options(self.config.max_request_bytes, self.config.keepalive_time,
                                                         self.config.keepalive_timeout))
@@ -406,9 +405,9 @@ class Server:
         value = self.devices.import_tensor(tensor)
         # refused here, where the producer hears of it, not at the consumer
         if type(value) is np.ndarray:
-            check_sendable(value)
+            tensors.check_sendable(value)
         else:
-            dtype_to_proto(value.dtype)
+            dtypes.dtype_to_proto(value.dtype)
         return canonical, value
 
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:

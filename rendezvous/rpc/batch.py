@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rendezvous import frames
+from rendezvous.codec.requests import recv_many_request
 from rendezvous.errors import PeerUnavailable, RendezvousError, Unavailable
 from rendezvous.transport import Fetched, Path
 
@@ -165,7 +165,7 @@ def _submit(client: "PeerClient", stream: ConsumerStream, first: int, part: list
     """Ask ``part`` as the calls ``first`` .. on ``stream`` in one RecvMany; if
     the stream has broken meanwhile, its calls fail as broken (asked again)."""
     if stream.alive:
-        stream.submit_many(first, part, frames.recv_many_request(
+        stream.submit_many(first, part, recv_many_request(
             first, step_id, encoded, [p.request_id for p in part], options))
         return
     broken = Broken(PeerUnavailable(f"stream to {client.describe()} closed"))

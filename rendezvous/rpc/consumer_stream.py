@@ -22,12 +22,12 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 
-from rendezvous import frames, fused
+from rendezvous.codec import groups, parsing, tensors
+from rendezvous.codec.requests import batch_requests, cancel_request, recv_many_request, recv_request
 from rendezvous.errors import Cancelled, Internal, InvalidArgument, PeerUnavailable, RendezvousError, \
     ResourceExhausted, Unavailable
 from rendezvous.paths import Path
 from rendezvous.items import Received
-from rendezvous.tensors import decode_meta
 from rendezvous.transport import Fetched
 from rendezvous.transport.calls import EOF, CallEnded, RequestCall
 
@@ -56,8 +56,8 @@ def _run_request(run: list[tuple[int, int, bytes, int, bytes | None]]) -> bytes:
     request for a run of one."""
     call_id, step_id, key, request_id, options = run[0]
     if len(run) == 1:
-        return frames.recv_request(call_id, step_id, key, request_id, options)
-    return frames.recv_many_request(call_id, step_id, [c[2] for c in run], [c[3] for c in run], options)
+        return recv_request(call_id, step_id, key, request_id, options)
+    return recv_many_request(call_id, step_id, [c[2] for c in run], [c[3] for c in run], options)
 
 
 def _packs(messages: list[bytes]) -> Iterator[list[bytes]]:
@@ -186,7 +186,7 @@ class ConsumerStream:
         sent = 0
         if self._write_now is not None and self.outbox.empty():
             for pack in _packs(messages):
-                if not self._write_now(pack[0] if len(pack) == 1 else frames.batch_requests(pack)):
+                if not self._write_now(pack[0] if len(pack) == 1 else batch_requests(pack)):
                     break
                 sent += len(pack)
         for message in messages[sent:]:
@@ -215,7 +215,7 @@ class ConsumerStream:
         # at the end of the turn, after its request (a cancel never overtakes it)
         if not self._coalescing:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._coalescing.append(frames.cancel_request(call_id))
+        self._coalescing.append(cancel_request(call_id))
         return True
 
     async def _write(self) -> None:
@@ -233,7 +233,7 @@ class ConsumerStream:
                 while not outbox.empty() and size < _BATCH_REQUEST_BYTES:
                     queued.append(outbox.get_nowait())
                     size += len(queued[-1]) + 4
-                await self.call.write(frames.batch_requests(queued))
+                await self.call.write(batch_requests(queued))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the reader sees the status; just stop
@@ -321,7 +321,7 @@ class ConsumerStream:
         return True
 
     def _dispatch(self, buf: bytes) -> None:
-        for frame in frames.iter_stream_frames(buf):
+        for frame in parsing.iter_stream_frames(buf):
             self._dispatch_frame(buf, frame)
 
     def _dispatch_group(self, buf: bytes, span: tuple[int, int]) -> None:
@@ -330,11 +330,11 @@ class ConsumerStream:
         malformed group breaks the stream with INTERNAL (InvalidArgument from
         the parse: which calls it answers cannot be known), before anything
         is allocated or posted."""
-        group = fused.parse_group(buf, *span, self.client.config.max_tensor_bytes)
+        group = groups.parse_group(buf, *span, self.client.config.max_tensor_bytes)
         pending = self.pending
         planes = self.client.planes
         if group.payload is not None:
-            values = fused.views(group, buf, group.payload[0])
+            values = groups.views(group, buf, group.payload[0])
             path = self.inline_path
             if planes.traced:
                 planes.answered([p.placement for p in map(pending.get, group.call_ids)
@@ -368,7 +368,7 @@ class ConsumerStream:
             planes.answered([p.placement for _, _, p in moving if not p.orphan], True)
         landing.add_done_callback(lambda f: self._settle_group(group, moving, f, path))
 
-    def _settle_group(self, group: fused.Group, moving: list[tuple[int, int, PendingCall]],
+    def _settle_group(self, group: groups.Group, moving: list[tuple[int, int, PendingCall]],
                       landed: asyncio.Future, path: Path) -> None:
         """A group's fusion buffer is here (or failed): each call takes its view."""
         on_the_way = self.moving
@@ -384,7 +384,7 @@ class ConsumerStream:
                     p.future.set_exception(landed.exception())  # type: ignore[arg-type]
             return
         try:
-            values = fused.views(group, landed.result())
+            values = groups.views(group, landed.result())
         except Exception as exc:  # the buffer is not what the group said: the peer lies
             error = Internal(f"malformed reply from {self.client.describe()}: its fusion buffer does not hold "
                              f"the group it announced ({type(exc).__name__}: {exc})")
@@ -406,7 +406,7 @@ class ConsumerStream:
             else:
                 self._deliver(p, _landed(values[i], path))
 
-    def _dispatch_frame(self, buf: bytes, frame: frames.StreamFrame) -> None:
+    def _dispatch_frame(self, buf: bytes, frame: parsing.StreamFrame) -> None:
         if frame.group is not None:
             self._dispatch_group(buf, frame.group)
             return
@@ -547,7 +547,7 @@ def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") ->
     """Refuse a reply announcing more bytes than ``max_tensor_bytes``, before
     anything is allocated for it (a chunk buffer, an MPI receive). Returns
     what ``decode_meta`` said, so the reply is not parsed again."""
-    decoded = decode_meta(buf, *span)
+    decoded = tensors.decode_meta(buf, *span)
     meta = decoded[0]
     limit = client.config.max_tensor_bytes
     size = math.prod(meta.shape) * meta.dtype.itemsize  # strings: their object array

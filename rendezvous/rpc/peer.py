@@ -45,7 +45,7 @@ from typing import Any
 
 import grpc
 
-from rendezvous import frames
+from rendezvous.codec.requests import many_keys_field
 from rendezvous.cluster import parse_address
 from rendezvous.config import Config
 from rendezvous.deadlines import Deadlines
@@ -267,7 +267,7 @@ class PeerClient:
         for i, key in enumerate(encoded):
             size += len(key) + 12
             if size >= MANY_REQUEST_BYTES or i == n - 1:
-                parts.append((start, i + 1, frames.many_keys_field(encoded[start:i + 1])))
+                parts.append((start, i + 1, many_keys_field(encoded[start:i + 1])))
                 start, size = i + 1, 0
         if type(keys) is tuple:  # kept only for what cannot change under its id
             self._parts[id(keys)] = (keys, parts)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
-from rendezvous import frames, fused, wire
+from rendezvous.codec import groups, wire
+from rendezvous.codec.replies import batch_responses, error_frame
 from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, Unavailable
 from rendezvous.paths import Path
 from rendezvous.stats import payload_nbytes
@@ -269,7 +270,7 @@ class ProducerStream:
         # what _packs checks, hoisted: this loop runs once per key of the batch
         threshold = s.fusion_threshold
         timeline = s.timeline
-        fusable = fused.fusable
+        fusable = groups.fusable
         ready = self.ready
         try:
             for i in range(n):
@@ -364,7 +365,7 @@ class ProducerStream:
         serve span ends here)."""
         s = self.s
         if type(req) is not KeyRequest or not s.fusion_threshold or item.is_dead \
-                or not fused.fusable(item.value, s.fusion_threshold):
+                or not groups.fusable(item.value, s.fusion_threshold):
             return False
         if s.timeline is not None:
             s.timeline.served(req, self.inline_path)
@@ -377,7 +378,7 @@ class ProducerStream:
         start = 0
         size = 0
         for i, (_, _, item, _) in enumerate(members):
-            n = item.value.nbytes + fused.ALIGN
+            n = item.value.nbytes + groups.ALIGN
             if i > start and size + n > limit:
                 self._reply_group(members[start:i], request)
                 start, size = i, 0
@@ -390,11 +391,11 @@ class ProducerStream:
         call_ids = [m[0] for m in members]
         carry = None
         try:
-            lay = fused.layout(arrays)
+            lay = groups.layout(arrays)
             path, carry = self.s.planes.plan_group(request, arrays, lay)
             options = carry.options if carry is not None else None
             # the payload inside (no options): a large one is joined by the writer, one copy
-            frame = wire.frame(fused.group_parts(call_ids, None if options else arrays, lay, _now_micros(), options),
+            frame = wire.frame(groups.group_parts(call_ids, None if options else arrays, lay, _now_micros(), options),
                                0 if options else lay.nbytes)
         except Exception as exc:  # answered one by one instead
             if carry is not None:
@@ -408,8 +409,8 @@ class ProducerStream:
         self._group_ids -= 1
         remake = None
         if carry is not None:
-            def remake(ids: list[int], lay: fused.Layout = lay, options: bytes = carry.options) -> Iterator[Any]:
-                return iter((wire.frame(fused.group_parts(ids, None, lay, _now_micros(), options), 0),))
+            def remake(ids: list[int], lay: groups.Layout = lay, options: bytes = carry.options) -> Iterator[Any]:
+                return iter((wire.frame(groups.group_parts(ids, None, lay, _now_micros(), options), 0),))
         self._ready(group_id, OutgoingReply(iter((frame,)), None, "", None,  # type: ignore[arg-type]
                                         members=members, carry=carry, remake=remake))
 
@@ -456,7 +457,7 @@ class ProducerStream:
         return False
 
     def _ack_cancel(self, call_id: int) -> None:
-        frame = frames.error_frame(call_id, Cancelled(f"call {call_id} cancelled by the consumer; nothing sent"))
+        frame = error_frame(call_id, Cancelled(f"call {call_id} cancelled by the consumer; nothing sent"))
         self._ready(call_id, OutgoingReply(iter((frame,)), None, "", None, ack=True))  # type: ignore[arg-type]
 
     def _done_waiting(self, call_id: int) -> None:
@@ -610,7 +611,7 @@ class ProducerStream:
         their retries are answered afresh)."""
         rid = req.request_id
         at = handed.rids.index(rid)
-        ids = [fused.NO_CALL + i for i in range(len(handed.rids))]
+        ids = [groups.NO_CALL + i for i in range(len(handed.rids))]
         ids[at] = call_id
         again = Handed(handed.make, [rid if i == at else 0 for i in range(len(handed.rids))])
         retry = self.s.retry
@@ -636,7 +637,7 @@ class ProducerStream:
         if not isinstance(exc, RendezvousError):
             log.error("RecvTensorStream call %d failed", call_id, exc_info=exc)
         self.s.stats.error(self.inline_path)
-        self._ready(call_id, OutgoingReply(iter([frames.error_frame(call_id, exc)]), req, "", None))
+        self._ready(call_id, OutgoingReply(iter([error_frame(call_id, exc)]), req, "", None))
 
     def _ready(self, call_id: int, reply: OutgoingReply) -> None:
         self.replies[call_id] = reply
@@ -682,7 +683,7 @@ class ProducerStream:
                 break
         if not batch:
             return None
-        return batch[0] if len(batch) == 1 else frames.batch_responses(batch)
+        return batch[0] if len(batch) == 1 else batch_responses(batch)
 
     async def _write(self) -> None:
         while not self.failed:

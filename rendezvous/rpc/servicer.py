@@ -1,7 +1,7 @@
 """The producer side: RecvTensor over gRPC, unary and multiplexed stream.
 
 Handlers are registered as generic raw-bytes handlers so the reply's tensor
-bytes are written by hand (:mod:`rendezvous.frames`) instead of being copied
+bytes are written by hand (:mod:`rendezvous.codec.replies`) instead of being copied
 through protobuf. Three methods are served:
 
 * ``/rendezvous.v1.Rendezvous/RecvTensor``: one recv per call (unary);

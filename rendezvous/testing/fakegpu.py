@@ -74,7 +74,7 @@ from rendezvous.devices import (
     DeviceTensor,
     PinnedPool,
 )
-from rendezvous.tensors import TensorMeta
+from rendezvous.codec.tensors import TensorMeta
 
 __all__ = [
     "FakeBackend",

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from rendezvous import fields, wire
+from rendezvous.codec import fields, wire
 from rendezvous.errors import Internal
 from rendezvous.paths import Path
 from rendezvous.items import Received
@@ -44,7 +44,7 @@ class Reply:
     """How one produced tensor answers one request (made by a plane's ``plan``).
 
     ``stream_frames(call_id)`` yields the ``StreamResponse`` frames (bytes, or
-    :class:`rendezvous.wire.Pieces` for a large one, joined by the stream's
+    :class:`rendezvous.codec.wire.Pieces` for a large one, joined by the stream's
     writer); ``unary()``
     is the whole ``RecvTensorResponse``. ``item`` is what goes back to the
     table if the reply is dropped before its first frame is written; a
@@ -135,14 +135,14 @@ class DataPlane(ABC):
     @abstractmethod
     def receive(self, reply: bytes, head: Any, placement: Any) -> Arrival:
         """Start receiving the reply whose first frame is ``reply`` (``head`` is
-        its parsed :class:`rendezvous.frames.ReplyHead`), bound for ``placement``."""
+        its parsed :class:`rendezvous.codec.parsing.ReplyHead`), bound for ``placement``."""
 
     def drain(self, reply: bytes, head: Any) -> None:
         """A reply for a recv that no longer waits: take its bytes and drop them.
         Nothing to do where the bytes travel in the reply itself."""
 
     def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> Carry | None:
-        """Carry the payload of a group reply (:mod:`rendezvous.fused`: ``arrays``
+        """Carry the payload of a group reply (:mod:`rendezvous.codec.groups`: ``arrays``
         packed by ``layout``) for the consumer that sent ``request``: the
         transfer, planned (started when the group frame is handed over), or
         None (the payload travels inside the frame)."""

@@ -2,7 +2,7 @@
 
 The default path, and the fallback of every other plane: it carries any
 tensor (strings too) to any consumer. Replies are written by hand
-(:mod:`rendezvous.frames`): a header, then the tensor's own bytes, chunked
+(:mod:`rendezvous.codec.replies`): a header, then the tensor's own bytes, chunked
 into ``chunk_bytes`` frames on the stream. A GPU tensor is first copied to
 the host off the loop (device -> pinned chunks -> numpy).
 
@@ -18,7 +18,9 @@ import asyncio
 import time
 from typing import Any, NoReturn
 
-from rendezvous import frames
+from rendezvous.codec.assembly import Assembly
+from rendezvous.codec.parsing import ReplyHead, decode_inline
+from rendezvous.codec.replies import stream_frames, unary_response
 from rendezvous.buffers import RecvBuffers
 from rendezvous.devices import Devices, DeviceTensor
 from rendezvous.errors import Internal
@@ -62,8 +64,8 @@ class InlinePlane(DataPlane):
         now = _now_micros()
         chunk = self.chunk_bytes
         return Reply(Path.GRPC,
-                     lambda call_id: frames.stream_frames(call_id, item, chunk, now),
-                     lambda: frames.unary_response(item, now),
+                     lambda call_id: stream_frames(call_id, item, chunk, now),
+                     lambda: unary_response(item, now),
                      original if original is not None else item)
 
     async def _host_reply(self, item: Received) -> Reply:
@@ -78,11 +80,11 @@ class InlinePlane(DataPlane):
 
     # -- consumer -----------------------------------------------------------
 
-    def receive(self, reply: bytes, head: frames.ReplyHead, placement: Any) -> Arrival:
+    def receive(self, reply: bytes, head: ReplyHead, placement: Any) -> Arrival:
         """A host array (placement is the caller's business), whole or to assemble."""
         if head.tensor is None:
             raise Internal("reply carries neither a tensor nor a descriptor")
-        value = frames.decode_inline(reply, head.tensor, head.decoded, self.buffers)
-        if isinstance(value, frames.Assembly):
+        value = decode_inline(reply, head.tensor, head.decoded, self.buffers)
+        if isinstance(value, Assembly):
             return Arrival(Path.GRPC, assembly=value)
         return Arrival(Path.GRPC, value=value)

@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from .devices.backend import (KDL_CUDA, KDL_GPU_KINDS, STREAM_LEGACY, STREAM_PER_THREAD, DeviceBackend,
+from .backend import (KDL_CUDA, KDL_GPU_KINDS, STREAM_LEGACY, STREAM_PER_THREAD, DeviceBackend,
                               DeviceTensor)
-from .errors import FailedPrecondition
-from .tensors import TensorMeta
+from ..errors import FailedPrecondition
+from ..codec.tensors import TensorMeta
 
 __all__ = ["CupyBackend"]
 

@@ -1,7 +1,7 @@
 """Field numbers of the messages written and scanned by hand, by name.
 
 The hot paths (replies, requests, the local hop) write and scan protobuf
-fields directly (:mod:`rendezvous.wire`) instead of building message objects.
+fields directly (:mod:`rendezvous.codec.wire`) instead of building message objects.
 Their field numbers come from here, and here they come from the generated
 modules, so they follow ``protos/`` and cannot drift from it.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from google.protobuf import any_pb2
 
-from .v1 import local_pb2 as _local
-from .v1 import rendezvous_pb2 as _rdv
-from .v1 import tensor_pb2 as _tensor
+from ..v1 import local_pb2 as _local
+from ..v1 import rendezvous_pb2 as _rdv
+from ..v1 import tensor_pb2 as _tensor
 
 # google.protobuf.Any
 ANY_TYPE_URL = any_pb2.Any.TYPE_URL_FIELD_NUMBER

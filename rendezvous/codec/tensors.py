@@ -49,7 +49,7 @@ from .dtypes import (
     dtype_to_proto,
     proto_to_dtype,
 )
-from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
+from ..errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 
 __all__ = ["MAX_TYPED_FIELD_BYTES", "TensorMeta", "encode_meta", "check_sendable", "encode_header", "encode_tensor", "decode_tensor",
            "decode_meta", "empty_like_meta", "announced_bytes", "check_announced"]
@@ -349,7 +349,7 @@ def _from_typed_fields(buf, start: int, end: int, meta: TensorMeta, proto_dtype:
     zeros (empty strings) when there are none."""
     from google.protobuf.message import DecodeError
 
-    from .v1 import tensor_pb2
+    from ..v1 import tensor_pb2
 
     n = math.prod(meta.shape)
     is_string = proto_dtype == DT_STRING

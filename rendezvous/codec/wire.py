@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 from .fields import PAD
 
 __all__ = [
@@ -248,3 +248,24 @@ def frame(parts: list, content: int) -> "bytes | Pieces":
     """A message of ``parts`` carrying ``content`` bytes of tensor data: joined
     now, or left as :class:`Pieces` for its writer from ``GATHER_BYTES`` up."""
     return Pieces(parts) if content >= GATHER_BYTES else b"".join(parts)
+
+
+def pack(messages: list, field_number: int, aligned: bool = False) -> bytes:
+    """``messages`` (bytes or :class:`Pieces`) as the repeated field ``field_number``
+    of one message; with ``aligned`` each entry starts at an offset aligned to
+    ``ALIGN`` (a padding field before it)."""
+    parts: list = []
+    pos = 0
+    for m in messages:
+        header = len_field_header(field_number, len(m))
+        if aligned:  # each entry starts at an aligned offset (a padding field before it)
+            pad = align_pad(pos + len(header))
+            if pad:
+                parts.append(pad)
+            pos += len(pad) + len(header) + len(m)
+        parts.append(header)
+        if type(m) is Pieces:
+            parts += m.parts
+        else:
+            parts.append(m)
+    return b"".join(parts)

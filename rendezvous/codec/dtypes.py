@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from .errors import UnsupportedDType
+from ..errors import UnsupportedDType
 
 __all__ = ["SUPPORTED_DTYPES", "DT_INVALID", "DT_FLOAT", "DT_DOUBLE", "DT_INT32", "DT_UINT8", "DT_INT16", "DT_INT8",
            "DT_STRING", "DT_COMPLEX64", "DT_INT64", "DT_BOOL", "DT_BFLOAT16", "DT_UINT16", "DT_COMPLEX128", "DT_HALF",

@@ -25,7 +25,7 @@ import numpy as np
 from . import fields as F
 from . import wire
 from .dtypes import dtype_to_proto, proto_to_dtype
-from .errors import InvalidArgument, ResourceExhausted, UnsupportedDType
+from ..errors import InvalidArgument, ResourceExhausted, UnsupportedDType
 from .tensors import _MAX_NDIM
 
 __all__ = ["ALIGN", "NO_CALL", "Layout", "layout", "group_frame", "group_parts", "fill", "Group", "parse_group", "fusable"]
