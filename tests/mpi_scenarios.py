@@ -435,7 +435,7 @@ def exactly_once(count: str = "1000", api: str = "aio", cuts: str = "0") -> None
             for _ in range(20):
                 await ask_again(lambda i, t: recv(name(i), 1, t), tally)
                 await on_server(lambda: quiet(server))
-                unsettled = await on_server(lambda: sum(len(p._unsettled) for p in server.peers.values()))
+                unsettled = await on_server(lambda: sum(len(p.in_doubt) for p in server.peers.values()))
                 if not unsettled:
                     break
             kept = await on_server(lambda: sum(len(q) for q in server.kept.values()))

@@ -85,19 +85,82 @@ def test_a_reply_object_follows_the_table():
     from rendezvous.items import Received
     from rendezvous.rpc.delivery import OutgoingReply
 
-    class Servicer:
-        back: list = []
-
-        def put_back(self, req, key, item, stream):
-            self.back.append(item)
-
-    reply = OutgoingReply(iter([b"frame"]), None, "k", Received(1, False))
+    reply = OutgoingReply(iter([b"frame"]), _Req(1, 0), "k", Received(1, False))
     assert not reply.started and not reply.committed
     reply.to(d.START)
     assert reply.started and "STARTED" in repr(reply)
-    servicer = Servicer()
+    servicer = _Servicer(carried=set())
     reply.give_back(servicer, None)
-    assert servicer.back == [Received(1, False)]
+    assert servicer.requeued == [(1, "k", Received(1, False))]
     with pytest.raises(d.IllegalMove, match="GIVE_BACK is not allowed in state GIVEN_BACK"):
         reply.give_back(servicer, None)
-    assert servicer.back == [Received(1, False)]  # not twice
+    assert len(servicer.requeued) == 1  # not twice
+
+
+# -- the edges: ids in doubt, transfers cut off, tensors put back ---------------
+
+def test_ids_in_doubt_are_asked_again_oldest_first_per_key_and_capped():
+    doubt = d.InDoubt(limit=3)
+    assert not doubt and doubt.take(1, "k") is None
+    doubt.add(1, "k", 10)
+    doubt.add(1, "k", 11)
+    doubt.add(1, "k", 10)  # the same id twice is one id
+    doubt.add(2, "k", 20)  # another step is another key
+    assert len(doubt) == 3 and doubt.ids(1, "k") == [10, 11] and doubt.ids(2, "k") == [20]
+    doubt.add(1, "j", 30)  # over the cap: the key left longest ago loses its oldest id
+    assert len(doubt) == 3 and doubt.ids(1, "k") == [11]
+    assert doubt.take(1, "k") == 11 and doubt.take(1, "k") is None
+    assert doubt.take(2, "k") == 20 and doubt.take(1, "j") == 30
+    assert not doubt and len(doubt) == 0
+
+
+def test_a_cut_off_fails_only_the_calls_still_on_their_way():
+    async def main():
+        loop = asyncio.get_running_loop()
+        landed = PendingCall(loop.create_future(), "a", 1)
+        still = PendingCall(loop.create_future(), "b", 1)
+        for p in (landed, still):
+            p.to(d.MOVED)
+        moving = {1: still}  # call 0 landed meanwhile: no longer moving
+        d.cut_off(moving, [(0, landed), (1, still)], d.PeerUnavailable("stream to x broke"), waited=2.0)
+        assert landed.delivery == d.MOVING and not landed.future.done()
+        assert still.delivery == d.ORPHAN_MOVING  # what lands later is kept
+        with pytest.raises(d.PeerUnavailable, match="'b' was on its way outside the stream and did not land "
+                                                    "within 2s of its end; it is kept"):
+            still.future.result()
+
+    asyncio.run(main())
+
+
+class _Retry:
+    def __init__(self, carried: set[int]) -> None:
+        self.carried = carried
+        self.asked: list[tuple[int, object]] = []
+
+    def cut_off(self, request_id: int, owner: object) -> bool:
+        self.asked.append((request_id, owner))
+        return request_id not in self.carried
+
+
+class _Servicer:
+    def __init__(self, carried: set[int]) -> None:
+        self.retry = _Retry(carried)
+        self.requeued: list[tuple[int, str, object]] = []
+
+    def requeue(self, step_id: int, key: str, item: object) -> None:
+        self.requeued.append((step_id, key, item))
+
+
+class _Req:
+    def __init__(self, step_id: int, request_id: int) -> None:
+        self.step_id, self.request_id = step_id, request_id
+
+
+def test_a_tensor_is_put_back_unless_a_retry_of_its_id_carries_it():
+    s = _Servicer(carried={7})
+    stream = object()
+    d.put_back(s, _Req(1, 7), "a", "tensor a", stream)  # a retry on another stream has it: not twice
+    d.put_back(s, _Req(1, 8), "b", "tensor b", stream)
+    d.put_back(s, _Req(2, 0), "c", "tensor c", stream)  # no id: nothing can carry it, back it goes
+    assert s.requeued == [(1, "b", "tensor b"), (2, "c", "tensor c")]
+    assert s.retry.asked == [(7, stream), (8, stream)]

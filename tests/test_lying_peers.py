@@ -215,7 +215,7 @@ def test_a_broken_batch_of_more_than_4096_keys_is_asked_again_as_one_batch_with_
                 again.write(_group([(q.call_id, np.array([s + j])) for j, q in enumerate(reasked[s:s + 1000])]))
             got = await r
             assert [f.item.value.tolist() for f in got] == [[i] for i in range(len(keys))]
-            assert not client._unsettled
+            assert not client.in_doubt
     run(main(), 50)
 
 

@@ -84,7 +84,7 @@ def test_racing_deadlines_deliver_every_tensor_exactly_once():
             await until(lambda: nothing_in_flight(consumer, producer), what="the withdrawn requests")
             assert not left_anywhere(consumer, producer)
             # unanswered request ids are remembered only for streams that broke
-            assert not any(p._unsettled for p in consumer.peers.values())
+            assert not any(p.in_doubt for p in consumer.peers.values())
     run(main(), LIMIT)
 
 

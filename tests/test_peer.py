@@ -765,15 +765,15 @@ def test_every_request_id_left_in_doubt_for_a_key_is_asked_again_oldest_first():
                 again.write(*reply(req.call_id, np.array([value])))
                 assert (await r).item.value.tolist() == [value]
             assert asked == [req1.recv.request_id, req2.recv.request_id]
-            assert not client._unsettled
+            assert not client.in_doubt
             # in doubt, and given up before a stream was there to ask on: still in doubt
-            client.unsettled(2, K2, 4242)
+            client.in_doubt.add(2, K2, 4242)
             await peer.server.stop(0)
             side.abort(grpc.StatusCode.UNAVAILABLE, "gone")
             await until(lambda: not client.live_stream(), what="the client to see the stream end")
             with pytest.raises((PeerUnavailable, DeadlineExceeded)):
                 await client.recv(K2, step_id=2, timeout=0.5)
-            assert list(client._unsettled[(2, K2)]) == [4242]
+            assert client.in_doubt.ids(2, K2) == [4242]
     run(main(), 20)
 
 

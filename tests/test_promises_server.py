@@ -602,7 +602,7 @@ def test_remote_recvs_whose_deadline_is_the_send_get_each_tensor_once_or_leave_i
     server (a reply already on its way), never lost, never twice; later recvs
     get exactly those.
 
-    Checked to fail: with RecvTensorServicer.put_back patched to do nothing
+    Checked to fail: with rendezvous.rpc.delivery.put_back patched to do nothing
     (a cancelled call's tensor dropped), or aio.Server._unclaimed patched to do
     nothing (a reply arriving after its deadline dropped), tensors go missing
     and the settling wait fails."""

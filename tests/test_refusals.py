@@ -191,10 +191,10 @@ def test_racing_recvs_on_a_full_producer_whose_connections_are_cut_get_every_ten
                 for _ in range(20):
                     await ask_again(ask, tally)
                     await until(lambda: nothing_in_flight(c, p), what="the withdrawn requests")
-                    if not any(peer._unsettled for peer in c.peers.values()):
+                    if not any(peer.in_doubt for peer in c.peers.values()):
                         break
                 tally.check()
-                assert not any(peer._unsettled for peer in c.peers.values())
+                assert not any(peer.in_doubt for peer in c.peers.values())
                 assert not left_anywhere(c, p)
             finally:
                 await relay.close()

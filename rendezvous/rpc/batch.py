@@ -182,14 +182,13 @@ async def fetch_batch(client: "PeerClient", keys: Sequence[str], step_id: int, p
     n = len(keys)
     first = client._take_ids(n)
     rid = client._take_request_ids(n)
-    unsettled = client._unsettled
-    take_unsettled = client._take_unsettled
+    in_doubt = client.in_doubt
     batch = _Batch(loop, n)
     calls: list[_Call] = []
     try:
         for a, b, encoded in client._key_parts(keys):
             part = [_Call(batch, keys[i], step_id, placement,
-                          (take_unsettled(step_id, keys[i]) if unsettled else None) or rid + i)
+                          (in_doubt.take(step_id, keys[i]) if in_doubt else None) or rid + i)
                     for i in range(a, b)]
             calls += part
             _submit(client, stream, first + a, part, step_id, encoded, options)
@@ -258,7 +257,7 @@ async def _settle(client: "PeerClient", keys: Sequence[str], step_id: int, place
             # nobody knows whether the producer took these tensors: the next
             # recvs of their keys ask with these ids
             for i, request_id in zip(positions, ids):
-                client.unsettled(step_id, keys[i], request_id)
+                client.in_doubt.add(step_id, keys[i], request_id)
             _keep(client, keys, step_id, out, arrived)
             if isinstance(exc, RendezvousError):
                 raise BatchFailed({i: exc for i in positions}, len(arrived)) from None
@@ -311,5 +310,5 @@ def _give_up(client: "PeerClient", stream: ConsumerStream, first: int, calls: li
             if not isinstance(exc, Broken):
                 continue  # the producer's answer (or the reply's own failure): settled
         if not stream.cancel(first + j, call):
-            client.unsettled(call.step_id, call.key, call.request_id)
+            client.in_doubt.add(call.step_id, call.key, call.request_id)
         call.cancel()  # as a recv's own: whatever answers it now is handed on, never to this call

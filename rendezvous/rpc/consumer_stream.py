@@ -31,7 +31,7 @@ from rendezvous.items import Received
 from rendezvous.transport import Fetched
 from rendezvous.transport.calls import EOF, CallEnded, RequestCall
 
-from .delivery import ANSWERED, BROKE, GAVE_UP, MOVED, PendingCall
+from .delivery import ANSWERED, BROKE, GAVE_UP, MOVED, PendingCall, cut_off
 
 if TYPE_CHECKING:
     from .peer import PeerClient
@@ -273,13 +273,13 @@ class ConsumerStream:
                 # kept for the next recv of its key.
                 cut = list(self.moving.items())
                 if closed_here:
-                    self._cut_off(cut, error)
+                    cut_off(self.moving, cut, error)
                 else:
                     window = self.client.config.reconnect_window
-                    asyncio.get_running_loop().call_later(window, self._cut_off, cut, error, window)
+                    asyncio.get_running_loop().call_later(window, cut_off, self.moving, cut, error, window)
             for p in self.pending.values():
                 if p.orphan:  # its cancel may never have reached the producer
-                    self.client.unsettled(p.step_id, p.key, p.request_id)
+                    self.client.in_doubt.add(p.step_id, p.key, p.request_id)
                 p.to(BROKE)
                 if not p.future.done():
                     p.future.set_exception(broken)
@@ -295,19 +295,6 @@ class ConsumerStream:
             self.alive = False  # nothing more is asked or read on it
             self.call.cancel()
             self.reader.cancel()
-
-    def _cut_off(self, cut: list[tuple[int, PendingCall]], error: RendezvousError, waited: float | None = None) -> None:
-        """The recvs of ``cut``, whose bytes were on their way when the stream
-        ended (and have not landed after ``waited`` seconds), stop waiting."""
-        late = "" if waited is None else f" and did not land within {waited:g}s of its end"
-        for call_id, p in cut:
-            if self.moving.get(call_id) is not p:
-                continue  # landed (or failed) meanwhile
-            p.to(GAVE_UP)
-            if not p.future.done():
-                p.future.set_exception(PeerUnavailable(
-                    f"{error.message}; the tensor for {p.key!r} was on its way outside the stream{late}; it is "
-                    "kept for the next recv of its key when it lands"))
 
     def _arrived(self, buf: Any) -> bool:
         """A message of the stream, handed over as it arrives (by the MPI call,
@@ -539,8 +526,8 @@ class ConsumerStream:
         self.alive = False
         self.call.cancel()
         if self.moving:  # closed here: no recv waits for bytes that have not landed
-            self._cut_off(list(self.moving.items()),
-                          PeerUnavailable(f"stream to {self.client.describe()} was closed locally"))
+            cut_off(self.moving, list(self.moving.items()),
+                    PeerUnavailable(f"stream to {self.client.describe()} was closed locally"))
 
 
 def _check_announced(buf: bytes, span: tuple[int, int], client: "PeerClient") -> tuple[Any, int, int]:

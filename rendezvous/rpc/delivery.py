@@ -1,6 +1,10 @@
-"""A consumer's call, as the states its delivery goes through, and the one
-table of the moves between them. An event the table does not allow raises
-:class:`IllegalMove`: a call answered twice, or given up after its answer,
+"""Delivery, exactly once: a consumer's call and a producer's reply, each as
+the states it goes through and the one table of the moves between them, and
+what happens at delivery's edges: the ids left in doubt by a broken stream
+(:class:`InDoubt`), transfers cut off with their stream (:func:`cut_off`) and
+tensors put back when their reply was not written (:func:`put_back`).
+
+An event the table does not allow raises :class:`IllegalMove`: a call answered twice, or given up after its answer,
 is a bug that would lose or duplicate a tensor, never a case to handle.
 
 ====================  =====================================================
@@ -27,9 +31,11 @@ with the call unanswered).
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from rendezvous.errors import PeerUnavailable, RendezvousError
 from rendezvous.items import Received
 from rendezvous.paths import Path
 
@@ -42,7 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PendingCall", "OutgoingReply", "READY", "COMMITTED", "STARTED", "COMMITTED_STARTED", "GIVEN_BACK", "REPLY_STATES",
            "COMMIT", "START", "GIVE_BACK", "REPLY_EVENTS", "REPLY_MOVES", "reply_after", "ASKED", "MOVING", "ORPHAN", "ORPHAN_MOVING", "SETTLED", "IN_DOUBT", "STATES",
-           "GAVE_UP", "MOVED", "ANSWERED", "BROKE", "EVENTS", "MOVES", "IllegalMove", "after"]
+           "GAVE_UP", "MOVED", "ANSWERED", "BROKE", "EVENTS", "MOVES", "IllegalMove", "after",
+           "InDoubt", "cut_off", "put_back"]
 
 # states (small ints: a call's state is read on every reply)
 ASKED, MOVING, ORPHAN, ORPHAN_MOVING, SETTLED, IN_DOUBT = range(6)
@@ -222,6 +229,91 @@ class OutgoingReply:
         if self.carry is not None and not started:
             self.carry.release()
         if self.item is not None:
-            servicer.put_back(self.req, self.key, self.item, stream)
+            put_back(servicer, self.req, self.key, self.item, stream)
         for _, req, item, key in self.members or ():
-            servicer.put_back(req, key, item, stream)
+            put_back(servicer, req, key, item, stream)
+
+
+# -- what delivery does at its edges -------------------------------------------
+
+class InDoubt:
+    """The request_ids of calls left ``IN_DOUBT``: a recv ended without the
+    producer's answer and the stream it was asked on broke (a pulled cable, a
+    peer gone silent), so the producer may have taken the tensor for it and
+    written it into the dead connection. The next recv of the same key and step
+    asks again with the same request_id, and the producer answers it from its
+    retry cache (or, if it put the tensor back, from its table): the tensor is
+    neither lost nor taken twice. Several recvs of one key can be in doubt at
+    once (a recv that gave up, then the one that asked again, both cut off):
+    each id is kept, and the next recvs ask with them oldest first, the order
+    the producer took their tensors in. At most ``limit`` ids are kept, the
+    oldest keys forgotten first."""
+
+    __slots__ = ("_ids", "_count", "limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._ids: collections.OrderedDict[tuple[int, str], collections.deque[int]] = collections.OrderedDict()
+        self._count = 0
+        self.limit = limit
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def ids(self, step_id: int, key: str) -> list[int]:
+        """The ids in doubt for ``key`` of ``step_id``, oldest first."""
+        return list(self._ids.get((step_id, key), ()))
+
+    def add(self, step_id: int, key: str, request_id: int) -> None:
+        ids = self._ids.get((step_id, key))
+        if ids is None:
+            ids = self._ids[(step_id, key)] = collections.deque()
+        elif request_id in ids:
+            return
+        else:
+            self._ids.move_to_end((step_id, key))
+        ids.append(request_id)
+        self._count += 1
+        while self._count > self.limit:
+            self.take(*next(iter(self._ids)))
+
+    def take(self, step_id: int, key: str) -> int | None:
+        """The oldest id in doubt for ``key`` of ``step_id`` (the next recv of it
+        asks with that id), or None."""
+        ids = self._ids.get((step_id, key))
+        if ids is None:
+            return None
+        request_id = ids.popleft()
+        self._count -= 1
+        if not ids:
+            del self._ids[(step_id, key)]
+        return request_id
+
+
+def cut_off(moving: dict[int, PendingCall], cut: list[tuple[int, PendingCall]], error: RendezvousError,
+            waited: float | None = None) -> None:
+    """The recvs of ``cut``, whose bytes were on their way outside the stream
+    when it ended (and have not landed after ``waited`` seconds), stop waiting;
+    what lands later is kept for the next recv of its key. A call no longer in
+    ``moving`` landed (or failed) meanwhile and is left alone."""
+    late = "" if waited is None else f" and did not land within {waited:g}s of its end"
+    for call_id, p in cut:
+        if moving.get(call_id) is not p:
+            continue
+        p.to(GAVE_UP)
+        if not p.future.done():
+            p.future.set_exception(PeerUnavailable(
+                f"{error.message}; the tensor for {p.key!r} was on its way outside the stream{late}; it is "
+                "kept for the next recv of its key when it lands"))
+
+
+def put_back(servicer: "RecvTensorServicer", req: "Asked", key: str, item: Received, owner: object = None) -> None:
+    """An item whose reply (on the stream ``owner``) was not sent to its end (the
+    consumer cancelled, the stream broke, the reply could not be made) goes back
+    to the front of its queue, unless a retry of the same request_id on another
+    stream was given it since: that reply carries it (see RetryCache.cut_off)."""
+    if req.request_id and not servicer.retry.cut_off(req.request_id, owner):
+        return
+    servicer.requeue(req.step_id, key, item)

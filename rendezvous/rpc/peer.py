@@ -55,6 +55,7 @@ from rendezvous.transport import Fetched, Path, Planes
 
 from .batch import BatchFailed, fetch_batch
 from .consumer_stream import MANY_REQUEST_BYTES, Broken, ConsumerStream, PendingCall
+from .delivery import InDoubt
 from .grpc_calls import GrpcCall
 from .options import STREAM_METHOD, peer_channel_options
 
@@ -98,11 +99,9 @@ class PeerClient:
         self._next_request_id = secrets.randbits(62) + 1
         self._connected_once = False
         self._closed = False
-        #: (step_id, key) -> request_ids of recvs that ended without the producer's
-        #: answer while their stream broke, oldest first (see unsettled)
-        self._unsettled: collections.OrderedDict[tuple[int, str], collections.deque[int]] = \
-            collections.OrderedDict()
-        self._unsettled_ids = 0  # request_ids in _unsettled, all keys together
+        #: request_ids of recvs that ended without the producer's answer while
+        #: their stream broke: the next recv of their key asks with them
+        self.in_doubt = InDoubt(_UNSETTLED)
         #: id(key tuple) -> (the tuple, its parts encoded), see _key_parts
         self._parts: collections.OrderedDict[int, tuple[Any, list[tuple[int, int, bytes]]]] = \
             collections.OrderedDict()
@@ -122,43 +121,6 @@ class PeerClient:
     def live_stream(self) -> ConsumerStream | None:
         stream = self._stream
         return stream if stream is not None and stream.alive else None
-
-    def unsettled(self, step_id: int, key: str, request_id: int) -> None:
-        """A recv of ``key`` ended without the producer's answer, and the stream it
-        was asked on broke (a pulled cable, a peer that went silent): the producer
-        may have taken the tensor for it and written it into the dead connection.
-        The next recv of the same key and step asks again with the same
-        request_id, so the producer answers it from its retry cache (or, if it
-        put the tensor back, from its table): the tensor is neither lost nor
-        taken twice. Several recvs of one key can be in that state at once (a
-        recv that gave up, then the one that asked again, both cut off): each
-        id is kept, and the next recvs ask with them oldest first, the order
-        the producer took their tensors in. Remembered for the last
-        ``_UNSETTLED`` such recvs."""
-        ids = self._unsettled.get((step_id, key))
-        if ids is None:
-            ids = self._unsettled[(step_id, key)] = collections.deque()
-        elif request_id in ids:
-            return
-        else:
-            self._unsettled.move_to_end((step_id, key))
-        ids.append(request_id)
-        self._unsettled_ids += 1
-        while self._unsettled_ids > _UNSETTLED:
-            oldest = next(iter(self._unsettled))
-            self._take_unsettled(*oldest)
-
-    def _take_unsettled(self, step_id: int, key: str) -> int | None:
-        """The oldest request_id left unsettled for ``key`` (a new recv of it asks
-        with that id), or None."""
-        ids = self._unsettled.get((step_id, key))
-        if ids is None:
-            return None
-        request_id = ids.popleft()
-        self._unsettled_ids -= 1
-        if not ids:
-            del self._unsettled[(step_id, key)]
-        return request_id
 
     def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived for a recv that had given up."""
@@ -180,8 +142,8 @@ class PeerClient:
         deadline = None if timeout is None else loop.time() + timeout
         key_bytes = key.encode()
         # A recv of this key that ended unanswered on a broken stream asked with
-        # this id: ask again with it (see unsettled).
-        unsettled = self._take_unsettled(step_id, key) if self._unsettled else None
+        # this id: ask again with it (see InDoubt).
+        unsettled = self.in_doubt.take(step_id, key) if self.in_doubt else None
         request_id = unsettled or self._take_request_ids(1)
         attempts = 0
         # sent (now, or by the recv whose id this is), and not answered by the
@@ -220,7 +182,7 @@ class PeerClient:
                         raise
         except BaseException as exc:
             if asked and not orphaned:
-                self.unsettled(step_id, key, request_id)
+                self.in_doubt.add(step_id, key, request_id)
             if isinstance(exc, TimeoutError):
                 why = "" if self._connected_once or self._open_call is not None else (
                     f": it was never reached (no server answered at {self.address} yet; "

@@ -32,7 +32,7 @@ from rendezvous.transport import Carry, Reply
 from rendezvous.transport.calls import StreamContext
 from rendezvous.v1 import rendezvous_pb2 as pb
 
-from .delivery import COMMIT, START, OutgoingReply
+from .delivery import COMMIT, START, OutgoingReply, put_back
 from .retry import Handed
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class ProducerStream:
                 reply.give_back(self.s, self)
             self.replies.clear()
             for _, req, item, key in self._late:  # taken, their group not made yet
-                self.s.put_back(req, key, item, self)
+                put_back(self.s, req, key, item, self)
             self._late.clear()
             self.flushing.clear()
 
@@ -294,7 +294,7 @@ class ProducerStream:
             rest = [(0, KeyRequest(step, keys[j], rids[j], opts), got.item, got.key)
                     for j, got in enumerate(taken) if got is not None]
             for _, req, item, key in reversed(group + rest):
-                self.s.put_back(req, key, item, self)
+                put_back(self.s, req, key, item, self)
             raise
         if group:
             self._reply_groups(group, many)
@@ -550,9 +550,9 @@ class ProducerStream:
         send has returned: put back there, it would go on at once to the key's
         next waiter, whose reply may fail in turn, all within the one call."""
         if in_send:
-            asyncio.get_running_loop().call_soon(self.s.put_back, req, key, item, self)
+            asyncio.get_running_loop().call_soon(put_back, self.s, req, key, item, self)
         else:
-            self.s.put_back(req, key, item, self)
+            put_back(self.s, req, key, item, self)
         self._reply_error(call_id, req, exc)
 
     async def _prepared_reply(self, call_id: int, req: Asked, key: str, plan: Reply) -> None:
@@ -563,7 +563,7 @@ class ProducerStream:
             outgoing = self._outgoing(call_id, req, key, plan)
         except asyncio.CancelledError:
             if item is not None:
-                self.s.put_back(req, key, item, self)  # nothing was sent: the tensor stays for a later recv
+                put_back(self.s, req, key, item, self)  # nothing was sent: the tensor stays for a later recv
             raise
         except Exception as exc:
             if item is not None:
@@ -630,7 +630,7 @@ class ProducerStream:
             assert reply.item is not None  # a descriptor's reply holds its tensor until it is written
             calls = [(call_id, reply.req, reply.item, reply.key)]
         for member_id, req, item, key in calls:
-            self.s.put_back(req, key, item, self)
+            put_back(self.s, req, key, item, self)
             self._reply_error(member_id, req, error)
 
     def _reply_error(self, call_id: int, req: Asked, exc: BaseException) -> None:

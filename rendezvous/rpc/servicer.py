@@ -45,6 +45,7 @@ from rendezvous.transport import Path, Planes, Reply
 from rendezvous.transport.calls import StreamContext
 from rendezvous.v1 import rendezvous_pb2 as pb
 
+from .delivery import put_back
 from .grpc_calls import GrpcContext
 from .options import SERVICE, TF_SERVICE
 from .producer_stream import Asked, ProducerStream
@@ -133,7 +134,7 @@ class RecvTensorServicer:
 
     async def take(self, req: "Asked", owner: object = None) -> Taken:
         """Wait for the tensor ``req`` asks for, for a reply on the stream
-        ``owner`` (see :meth:`put_back`).
+        ``owner`` (see :func:`.delivery.put_back`).
 
         While draining, only tensors already produced (or answers already
         given, by request_id) are served; a recv that would wait gets
@@ -287,16 +288,7 @@ class RecvTensorServicer:
         if req.request_id:
             item = self.retry.unclaimed(req.request_id)  # forgotten, and remembered as put back
             if item is not None:
-                self._requeue(req.step_id, self._check_key(req), item)
-
-    def put_back(self, req: "Asked", key: str, item: Received, owner: object = None) -> None:
-        """Return an item whose reply (on the stream ``owner``) was not sent to
-        its end (the consumer cancelled, or the stream broke) to the table,
-        unless a retry of the same request_id on another stream was given it
-        since: that reply carries it (see RetryCache.cut_off)."""
-        if req.request_id and not self.retry.cut_off(req.request_id, owner):
-            return
-        self._requeue(req.step_id, key, item)
+                self.requeue(req.step_id, self._check_key(req), item)
 
     def gave_up(self, req: pb.RecvTensorRequest, item: Received) -> None:
         """The transfer of ``item``, taken for ``req``, gave up partway (a GPU
@@ -307,9 +299,9 @@ class RecvTensorServicer:
             key = self._check_key(req)
         except RendezvousError:
             return  # it was checked when taken; a key refused now names no queue
-        self.put_back(req, key, item)
+        put_back(self, req, key, item)
 
-    def _requeue(self, step_id: int, key: str, item: Received) -> None:
+    def requeue(self, step_id: int, key: str, item: Received) -> None:
         try:
             self.table.requeue(step_id, key, item)
         except RendezvousError:
@@ -349,7 +341,7 @@ class RecvTensorServicer:
             except BaseException:
                 # not made (a GPU copy that failed, say) or the call ended first:
                 # nothing was sent, the tensor stays for a later recv
-                self.put_back(req, key, item)
+                put_back(self, req, key, item)
                 raise
         except RendezvousError as exc:
             self.stats.error(Path.GRPC)
