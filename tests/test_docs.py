@@ -316,7 +316,7 @@ def test_documents_link_only_to_files_that_exist(doc):
 def test_the_name_check_finds_names_that_do_not_exist():
     """Names that resolve pass; a member, class, module or path that is not
     there is reported, each on its own."""
-    good = ("`Kept.hand_over`, `kept.to_table`, `rendezvous.aio.Server`, `aio.Server.attending`, "
+    good = ("`Kept.hand_over`, `kept.to_table`, `rendezvous.aio.Server`, `aio.Server.recv_item`, "
             "`RetryCache.take_resend`, `local.segments.Mapping`, `LocalRecvManyResponse.failures`, "
             "`PeerClient`, `RecvTensorStream`, `asyncio.timeout`, `rank/kept.py`, `rendezvous/mpi/`, "
             "`tests/racing.py`, `procs.py`, `PinnedPool.give(buf, after=event)`, "

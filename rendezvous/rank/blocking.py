@@ -151,12 +151,12 @@ class Server:
         dropped): see :class:`_LoopCall`. ``call``: the caller's own, when it must
         still be able to give the result up after this returns (it then marks
         it delivered itself). ``attended``: the loop polls MPI while this
-        caller waits (see aio.Server.attending)."""
+        caller waits (see RankLink.attending)."""
         loop = self._check_running(coro)
         if threading.current_thread() is self._thread:
             coro.close()
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
-        runs = self._aio.attending(coro) if attended else coro
+        runs = self._aio.link.attending(coro) if attended else coro
         if call is None:
             call = _LoopCall()
         try:
@@ -382,7 +382,8 @@ class Server:
         ``call``: what was received and is not handed over (the caller
         interrupted, or no such form) is kept for the next recv of its key
         once the caller gives ``call`` up."""
-        interop.check_framework(framework)  # before anything is taken
+        if framework is not None:
+            interop.check_framework(framework)  # before anything is taken
         canonical = [canonical_key(k) for k in keys]  # cached: a step asks the same keys again
 
         def give_back(items: list[Received], why: str | None) -> None:
@@ -394,7 +395,7 @@ class Server:
         fetching = (_recv_one(self._aio, canonical[0], step_id, timeout, device) if one
                     else self._aio.recv_many_items(canonical, step_id, timeout, device))
         items = self._call(fetching, orphaned=give_back, attended=True, call=call)
-        return interop.hand_over(items, framework, not_convertible)
+        return items if framework is None else interop.hand_over(items, framework, not_convertible)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""

@@ -33,7 +33,8 @@ class Kept:
     """Fetched tensors waiting for the next recv of their (step, key), oldest first."""
 
     def __init__(self) -> None:
-        self._items: dict[tuple[int, str], collections.deque[Received]] = {}
+        #: (step, key) -> what is held for it, oldest first (read, never changed, outside)
+        self.held: dict[tuple[int, str], collections.deque[Received]] = {}
         #: when each (step, key) began to hold tensors (time.monotonic())
         self._since: dict[tuple[int, str], float] = {}
         #: ``offer(step_id, key, queue)``: hands the tensors of ``queue`` (kept for
@@ -49,9 +50,9 @@ class Kept:
         waiting takes it at once (unless not ``offer``: the caller keeps more
         for the key first, then calls :meth:`hand_over`). Logged with ``why``,
         unless None (the caller's error says it already), when it stays here."""
-        queue = self._items.get((step_id, key))
+        queue = self.held.get((step_id, key))
         if queue is None:
-            queue = self._items[(step_id, key)] = collections.deque()
+            queue = self.held[(step_id, key)] = collections.deque()
             self._since[(step_id, key)] = time.monotonic()
         queue.appendleft(item) if front else queue.append(item)
         if offer:
@@ -62,56 +63,56 @@ class Kept:
     def hand_over(self, step_id: int, key: str) -> None:
         """What is held for ``key`` in ``step_id`` goes to the recvs of it already
         waiting, the oldest first, as far as they go (see ``offer``)."""
-        queue = self._items.get((step_id, key))
+        queue = self.held.get((step_id, key))
         if queue is None or self.offer is None:
             return
         self.offer(step_id, key, queue)
-        if not queue and self._items.get((step_id, key)) is queue:
+        if not queue and self.held.get((step_id, key)) is queue:
             self._forget((step_id, key))
 
     def has(self, step_id: int, key: str) -> bool:
-        return (step_id, key) in self._items
+        return (step_id, key) in self.held
 
     def take(self, step_id: int, key: str) -> Received:
         """The oldest held for ``key`` in ``step_id`` (KeyError if none)."""
-        queue = self._items[(step_id, key)]
+        queue = self.held[(step_id, key)]
         item = queue.popleft()
         if not queue:
             self._forget((step_id, key))
         return item
 
     def _forget(self, held: tuple[int, str]) -> None:
-        del self._items[held]
+        del self.held[held]
         self._since.pop(held, None)
 
     def drop_step(self, step_id: int) -> None:
         """Forget a step's tensors (it was aborted or cleaned up)."""
-        for k in [k for k in self._items if k[0] == step_id]:
+        for k in [k for k in self.held if k[0] == step_id]:
             self._forget(k)
 
     def count(self) -> int:
         """Tensors held, all keys together."""
-        return sum(len(q) for q in self._items.values())
+        return sum(len(q) for q in self.held.values())
 
     def items(self) -> ItemsView[tuple[int, str], collections.deque[Received]]:
-        return self._items.items()
+        return self.held.items()
 
     def rows(self) -> Iterator[tuple[int, str, int, float]]:
         """(step, key, tensors held, seconds since the key began to hold them),
         made as they are taken."""
         now = time.monotonic()
-        for held, queue in self._items.items():
+        for held, queue in self.held.items():
             if queue:
                 yield held[0], held[1], len(queue), now - self._since.get(held, now)
 
     def values(self) -> ValuesView[collections.deque[Received]]:
-        return self._items.values()
+        return self.held.values()
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.held)
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return bool(self.held)
 
 
 def to_table(table: WaitingTable, step_id: int, key: str, queue: collections.deque[Received]) -> None:

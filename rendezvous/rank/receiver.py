@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rendezvous.deadlines import Deadlines
-from rendezvous.devices import Devices, DeviceTensor, Placement, parse_placement, placement_for_device
+from rendezvous.devices import CPU, Devices, DeviceTensor, Placement, parse_placement, placement_for_device
 from rendezvous.errors import (DeadlineExceeded, NotPlaced, RendezvousError, ResourceExhausted, Unavailable,
                                batch_failure)
 from rendezvous.keys import _CACHEABLE, DeviceName, Key, TaskName, as_key, canonical_key, parse_key
@@ -128,12 +128,12 @@ class Receiver:
         raise there), the wait in the awaitable, with no coroutine of this
         method's own in between (a step's gathered recvs pay for every frame)."""
         canonical, src, wanted = self._route(key)
-        explicit = parse_placement(device)
-        target, _ = self.devices.resolve(explicit or wanted, explicit is not None)
+        target = wanted if device is None and wanted is CPU else \
+            self.devices.resolve(parse_placement(device) or wanted, device is not None)[0]  # a host key: nothing to resolve
         err = self.table.aborted(step_id)
         if err is not None:
             raise err
-        if self.kept.has(step_id, canonical):
+        if self.kept.held and self.kept.has(step_id, canonical):
             return self._recv_kept(step_id, canonical, target, span)
         if src is None:
             return self._recv_local(step_id, canonical, timeout, target, span)
@@ -228,7 +228,7 @@ class Receiver:
                 self.timeline.unwatch(asked)  # type: ignore[union-attr]
         item = fetched.item
         self._stats.received(fetched.path, payload_nbytes(item.value))
-        if not fetched.placed:
+        if not fetched.placed and (target is not CPU or isinstance(item.value, DeviceTensor)):
             try:
                 item = Received(await self._place(item.value, target, span), item.is_dead)
             except BaseException:

@@ -444,12 +444,6 @@ class Server:
         item = (await self._fetching(key, step_id, timeout, device)).item
         return interop.hand_over([item], framework, lambda items: self.give_back(step_id, [key], items))[0]
 
-    async def attending(self, waited: Awaitable[T]) -> T:
-        """``await waited`` for a caller blocked on its answer in another thread
-        (the blocking Server's recvs): with ``poll_on_loop="attended"`` the loop
-        polls every MPI transfer meanwhile (see ProgressEngine.attend)."""
-        return await self.link.attending(waited)
-
     def give_back(self, step_id: int, keys: Sequence[Key | str], items: list[Received],
                   why: str | None = None) -> None:
         """Keep ``items``, received for ``keys`` and not delivered, for the next

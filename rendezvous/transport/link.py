@@ -11,7 +11,7 @@ MPI), and the addresses of the ranks it found at start.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -66,7 +66,7 @@ class RankLink(Protocol):
     def stats(self) -> dict[str, int]:
         """``in_flight`` (transfers posted and not complete) and ``cuda_aware``."""
 
-    def attending(self, waited: Awaitable[T]) -> Awaitable[T]:
+    def attending(self, waited: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
         """``waited``, awaited while a caller in another thread blocks on it (the
         link may poll its transfers on the loop meanwhile)."""
 
@@ -104,7 +104,7 @@ class GrpcOnly:
     def stats(self) -> dict[str, int]:
         return {"in_flight": 0, "cuda_aware": 0}
 
-    def attending(self, waited: Awaitable[T]) -> Awaitable[T]:
+    def attending(self, waited: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
         return waited
 
     def rest(self) -> None:
