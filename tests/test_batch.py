@@ -144,7 +144,7 @@ def test_racing_deadlines_deliver_every_tensor_of_a_batch_exactly_once():
                 with pytest.raises(DeadlineExceeded):
                     await a.recv(k, timeout=0.05)
             await until(lambda: b.pending() == [], what="the timed-out requests to be withdrawn")
-            assert a.pending() == [] and not a.kept._items  # nothing left anywhere
+            assert a.pending() == [] and not a.kept.held  # nothing left anywhere
     run(main(), timeout=80)
 
 
