@@ -823,6 +823,39 @@ def _would_wait(req: pb.RecvTensorRequest) -> bool:
     return k.src_task is None or k.src_task == PRODUCER
 
 
+def _names_an_incarnation(key: str) -> bool:
+    """Whether ``key`` parses and names an incarnation of its producer (a mutated
+    key often does): one that is not the producer's is ABORTED, by design."""
+    try:
+        return keys.parse_key(key).src_incarnation != 0
+    except InvalidKey:
+        return False
+
+
+def _stream_keys(messages: list[bytes]) -> list[str]:
+    """Every key the stream's messages ask for, up to the first that does not parse."""
+    out: list[str] = []
+    for raw in messages:
+        try:
+            msg = pb.StreamRequest.FromString(raw)
+        except DecodeError:
+            break
+        for one in (msg, *msg.batch):
+            if one.WhichOneof("kind") == "recv":
+                out.append(one.recv.rendezvous_key)
+            elif one.WhichOneof("kind") == "recv_many":
+                out += one.recv_many.rendezvous_keys
+    return out
+
+
+def _unary_aborts(raw: bytes) -> set:
+    try:
+        stale = _names_an_incarnation(pb.RecvTensorRequest.FromString(raw).rendezvous_key)
+    except DecodeError:
+        stale = False
+    return {Code.ABORTED} if stale else set()
+
+
 def _unary_may_wait(raw: bytes) -> bool:
     try:
         return _would_wait(pb.RecvTensorRequest.FromString(raw))
@@ -867,7 +900,7 @@ async def _unary_call(channel, method: str, raw: bytes) -> str:
     try:
         reply = await channel.unary_unary(method)(raw, timeout=WAIT_S if may_wait else 5.0)
     except grpc.aio.AioRpcError as exc:
-        allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set())
+        allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set()) | _unary_aborts(raw)
         assert exc.code() in allowed, (exc.code(), exc.details(), method, raw)
         return exc.code().name
     pb.RecvTensorResponse.FromString(reply)  # nothing is ever produced, but a reply must parse
@@ -911,13 +944,14 @@ async def _stream_call(channel, messages: list[bytes]) -> str:
         messages = messages[:max(written, 1)]
         code, details, more, written = await _stream_once(channel, messages, timeout)
         replies += more
-    allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set())
+    aborts = {Code.ABORTED} if any(_names_an_incarnation(k) for k in _stream_keys(messages)) else set()
+    allowed = INPUT_CODES | ({Code.DEADLINE_EXCEEDED} if may_wait else set()) | aborts
     assert code in allowed, (code, details, messages)
     for reply in replies:  # every reply the server wrote is a well-formed frame of an error
         for fr in iter_stream_frames(reply):
             assert fr.head is None and fr.chunk is None, "a tensor that was never produced was sent"
             assert fr.error is not None
-            assert fr.error.code in INPUT_CODES - {Code.OK}, (fr.error.code, fr.error.message)
+            assert fr.error.code in (INPUT_CODES | aborts) - {Code.OK}, (fr.error.code, fr.error.message)
     return code.name
 
 
