@@ -55,6 +55,18 @@ def test_the_matrix_is_each_cells_bandwidth_over_its_reference():
     assert ["blocking_optimal", "0.5 g", "0.5 m", ""] in rows
 
 
+def test_raw_mpi_against_a_memcpy_is_judged_by_each_ones_fastest_transfer():
+    """A loaded machine slows some transfers of a run, which moves the median;
+    the fastest says what the machine can do (a missing CMA halves even that)."""
+    doc = {"sizes": [64 * MiB], "transfers": [
+        {"contender": "memcpy", "size": 64 * MiB, "gbps": 19.0, "min_us": 3000.0},
+        {"contender": "mpi", "size": 64 * MiB, "gbps": 9.0, "min_us": 4000.0}]}
+    assert matrix.raw_ratios(doc)[("mpi", 64 * MiB)] == pytest.approx(0.75)
+    for t in doc["transfers"]:
+        del t["min_us"]  # a run that kept no fastest transfer: the bandwidths
+    assert matrix.raw_ratios(doc)[("mpi", 64 * MiB)] == pytest.approx(9.0 / 19.0)
+
+
 def test_a_cell_below_its_floor_or_not_measured_is_a_breach():
     floors = Floors({"blocking_optimal": {64 * MiB: 0.4}, "optimal_mr": {KiB: 0.6}, "local_grpc": {16 * MiB: 0.1}},
                     {"optimal": 1.5, "default": 1.0})
