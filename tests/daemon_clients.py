@@ -3,6 +3,7 @@
     python tests/daemon_clients.py exchange NODE CLIENT ADDRESS
     python tests/daemon_clients.py waiter ADDRESS KEY
     python tests/daemon_clients.py hold ADDRESS
+    python tests/daemon_clients.py hold_lent ADDRESS
     python tests/daemon_clients.py ask_many_and_hang SESSION_SOCKET KEYS_FILE
 
 Each prints `RESULT <json>` lines on stdout and exits 0 when its checks pass.
@@ -100,6 +101,16 @@ def hold(address: str, key: str) -> None:
         value = c.recv(key, step_id=1, timeout=30)
         c._link.call(LocalOp(Kind.LEND, struct.pack("<Q", 1 << 16)))
         sys.stdout.write(f"HOLDING {value.nbytes}\n")
+        sys.stdout.flush()
+        sys.stdin.read()  # until killed (or stdin closes)
+
+
+def hold_lent(address: str) -> None:
+    """Lend three arrays (Client.empty) and wait to be killed holding them."""
+    with Client(address) as c:
+        held = [c.empty(1 << 16, np.uint8) for _ in range(3)]
+        assert c.stats()["empty_lent"] == 3, c.stats()
+        sys.stdout.write(f"LENT {len(held)}\n")
         sys.stdout.flush()
         sys.stdin.read()  # until killed (or stdin closes)
 

@@ -10,7 +10,13 @@ medians, and every comparison is a ratio between contenders of the same run.
    between two warm preallocated buffers (the memcpy a local hop can at best
    cost). Each sample sends a distinct tensor: A refills one of a set of
    preallocated arrays with the sample's own stamp before its clock starts,
-   and B checks the stamp after its clock stops. Two kinds of sample:
+   and B checks the stamp after its clock stops. *lent*: the blocking client
+   sends an array of ``Client.empty`` instead, handed over with no copy; its
+   pages were written in an earlier round (a pool segment is reused), and
+   before the clock starts only its stamps are (first and last bytes, which B
+   checks): the hand-off's own cost. Rewriting a whole 1 GiB array just
+   before would leave every cache cold, and the next half millisecond of
+   any process slower, whatever it does (measured in BENCHMARKS.md). Two kinds of sample:
 
    * *sequential*: A's send is timed (no consumer waits yet), then B's recv
      of the tensor, already in the daemon, is timed: **send** and **recv**;
@@ -82,6 +88,7 @@ EPILOG = f"Writes {JSON_NAME} and {MARKDOWN_NAME} into --out."
 #: every contender the run measures (the keys of the results document's "contenders")
 CONTENDERS = {
     "local_blocking": "local hop, blocking rendezvous.client.Client (A -> rendezvousd -> B)",
+    "local_lent": "local hop, blocking Client sending an array of Client.empty (no copy)",
     "local_aio": "local hop, rendezvous.client.aio.Client",
     "memcpy": "one numpy.copyto between two warm preallocated buffers",
     "send_blocking": "1 KiB send over the session socket, blocking client",

@@ -25,6 +25,9 @@ MiB = 1 << 20
 WARMUP = 2  # untimed samples of each kind per contender and size
 
 
+#: the client a contender of the local hop receives with (``lent`` sends with the blocking one)
+_CLIENTS = {"lent": "blocking"}
+
 class Bench:
     """One run's scenarios, in turn, on ``fleet``'s processes; ``progress(done, total,
     label)`` after every round of a contender."""
@@ -63,18 +66,27 @@ class Bench:
         stamp = self.stamp()
         k = key(f"t{stamp}", src, dst)
         t = transfer_timeout(size)
-        s0, s1 = A.call("send", client, k, stamp % ring, stamp, timeout=t)
-        r0, r1 = B.call("recv", client, k, size, stamp, False, t, timeout=t + 15)
+        s0, s1 = self._send(A, client, k, size, ring, stamp, t)
+        r0, r1 = B.call("recv", _CLIENTS.get(client, client), k, size, stamp, False, t, client == "lent",
+                        timeout=t + 15)
         return s1 - s0, r1 - r0
+
+    @staticmethod
+    def _send(A: Worker, client: str, k: str, size: int, ring: int, stamp: int, t: float) -> tuple[int, int]:
+        """A's send of sample ``stamp``: one of its preallocated arrays, or (``lent``)
+        an array of ``Client.empty``."""
+        if client == "lent":
+            return A.call("send_lent", "blocking", k, size, stamp, timeout=t)
+        return A.call("send", client, k, stamp % ring, stamp, timeout=t)
 
     def hop_sample(self, A: Worker, B: Worker, client: str, size: int, ring: int, src: int, dst: int) -> int:
         """Hop ns: B's recv is posted, A's send starts the clock, B holding the array stops it."""
         stamp = self.stamp()
         k = key(f"t{stamp}", src, dst)
         t = transfer_timeout(size)
-        B.post("recv", client, k, size, stamp, True, t)
+        B.post("recv", _CLIENTS.get(client, client), k, size, stamp, True, t, client == "lent")
         B.wait(30, expect="ready")
-        s0, _ = A.call("send", client, k, stamp % ring, stamp, timeout=t)
+        s0, _ = self._send(A, client, k, size, ring, stamp, t)
         _, r1 = B.wait(t + 15)
         return r1 - s0
 
@@ -83,8 +95,8 @@ class Bench:
     def local_hop(self) -> dict[str, Any]:
         a = self.args
         A, B = self.workers["A"], self.workers["B"]
-        cells: dict[str, dict[str, dict[str, list[int]]]] = {"local_blocking": {}, "local_aio": {},
-                                                              "memcpy": {}}
+        cells: dict[str, dict[str, dict[str, list[int]]]] = {"local_blocking": {}, "local_lent": {},
+                                                              "local_aio": {}, "memcpy": {}}
         for size in a.sizes:
             per_round = self.per_round(size)
             ring = int(min(64, max(2, (256 * MiB) // size)))
@@ -92,7 +104,7 @@ class Bench:
             src = np.ones(size, np.uint8)
             dst = np.empty(size, np.uint8)
             np.copyto(dst, src)  # both warm
-            names = ["local_blocking"] + (["local_aio"] if size in a.aio_sizes else []) + ["memcpy"]
+            names = ["local_blocking", "local_lent"] + (["local_aio"] if size in a.aio_sizes else []) + ["memcpy"]
             for name in names:
                 cells[name][str(size)] = {"send": [], "recv": [], "hop": []} if name != "memcpy" else {"copy": []}
             for name in names:  # warm-up: segments made and mapped on both sides

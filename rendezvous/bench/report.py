@@ -476,7 +476,7 @@ def _daemon_local_hop(doc: dict) -> list[str]:
     rows = []
     for size in doc["args"]["sizes"]:
         copy = hop_cells["memcpy"].get(str(size), {}).get("copy")
-        for name in ("local_blocking", "local_aio"):
+        for name in ("local_blocking", "local_lent", "local_aio"):
             c = hop_cells.get(name, {}).get(str(size))
             if not c:
                 continue

@@ -387,6 +387,20 @@ def daemon_targets(doc: dict) -> list[dict[str, Any]]:
                   name, s, 0.5)
         if client == "blocking" or str(MiB) in hop_cells.get(name, {}):
             local(f"local_hop_1MiB_{client}", f"local hop 1 MiB ({client}): hop GB/s / memcpy GB/s", name, MiB, 0.25)
+    lent = [s for s in sizes if str(s) in hop_cells.get("local_lent", {})]
+    if lent:
+        def hop_ms(name: str, size: int) -> float | None:
+            cell = hop_cells.get(name, {}).get(str(size), {}).get("hop")
+            return cell["median_us"] if cell else None
+
+        small_ms, big_ms = hop_ms("local_lent", min(lent)), hop_ms("local_lent", max(lent))
+        out.append(_goal("local_lent_flat", f"lent local hop: {format_size(max(lent))} time / "
+                                            f"{format_size(min(lent))} time",
+                         big_ms / small_ms if big_ms and small_ms and len(lent) > 1 else None, "<=", 2.0))
+        if 64 * MiB in lent:
+            copy_ms, lent_ms = hop_ms("local_blocking", 64 * MiB), hop_ms("local_lent", 64 * MiB)
+            out.append(_goal("local_lent_64MiB", "local hop 64 MiB: the copying send's time / the lent one's",
+                             copy_ms / lent_ms if copy_ms and lent_ms else None, ">=", 10.0))
     small = doc.get("small") or {"ops": {}, "rate": {}, "outstanding": 0}
     ops = small["ops"]
     ref = ops.get("grpc_aio_unary", {}).get("median_us")

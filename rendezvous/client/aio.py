@@ -241,8 +241,22 @@ class Client:
         except grpc.RpcError as exc:
             raise messages.error_from(exc) from None
 
+    async def empty(self, shape: Any, dtype: Any = float) -> np.ndarray:
+        """A new array to fill and send without a copy (see the blocking
+        :meth:`rendezvous.client.Client.empty`)."""
+        await self.connect()
+        return await drive_async(self._core.empty_plan(shape, dtype), self._do, self._copy)
+
+    async def zeros(self, shape: Any, dtype: Any = float) -> np.ndarray:
+        """:meth:`empty`, filled with zeros."""
+        arr = await self.empty(shape, dtype)
+        arr.fill(0)
+        return arr
+
     async def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
-        """Produce ``tensor`` under ``key``; returns once the daemon holds it."""
+        """Produce ``tensor`` under ``key``; returns once the daemon holds it (an
+        array from :meth:`empty` or a shared-memory recv is handed over, not
+        copied: see :meth:`rendezvous.client.Client.empty`)."""
         await self.connect()
         await drive_async(self._core.send_plan(key, tensor, step_id, is_dead), self._do, self._copy)
 

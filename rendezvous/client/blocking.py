@@ -344,9 +344,31 @@ class Client:
             fut.cancel()  # Ctrl-C: stop the daemon's wait too (nothing is consumed)
             raise
 
+    def empty(self, shape: Any, dtype: Any = float) -> np.ndarray:
+        """A new array to fill and send without a copy: it lives in a segment of
+        the daemon's shared-memory pool lent to this client, so :meth:`send`
+        hands the segment over as it is, and a receiver on this node gets a view
+        on the same memory. After the send the array is the tensor's: it (and
+        the array sent, if a view of it) turns read-only, and it must not be
+        read either once the tensor may have been received. Dropped unsent,
+        its segment goes back to this client for the next one. Without a
+        session socket, or with the pool (or this client's share of it) full,
+        it is an ordinary array, which a send copies as any other."""
+        if self._closed:
+            raise Unavailable("client is closed")
+        return drive(self._core.empty_plan(shape, dtype), self._do, None)
+
+    def zeros(self, shape: Any, dtype: Any = float) -> np.ndarray:
+        """:meth:`empty`, filled with zeros."""
+        arr = self.empty(shape, dtype)
+        arr.fill(0)
+        return arr
+
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
         """Produce ``tensor`` under ``key`` (whose producer is the daemon's task).
-        Returns once the daemon holds it; the caller may then reuse its array."""
+        Returns once the daemon holds it; the caller may then reuse its array,
+        unless it came from :meth:`empty` or a recv on shared memory: that one
+        was handed over, not copied (see :meth:`empty`)."""
         if self._closed:
             raise Unavailable("client is closed")
         copy = self._link.segments.write if self._link is not None else None

@@ -9,8 +9,8 @@ itself (a segment to map or retire, a late reply to give back). Those
 decisions are written once here; each client only carries out the
 operations they ask for, blocking or awaiting.
 
-A send is a generator (:meth:`ClientCore.send_plan`) that yields what it
-needs done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment)
+A send (and the lending of an array, :meth:`ClientCore.empty_plan`) is a
+generator (:meth:`ClientCore.send_plan`) that yields what it needs done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment)
 and is sent each one's outcome; :func:`drive` runs it with a blocking
 caller, and the asyncio client awaits each step the same way.
 """
@@ -18,16 +18,17 @@ caller, and the asyncio client awaits each step the same way.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import struct
 import threading
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from rendezvous.codec import groups
-from rendezvous.errors import ResourceExhausted, Unavailable, batch_failure
+from rendezvous.errors import InvalidArgument, ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key, canonical_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
@@ -98,6 +99,7 @@ class Copy(NamedTuple):
 
 Step = LocalOp | Copy
 SendPlan = Generator[Step, Any, Hop]
+R = TypeVar("R")
 
 
 class ClientCore:
@@ -120,14 +122,48 @@ class ClientCore:
 
     # -- operations ---------------------------------------------------------------
 
+    def empty_plan(self, shape: Any, dtype: Any) -> Generator[Step, Any, np.ndarray]:
+        """The steps of ``Client.empty``: an array of ``shape`` and ``dtype`` on a
+        pool segment lent to this session (asked for when none of its size
+        class is in stock), which a send hands over with no copy; a private
+        array where no segment can be had (no session socket, the pool or this
+        client's share of it full, nothing to hold), which a send copies."""
+        dt = np.dtype(dtype)
+        dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        if not is_memcpyable(dt) or any(d < 0 for d in dims):
+            raise InvalidArgument(f"Client.empty makes arrays of fixed-size dtypes and sizes >= 0, not {dt} {dims}")
+        nbytes = math.prod(dims) * dt.itemsize
+        segments = self.segments
+        seg_id = None
+        if segments is not None and nbytes:
+            seg_id = segments.take(nbytes)
+            if seg_id is None:
+                try:
+                    yield LocalOp(Kind.LEND, struct.pack("<Q", nbytes))
+                except ResourceExhausted:
+                    pass  # the pool (or this client's share of it) is full: a private array
+                seg_id = segments.take(nbytes)
+        if segments is None or seg_id is None:
+            self._count("empty_private")
+            return np.empty(dims, dt)
+        self._count("empty_lent")
+        return segments.lend_array(seg_id, dims, dt)
+
     def send_plan(self, key: Key | str, tensor: Any, step_id: int, is_dead: bool) -> SendPlan:
-        """The steps of one send; returns how it crossed the local hop. A tensor of
-        at least the threshold goes into a segment lent for its size class
-        (asked for when none is in stock; if the pool is full, inline)."""
+        """The steps of one send; returns how it crossed the local hop. An array
+        lent by ``Client.empty`` (or a received one on shared memory) is handed
+        over as it is; any other tensor of at least the threshold goes into a
+        segment lent for its size class (asked for when none is in stock; if
+        the pool is full, inline)."""
         head = messages.send_head(key, step_id)
         segments = self.segments
         if not is_dead:
             tensor = arr = as_array(tensor)
+            seg_id = segments.hand_over(arr) if segments is not None and arr.base is not None else None
+            if seg_id is not None:
+                yield LocalOp(Kind.SEND, messages.pooled_send(head, arr, seg_id))
+                self._count("send_handed_over")
+                return Hop.SHM
             if segments is not None and 0 <= self.shm_threshold <= arr.nbytes and arr.nbytes and is_memcpyable(arr):
                 seg_id = segments.take(arr.nbytes)
                 if seg_id is None:
@@ -166,9 +202,11 @@ class ClientCore:
                 arrays.clear()
                 size = 0
 
+        segments = self.segments
         for key, tensor, dead in items:
             arr = None if dead else as_array(tensor)
-            if arr is None or not groups.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes:
+            if arr is None or not groups.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes \
+                    or (segments is not None and arr.base is not None and segments.on_pool(arr)):
                 flush()
                 plan.append((key, tensor, dead))
                 continue
@@ -259,13 +297,16 @@ class ClientCore:
             self._counts[what] += n
 
     def stats(self) -> dict[str, int]:
-        """Counts: send_/recv_ inline|shm (the local hop), and local|grpc|mpi (how
-        the daemon got what was received)."""
+        """Counts: send_/recv_ inline|shm (the local hop; send_handed_over: a
+        lent or received array sent with no copy), empty_lent|private (arrays
+        made by ``Client.empty``), and local|grpc|mpi (how the daemon got what
+        was received)."""
         with self._lock:
             return {str(k): v for k, v in self._counts.items()}
 
 
-def drive(plan: SendPlan, do: Callable[[LocalOp], Any], copy: Callable[[int, np.ndarray], None] | None) -> Hop:
+def drive(plan: Generator[Step, Any, R], do: Callable[[LocalOp], Any],
+          copy: Callable[[int, np.ndarray], None] | None) -> R:
     """Run a send's steps with a blocking ``do(op)`` (its answer, or raises) and
     ``copy(seg_id, arr)`` (None without a session: a plan copies only into its segments)."""
     outcome: Any = None
@@ -274,8 +315,8 @@ def drive(plan: SendPlan, do: Callable[[LocalOp], Any], copy: Callable[[int, np.
         try:
             step = plan.throw(error) if error is not None else plan.send(outcome)
         except StopIteration as stop:
-            hop: Hop = stop.value
-            return hop
+            done: R = stop.value
+            return done
         outcome, error = None, None
         try:
             if isinstance(step, Copy):
@@ -287,8 +328,8 @@ def drive(plan: SendPlan, do: Callable[[LocalOp], Any], copy: Callable[[int, np.
             error = exc
 
 
-async def drive_async(plan: SendPlan, do: Callable[[LocalOp], Awaitable[Any]],
-                      copy: Callable[[Copy], Awaitable[None]]) -> Hop:
+async def drive_async(plan: Generator[Step, Any, R], do: Callable[[LocalOp], Awaitable[Any]],
+                      copy: Callable[[Copy], Awaitable[None]]) -> R:
     """:func:`drive`, each step awaited."""
     outcome: Any = None
     error: BaseException | None = None
@@ -296,8 +337,8 @@ async def drive_async(plan: SendPlan, do: Callable[[LocalOp], Awaitable[Any]],
         try:
             step = plan.throw(error) if error is not None else plan.send(outcome)
         except StopIteration as stop:
-            hop: Hop = stop.value
-            return hop
+            done: R = stop.value
+            return done
         outcome, error = None, None
         try:
             outcome = await (copy(step) if isinstance(step, Copy) else do(step))

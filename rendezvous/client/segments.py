@@ -1,18 +1,21 @@
 """A local client's side of its daemon's shared-memory pool: :class:`Segments`.
 
 The segments a session has mapped (kept mapped for reuse until the daemon
-retires them), the ones lent to it for its next sends (its stock), and the
-received arrays it has let go of (told to the daemon as RELEASE). Shared by
-the blocking and the asyncio client.
+retires them), the ones lent to it for its next sends (its stock), the arrays
+it lent out on them (``Client.empty``: filled in place, handed over by a send
+with no copy), and the received arrays it has let go of (told to the daemon as
+RELEASE) or sent on. Shared by the blocking and the asyncio client.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +38,10 @@ class Segments:
         self._sizes: dict[int, int] = {}
         self._fds: collections.deque[int] = collections.deque()
         self._released: list[int] = []
+        #: id(the array owning a lent segment's bytes) -> (segment, the array lent out)
+        self._loans: dict[int, tuple[int, weakref.ref[np.ndarray]]] = {}
+        #: id(the array owning a received segment's bytes) -> (segment, its release)
+        self._views: dict[int, tuple[int, weakref.finalize[..., Any]]] = {}
         # re-entrant: a finalizer (a received array going) may run inside any of these methods
         self._lock = threading.RLock()
         self._on_release = on_release  # a release is waiting to be told
@@ -85,6 +92,61 @@ class Segments:
             stock = self._stock.get(size_class(nbytes))
             return stock.pop() if stock else None
 
+    def lend_array(self, seg_id: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An array on lent segment ``seg_id`` for the caller to fill: a send of it
+        hands the segment over with no copy (:meth:`hand_over`). Dropped unsent,
+        the segment goes back to the stock."""
+        with self._lock:
+            mm = self._maps[seg_id]
+            size = self._sizes[seg_id]
+        owner = np.frombuffer(mm.buffer, np.uint8, math.prod(shape) * dtype.itemsize)
+        lent = owner.view(dtype).reshape(shape)
+        key = id(owner)
+        with self._lock:
+            self._loans[key] = (seg_id, weakref.ref(lent))
+        weakref.finalize(owner, self._loan_dropped, key, seg_id, size)
+        return lent
+
+    def _loan_dropped(self, key: int, seg_id: int, size: int) -> None:
+        with self._lock:
+            if self._loans.pop(key, None) is not None and not self.closed and seg_id in self._maps:
+                self._stock.setdefault(size, []).append(seg_id)
+
+    def on_pool(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` lies on a segment lent out by :meth:`lend_array` or
+        received: a send of it goes by :meth:`hand_over`, never packed inline."""
+        key = id(arr.base)
+        return key in self._loans or key in self._views
+
+    def hand_over(self, arr: np.ndarray) -> int | None:
+        """The segment under ``arr`` if a send may hand it over as it is: ``arr``
+        covers a lent array's segment (or a received one's) from its first byte,
+        C-contiguous. The segment is then no longer this client's (no release
+        is told for it), and ``arr`` and the array lent become read-only: the
+        bytes are the tensor's now. None: the send copies."""
+        base = arr.base
+        if base is None or not arr.nbytes or not arr.flags.c_contiguous:
+            return None
+        key = id(base)
+        if not isinstance(base, np.ndarray) or base.ctypes.data != arr.ctypes.data:
+            return None
+        with self._lock:
+            loan = self._loans.pop(key, None)
+            view = self._views.pop(key, None) if loan is None else None
+        if loan is not None:
+            seg_id, ref = loan
+            lent = ref()
+        elif view is not None:
+            seg_id, release = view
+            release.detach()  # sent on: the daemon's now, never released by this client
+            lent = None
+        else:
+            return None
+        for a in (arr, base, lent):
+            if a is not None:
+                a.flags.writeable = False
+        return seg_id
+
     def write(self, seg_id: int, arr: np.ndarray) -> None:
         """Copy ``arr``'s bytes into segment ``seg_id`` (the send's one copy)."""
         with self._lock:
@@ -104,11 +166,15 @@ class Segments:
             raise InvalidArgument(f"segment {seg_id} of {size} bytes cannot hold {meta.dtype} {meta.shape} "
                                   f"({nbytes} bytes announced)")
         owner = np.frombuffer(mm.buffer, np.uint8, nbytes)
-        weakref.finalize(owner, self._released_one, seg_id)
+        key = id(owner)
+        release = weakref.finalize(owner, self._released_one, seg_id, key)
+        with self._lock:
+            self._views[key] = (seg_id, release)
         return owner.view(meta.dtype).reshape(meta.shape)
 
-    def _released_one(self, seg_id: int) -> None:
+    def _released_one(self, seg_id: int, key: int) -> None:
         with self._lock:
+            self._views.pop(key, None)
             if self.closed:
                 return
             self._released.append(seg_id)

@@ -77,7 +77,7 @@ class Placing:
     async def _places(self, items: list[Received]) -> list[tuple[np.ndarray, Segment] | None]:
         """Where each fetched tensor goes to the client: a pool segment (the one it
         is on, or one it is copied into) or None (the bytes go in the frame:
-        dead, small, not plain bytes, the pool full, or the session at its share
+        dead, small and not on a segment already, not plain bytes, the pool full, or the session at its share
         of segments, counting those chosen for its other answers being made).
         Nothing is handed over yet: the caller does that with no await after."""
         out: list[tuple[np.ndarray, Segment] | None] = []
@@ -89,8 +89,8 @@ class Placing:
             for item in items:
                 value = item.value
                 if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
-                        or value.nbytes == 0 or value.nbytes < threshold
-                        or self.pool.holds(self.id) + self._reserved >= share):
+                        or value.nbytes == 0 or (value.nbytes < threshold and self.pool.segment_of(value) is None)
+                        or self.pool.holds(self.id) + self._reserved >= share):  # (a small one on a segment: lent)
                     out.append(None)
                     continue
                 self._reserved += 1

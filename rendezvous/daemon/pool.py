@@ -206,6 +206,15 @@ class Pool:
         InvalidArgument if the session was not lent that segment or it is too small."""
         return self._to_table(seg_id, session, nbytes, dtype, shape, lent=True)
 
+    def sent_on(self, seg_id: int, session: str, nbytes: int, dtype: Any, shape: Any) -> np.ndarray:
+        """A pooled send's array: :meth:`produced` for a segment lent to ``session``
+        (written by it, or lent out as an array and filled), :meth:`given_back`
+        for one it holds (a tensor it received, sent on as it is)."""
+        with self._lock:
+            seg = self._segments.get(seg_id)
+            held = seg is not None and seg.lent_to != session and seg.held_by == session
+        return self._to_table(seg_id, session, nbytes, dtype, shape, lent=not held)
+
     def given_back(self, seg_id: int, session: str, nbytes: int, dtype: Any, shape: Any) -> np.ndarray:
         """The daemon's array on segment ``seg_id``, which was handed to ``session``
         (a received tensor whose recv gave up): the session's hold passes to the

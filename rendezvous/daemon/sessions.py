@@ -223,7 +223,7 @@ class Session(Placing):
     # -- send -------------------------------------------------------------------
 
     def _resolve(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
-        return self.pool.produced(seg_id, self.id, nbytes, meta.dtype, meta.shape)
+        return self.pool.sent_on(seg_id, self.id, nbytes, meta.dtype, meta.shape)
 
     def _given_back(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
         return self.pool.given_back(seg_id, self.id, nbytes, meta.dtype, meta.shape)
