@@ -15,7 +15,7 @@ import pytest
 
 from rendezvous.bench.daemon import CONTENDERS
 from rendezvous.bench.report import daemon_markdown
-from rendezvous.bench.results import daemon_targets
+from rendezvous.bench.daemon_results import daemon_targets
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -115,7 +115,8 @@ _FULL = dict(sizes="1K,64K,1M,16M,64M,128M,512M", cross_sizes="1K,64K,1M,16M,64M
 def document(args: argparse.Namespace, raw: dict[str, Any], fleet: Any, samples: Any) -> dict[str, Any]:
     """The results document from :meth:`rendezvous.bench.daemon_scenarios.Bench.run`'s
     cells, ``fleet``'s memory records, and ``samples(size)`` (samples per size)."""
-    from .results import daemon_targets, environment, summary
+    from .daemon_results import daemon_targets
+    from .results import environment, summary
 
     a = args
     local_cells, small, cross_cells = raw["local"], raw["small"], raw["cross"]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .daemon_fleet import Fleet, transfer_timeout
-from .daemon_workers import key
+from .samples import key
 from .procs import NO_MPIEXEC, BenchError, Worker, mpiexec
 from .stats import format_size
 

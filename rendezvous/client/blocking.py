@@ -345,15 +345,13 @@ class Client:
             raise
 
     def empty(self, shape: Any, dtype: Any = float) -> np.ndarray:
-        """A new array to fill and send without a copy: it lives in a segment of
-        the daemon's shared-memory pool lent to this client, so :meth:`send`
-        hands the segment over as it is, and a receiver on this node gets a view
-        on the same memory. After the send the array is the tensor's: it (and
-        the array sent, if a view of it) turns read-only, and it must not be
-        read either once the tensor may have been received. Dropped unsent,
-        its segment goes back to this client for the next one. Without a
-        session socket, or with the pool (or this client's share of it) full,
-        it is an ordinary array, which a send copies as any other."""
+        """A new array to fill and send without a copy: on a pool segment lent to
+        this client, which :meth:`send` hands over as it is (a receiver on this
+        node gets a view on the same memory). After the send it is the tensor's:
+        read-only, and not to be read once the tensor may be received. Dropped
+        unsent, its segment goes back to this client. Without a session socket,
+        or beyond this client's share of the pool, an ordinary array (a send
+        copies it). See client/README.md, "Lent buffers"."""
         if self._closed:
             raise Unavailable("client is closed")
         return drive(self._core.empty_plan(shape, dtype), self._do, None)
