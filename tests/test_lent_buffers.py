@@ -237,3 +237,39 @@ def test_a_rank_server_sends_on_what_it_received_without_a_copy():
             again = await a.recv(rank_key(0, 0, "on"), timeout=10)
             assert again is got or np.shares_memory(again, got)
     run(main())
+
+
+def test_two_threads_sending_one_lent_array_hand_it_over_once(sockdir):
+    """The segment goes to one send; the other, racing it, copies the same bytes."""
+    async def main():
+        async with daemons(sockdir) as (d,):
+            def work() -> None:
+                import threading
+
+                with BlockingClient(d.local_target) as a, BlockingClient(d.local_target) as b:
+                    x = a.empty(1 << 18, np.uint8)
+                    x[:] = 42
+                    go = threading.Barrier(2)
+                    errors: list[BaseException] = []
+
+                    def send(name: str) -> None:
+                        try:
+                            go.wait(10)
+                            a.send(key(0, 0, name), x, step_id=5)
+                        except BaseException as exc:  # reported below
+                            errors.append(exc)
+
+                    threads = [threading.Thread(target=send, args=(n,)) for n in ("p", "q")]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(30)
+                    assert not errors, errors
+                    assert a.stats()["send_handed_over"] == 1 and a.stats()["send_shm"] == 1
+                    for name in ("p", "q"):
+                        got = b.recv(key(0, 0, name), step_id=5, timeout=10)
+                        assert (got == 42).all()
+                    del got, x
+
+            await asyncio.get_running_loop().run_in_executor(None, work)
+    run(main())

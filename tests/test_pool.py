@@ -795,3 +795,17 @@ def test_pool_refuses_without_memfds(monkeypatch):
     monkeypatch.setattr("rendezvous.daemon.pool.available", lambda: False)
     with pytest.raises(FailedPrecondition):
         Pool(MIN)
+
+
+def test_the_segment_of_an_array_and_of_a_whole_one(pool):
+    """A daemon array on a segment, from its first byte, names it; ``whole`` asks
+    in addition that the array be all the daemon's array there holds (a group's
+    first tensor is not), and an array on other memory names none."""
+    owner = pool.array((1024,), np.float32)
+    seg = pool.segment_of(owner)
+    assert seg is not None and pool.segment_of(owner, whole=True) is seg
+    assert pool.segment_of(owner[:10]) is seg and pool.segment_of(owner[:10], whole=True) is None
+    assert pool.segment_of(owner[10:]) is None  # not from the first byte
+    on_bytes = np.frombuffer(b"\x00" * 64, np.uint8)
+    assert pool.segment_of(on_bytes) is None and pool.segment_of(on_bytes, whole=True) is None
+    del owner, seg

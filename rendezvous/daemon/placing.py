@@ -89,8 +89,9 @@ class Placing:
             for item in items:
                 value = item.value
                 if (item.is_dead or threshold < 0 or not isinstance(value, np.ndarray) or not is_memcpyable(value)
-                        or value.nbytes == 0 or (value.nbytes < threshold and self.pool.segment_of(value) is None)
-                        or self.pool.holds(self.id) + self._reserved >= share):  # (a small one on a segment: lent)
+                        or value.nbytes == 0
+                        or (value.nbytes < threshold and self.pool.segment_of(value, whole=True) is None)
+                        or self.pool.holds(self.id) + self._reserved >= share):  # (small, on its own segment: lent)
                     out.append(None)
                     continue
                 self._reserved += 1

@@ -244,16 +244,18 @@ class Pool:
             owner = self._own(seg, nbytes)  # the array's hold replaces the session's
         return owner.view(dt).reshape(dims)
 
-    def segment_of(self, arr: np.ndarray) -> Segment | None:
+    def segment_of(self, arr: np.ndarray, whole: bool = False) -> Segment | None:
         """The segment ``arr`` covers from its first byte, if it is a daemon array on
-        one (C-contiguous, starting at offset 0)."""
+        one (C-contiguous, starting at offset 0); with ``whole``, only if ``arr`` is
+        all the daemon's array there holds (a tensor sent on its segment, not the
+        first of a group's)."""
         base = arr.base
         if base is None or not arr.flags.c_contiguous:
             return None
         with self._lock:
             seg_id = self._owners.get(id(base))
             seg = self._segments.get(seg_id) if seg_id is not None else None
-            if seg is None or base.ctypes.data != arr.ctypes.data:
+            if seg is None or base.ctypes.data != arr.ctypes.data or (whole and base.nbytes != arr.nbytes):
                 return None
             return seg
 
