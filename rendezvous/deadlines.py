@@ -34,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["Deadlines", "Timeout", "Timer"]
 
@@ -198,6 +200,15 @@ class Deadlines:
         timer = Timer(self, callback, args)
         self._push(loop.time() + delay, timer)
         return timer
+
+    async def watched(self, waited: Awaitable[T], limit: float, on_stall: Callable[..., Any], *args: Any) -> T:
+        """``await waited``; if it is still waiting after ``limit`` seconds,
+        ``on_stall(*args)`` is called once (a stall warning), on the same timer."""
+        warn = self.call_later(limit, on_stall, *args)
+        try:
+            return await waited
+        finally:
+            warn.cancel()
 
     # -- the heap and the loop's timer -----------------------------------------------
 

@@ -1,4 +1,5 @@
-"""How many modules one recv crosses, from the public API to the wire and back.
+"""How many modules one recv crosses, from the public API to the wire (11: at
+most 12) and back (16 in all).
 
 The README's first pattern (the blocking ``rendezvous.Server``, gRPC, a tensor
 produced before it is asked for) is traced with a profiler on the consumer's
@@ -24,10 +25,8 @@ pytestmark = pytest.mark.timeout(60)
 #: module (under rendezvous/) -> what it does for one recv
 PATH = {
     "rank/blocking.py": "the public call: hands the recv to the loop and waits",
-    "rank/server.py": "the asyncio server's recv, the stall watch",
-    "rank/receiver.py": "routes the key: kept, local or remote; counts it",
+    "rank/receiver.py": "routes the key (parsed once per key string): kept, local or remote; the stall watch; counts it",
     "rank/peers.py": "the producer's peer client; a step's abort ends its waits",
-    "keys.py": "the key, parsed and checked (cached per key string)",
     "deadlines.py": "the recv's deadline on the server's one timer",
     "table.py": "whether the step was aborted",
     "stats.py": "counts the transfer by path",
@@ -36,7 +35,6 @@ PATH = {
     "rpc/delivery.py": "the call's state: asked, then settled",
     "rpc/grpc_calls.py": "the gRPC stream under the request-path contract",
     "transport/__init__.py": "the planes: the offer, and the one that reads the reply",
-    "transport/link.py": "the rank's link: whether the loop polls MPI while the caller waits",
     "transport/inline.py": "the inline plane: the reply's tensor as a view on the message",
     "codec/requests.py": "the request, written by hand",
     "codec/parsing.py": "the reply split into frames, the tensor decoded in place",
@@ -45,14 +43,29 @@ PATH = {
 }
 
 
-def _modules_of_one_recv() -> set[str]:
+#: the modules that run from the public call until its request is written
+#: (``codec/requests.py`` made it): "from the public API to the wire"
+DOWN = ["rank/blocking.py", "rank/receiver.py", "table.py", "rank/peers.py", "rpc/peer.py",
+        "transport/__init__.py", "rpc/delivery.py", "deadlines.py", "rpc/consumer_stream.py",
+        "codec/requests.py", "codec/wire.py"]
+
+
+def _modules_of_one_recv() -> tuple[set[str], list[str]]:
+    """(every module one recv runs, those that ran until its request was made, in order)."""
     seen: set[str] = set()
+    down: list[str] = []
 
     def profile(frame, event, arg):
-        if event == "call":
+        if event in ("call", "return"):
             name = frame.f_code.co_filename
             if "/rendezvous/" in name and "/rendezvous/v1/" not in name:
-                seen.add(name.rsplit("/rendezvous/", 1)[1])
+                module = name.rsplit("/rendezvous/", 1)[1]
+                seen.add(module)
+                if not down or down[-1] != "":
+                    if module not in down:
+                        down.append(module)
+                    if event == "return" and module == "codec/requests.py":
+                        down.append("")  # the request is made: what runs from here is not on the way down
 
     def on_loop(server, what) -> None:
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -73,11 +86,13 @@ def _modules_of_one_recv() -> set[str]:
             sys.setprofile(None)
             on_loop(consumer, None)
         np.testing.assert_array_equal(got, np.ones(256, np.float32))
-    return seen
+    return seen, [m for m in down if m]
 
 
 def test_one_recv_crosses_only_the_modules_listed():
-    seen = _modules_of_one_recv()
+    seen, down = _modules_of_one_recv()
+    assert down == DOWN, f"from the public call to the request made, one recv runs {down}"
+    assert len(DOWN) <= 12
     joined = sorted(seen - set(PATH))
     assert not joined, f"modules joined one recv's path (add each to PATH with why, or keep them off it): {joined}"
     left = sorted(set(PATH) - seen)

@@ -100,7 +100,7 @@ class Daemon:
             buffers = PoolBuffers(self.pool, self.shm_threshold, config.recv_cache_bytes)
         self.server = Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup,
                                  buffers=buffers)
-        self.server.stall_warning = 0  # the daemon's own watcher says it, for local and peer recvs alike
+        self.server.receiver.stall_warning = 0  # the daemon's own watcher says it, for local and peer recvs
         self.local = LocalServicer(self.server, self.metrics)
         #: Admin and health on the remote (rank) port: the rank server's own,
         #: answering for the whole node

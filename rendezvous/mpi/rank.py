@@ -48,6 +48,8 @@ class MpiRank:
         self.requests: MpiRequests | None = None
         #: the task of every rank of the job, once started
         self.ranks: dict[TaskName, int] = {}
+        #: a caller's wait goes through :meth:`attending` (the engine may poll meanwhile)
+        self.attends = True
 
     @classmethod
     def join(cls, config: Config) -> "MpiRank":

@@ -28,7 +28,7 @@ from rendezvous import interop
 from rendezvous.cluster import ClusterLike, ClusterSpec
 from rendezvous.config import Config
 from rendezvous.errors import FailedPrecondition, Unavailable
-from rendezvous.keys import Key, TaskName, canonical_key
+from rendezvous.keys import Key, TaskName
 from rendezvous.devices import Devices
 from rendezvous.lifecycle import new_event_loop
 from rendezvous.items import PendingEntry, Received
@@ -156,7 +156,7 @@ class Server:
         if threading.current_thread() is self._thread:
             coro.close()
             raise FailedPrecondition("blocking Server methods cannot run on its own loop thread")
-        runs = self._aio.link.attending(coro) if attended else coro
+        runs = self._aio.link.attending(coro) if attended and self._aio.link.attends else coro
         if call is None:
             call = _LoopCall()
         try:
@@ -384,16 +384,14 @@ class Server:
         once the caller gives ``call`` up."""
         if framework is not None:
             interop.check_framework(framework)  # before anything is taken
-        canonical = [canonical_key(k) for k in keys]  # cached: a step asks the same keys again
-
         def give_back(items: list[Received], why: str | None) -> None:
-            self._aio.give_back(step_id, canonical, items, why)
+            self._aio.give_back(step_id, keys, items, why)
 
         def not_convertible(_: list[Received]) -> None:
             call.why = None  # given back when the caller gives call up; its error says why
 
-        fetching = (_recv_one(self._aio, canonical[0], step_id, timeout, device) if one
-                    else self._aio.recv_many_items(canonical, step_id, timeout, device))
+        fetching = (_recv_one(self._aio, keys[0], step_id, timeout, device) if one
+                    else self._aio.recv_many_items(keys, step_id, timeout, device))
         items = self._call(fetching, orphaned=give_back, attended=True, call=call)
         return items if framework is None else interop.hand_over(items, framework, not_convertible)
 
@@ -419,6 +417,6 @@ async def _as_coro(fn: Callable[[*Ts], T], *args: *Ts) -> T:
 
 
 
-async def _recv_one(server: AsyncServer, key: str, step_id: int, timeout: float | None,
+async def _recv_one(server: AsyncServer, key: Key | str, step_id: int, timeout: float | None,
                     device: str | None) -> list[Received]:
-    return [await server.recv_item(key, step_id, timeout, device)]
+    return [(await server.receiver.fetching(key, step_id, timeout, device)).item]

@@ -96,7 +96,7 @@ class Receiver:
     """The recvs of one rank server (``state`` says what the server is now)."""
 
     def __init__(self, task: TaskName, table: WaitingTable, peers: Peers, kept: Kept, devices: Devices,
-                 stats: Stats, staging: tuple[int, int], state: Callable[[], State],
+                 stats: Stats, staging: tuple[int, int],
                  timeline: Timeline | None = None, deadlines: Deadlines | None = None) -> None:
         self.task = task
         self.table = table
@@ -105,7 +105,11 @@ class Receiver:
         self.devices = devices
         self._stats = stats
         self._staging = staging
-        self._state = state
+        #: the server's state (it keeps it here): recvs from peers only while SERVING
+        self.state = State.NEW
+        #: seconds after which a recv still waiting is told to ``on_stall(key, step_id, waited, timeout)``
+        self.stall_warning = 0.0  # (0: never)
+        self.on_stall: Callable[[Key | str, int, float, float | None], None] | None = None
         #: the routing of key lists asked recently (see _Plan), newest last
         self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
         #: key string -> (canonical key, producing task if it is another task (None:
@@ -138,6 +142,17 @@ class Receiver:
         if src is None:
             return self._recv_local(step_id, canonical, timeout, target, span)
         return self._recv_remote(src, step_id, canonical, timeout, target, span)
+
+    def fetching(self, key: Key | str, step_id: int, timeout: float | None,
+                 device: str | Placement | None) -> Awaitable[Fetched]:
+        """:meth:`fetch`, watched for a stall when it may wait longer than
+        ``stall_warning`` (a program that seems to hang is told what it waits
+        for). What to await, at once."""
+        limit, watch = self.stall_warning, self.on_stall
+        fetching = self.fetch(key, step_id, timeout, device)
+        if limit <= 0 or watch is None or self._deadlines is None or (timeout is not None and timeout <= limit):
+            return fetching
+        return self._deadlines.watched(fetching, limit, watch, key, step_id, limit, timeout)
 
     def _route(self, key: Key | str) -> tuple[str, TaskName | None, Placement]:
         """``key``'s canonical string, producing task (None: this task) and wanted
@@ -207,8 +222,8 @@ class Receiver:
                            target: Placement, span: RecvSpan | None) -> Fetched:
         """From the producing task, through its peer client (an abort of the step
         raises the step's error)."""
-        if self._state() is not State.SERVING:
-            raise Unavailable(f"server {self.task} is {self._state}")
+        if self.state is not State.SERVING:
+            raise Unavailable(f"server {self.task} is {self.state}")
         asked = target
         if span is not None:  # a placement object of its own, for the timeline to tell its answer
             asked = Placement(target.kind, target.index)
@@ -404,8 +419,8 @@ class Receiver:
                            arrived: set[int]) -> list[Fetched]:
         """``keys`` from producer ``src``, asked at once; landed where ``target``
         says. On a failure what had arrived is kept, and BatchFailed says which."""
-        if self._state() is not State.SERVING:
-            raise Unavailable(f"server {self.task} is {self._state}")
+        if self.state is not State.SERVING:
+            raise Unavailable(f"server {self.task} is {self.state}")
         path = self.peers.get(src).path
         try:
             got = await self.peers.recv_batch(src, keys, step_id, target, arrived)
@@ -466,7 +481,7 @@ class Receiver:
         client went away), for the next recv of ``key`` in ``step_id``, in front:
         it was the oldest. A recv of it already waiting takes it (unless not
         ``offer``, see Kept.keep). Dropped if the step is over."""
-        if self._state().ending or self.table.aborted(step_id) is not None:
+        if self.state.ending or self.table.aborted(step_id) is not None:
             return
         self.kept.keep(step_id, key, item, front=True, why=why, offer=offer)
 
@@ -481,7 +496,7 @@ class Receiver:
 
     def unclaimed(self, step_id: int, key: str, fetched: Fetched) -> None:
         """A tensor that arrived after its recv gave up (deadline, cancel)."""
-        if self._state().ending or self.table.aborted(step_id) is not None:
+        if self.state.ending or self.table.aborted(step_id) is not None:
             return  # the step (or the server) is over: its tensors are dropped anyway
         self.kept.keep(step_id, key, fetched.item, why="timed out or was cancelled while it was on its way")
 

@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import logging
 import sys
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -160,11 +160,11 @@ class Server:
         self.kept = Kept()
         #: the deadlines and stall warnings of this server's recvs, on one loop timer
         self._deadlines = Deadlines()
-        self._receiver = Receiver(self.task, self.table, self.peers, self.kept, self.devices, self._stats,
-                                  self._staging, lambda: self._state, self.timeline, self._deadlines)
-        #: seconds after which a recv that is still waiting logs a warning (0: never);
-        #: a daemon, which watches its recvs itself, sets 0
-        self.stall_warning = cfg.stall_warning
+        #: routes and fetches every recv (the blocking Server calls it directly)
+        self.receiver = Receiver(self.task, self.table, self.peers, self.kept, self.devices, self._stats,
+                                 self._staging, self.timeline, self._deadlines)
+        self.receiver.stall_warning = cfg.stall_warning  # (a daemon, which watches its recvs, sets 0)
+        self.receiver.on_stall = self._stalled
         self._stopped: asyncio.Event | None = None
         self._keeper: asyncio.Task | None = None
         self._state = State.NEW
@@ -432,16 +432,16 @@ class Server:
         aborted, UnknownTask for a task outside the cluster, PeerUnavailable if
         the producer is gone."""
         if framework is None:  # as received (two coroutines less per recv)
-            return (await self._fetching(key, step_id, timeout, device)).item.value
+            return (await self.receiver.fetching(key, step_id, timeout, device)).item.value
         return (await self.recv_item(key, step_id, timeout, device, framework)).value
 
     async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                         device: str | Placement | None = None, framework: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
         if framework is None:
-            return (await self._fetching(key, step_id, timeout, device)).item
+            return (await self.receiver.fetching(key, step_id, timeout, device)).item
         interop.check_framework(framework)  # before anything is taken
-        item = (await self._fetching(key, step_id, timeout, device)).item
+        item = (await self.receiver.fetching(key, step_id, timeout, device)).item
         return interop.hand_over([item], framework, lambda items: self.give_back(step_id, [key], items))[0]
 
     def give_back(self, step_id: int, keys: Sequence[Key | str], items: list[Received],
@@ -449,7 +449,7 @@ class Server:
         """Keep ``items``, received for ``keys`` and not delivered, for the next
         recv of each key, in their order (see :meth:`keep`): all kept first, then
         handed to recvs of their keys already waiting, the oldest tensor first."""
-        self._receiver.give_back(step_id, [as_key(k).format() for k in keys], items, why)
+        self.receiver.give_back(step_id, [as_key(k).format() for k in keys], items, why)
 
     def prepare_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any]) -> list[tuple[str, Any, bool]]:
         """:meth:`prepare_send` for ``send_many``'s items (:func:`rendezvous.table.send_items`):
@@ -478,7 +478,7 @@ class Server:
         error, of the first failure's status, names every key that failed
         (``error.failures``: key -> error)."""
         if framework is None or framework == "numpy":  # as received: one pass over the batch
-            return [f[0][0] for f in await self._receiver.fetch_many(keys, step_id, timeout, device)]
+            return [f[0][0] for f in await self.receiver.fetch_many(keys, step_id, timeout, device)]
         return [item.value for item in await self.recv_many_items(keys, step_id, timeout, device, framework)]
 
     async def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
@@ -486,39 +486,30 @@ class Server:
                               framework: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
         interop.check_framework(framework)  # before anything is taken
-        items = [f.item for f in await self._receiver.fetch_many(keys, step_id, timeout, device)]
+        items = [f.item for f in await self.receiver.fetch_many(keys, step_id, timeout, device)]
         return interop.hand_over(items, framework, lambda back: self.give_back(step_id, keys, back))
 
     async def fetch(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                     device: str | Placement | None = None) -> Fetched:
         """:meth:`recv_item` with the path the tensor took (``Fetched``): what a
         daemon reports for its local clients' recvs."""
-        return await self._fetching(key, step_id, timeout, device)
+        return await self.receiver.fetching(key, step_id, timeout, device)
 
-    def _fetching(self, key: Key | str, step_id: int, timeout: float | None,
-                  device: str | Placement | None) -> Awaitable[Fetched]:
-        """What :meth:`fetch` awaits: the receiver's own awaitable (no coroutine of
-        this server's in between), or that watched for a stall. Await it at once."""
-        limit = self.stall_warning
-        if limit <= 0 or (timeout is not None and timeout <= limit):
-            return self._receiver.fetch(key, step_id, timeout, device)
-        return self._fetch_watched(key, step_id, timeout, device, limit)
+    @property
+    def _state(self) -> State:
+        """Where the server's life stands (kept by its receiver, which serves recvs
+        from peers only while SERVING)."""
+        return self.receiver.state
 
-    async def _fetch_watched(self, key: Key | str, step_id: int, timeout: float | None,
-                             device: str | Placement | None, limit: float) -> Fetched:
-        # A recv that may wait longer than the limit says so once it has: a
-        # program that seems to hang is told what it waits for.
-        warn = self._deadlines.call_later(limit, self._stalled, key, step_id, limit, timeout)
-        try:
-            return await self._receiver.fetch(key, step_id, timeout, device)
-        finally:
-            warn.cancel()
+    @_state.setter
+    def _state(self, state: State) -> None:
+        self.receiver.state = state
 
     async def fetch_many(self, keys: Sequence[Key | str], step_id: int = 0, timeout: float | None = None,
                          device: str | Placement | None = None) -> list[Fetched]:
         """:meth:`recv_many_items` with the path each tensor took: what a daemon
         serves a local client's batch with."""
-        return await self._receiver.fetch_many(keys, step_id, timeout, device)
+        return await self.receiver.fetch_many(keys, step_id, timeout, device)
 
     def _stalled(self, key: Key | str, step_id: int, waited: float, timeout: float | None) -> None:
         k = as_key(key)
@@ -538,7 +529,7 @@ class Server:
         """Hold ``item``, fetched by a recv but never delivered (a daemon's local
         client went away), for the next recv of ``key`` in ``step_id``, in front:
         it was the oldest. Dropped if the step is over."""
-        self._receiver.keep(step_id, key, item, why)
+        self.receiver.keep(step_id, key, item, why)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Fail every waiter and every later send/recv of ``step_id`` with ABORTED."""
@@ -578,6 +569,6 @@ class Server:
     def _make_peer(self, task: TaskName) -> PeerClient:
         return PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
                           credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
-                          on_unclaimed=self._receiver.unclaimed,
+                          on_unclaimed=self.receiver.unclaimed,
                           open_call=self.link.open_call(task),
                           deadlines=self._deadlines)

@@ -50,6 +50,10 @@ class RankLink(Protocol):
     @property
     def plane(self) -> DataPlane | None:
         """The data plane the link adds (registered by the server once started), or None."""
+    @property
+    def attends(self) -> bool:
+        """Whether :meth:`attending` may do anything (False: a caller's wait is
+        left as it is, with no call of the link's)."""
 
     async def start(self, task: TaskName, address: str, incarnation: int,
                     parts: RankParts) -> dict[TaskName, tuple[str, int]]:
@@ -86,6 +90,7 @@ class GrpcOnly:
     ``note`` is its part of the start-up line (why there is no other)."""
 
     plane: DataPlane | None = None
+    attends = False  # nothing to poll: a caller's wait stays as it is
 
     def __init__(self, note: str = "") -> None:
         self.note = note
