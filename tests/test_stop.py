@@ -169,6 +169,14 @@ def test_every_call_after_stop_is_unavailable():
     run(main())
 
 
+def test_a_recv_from_a_peer_before_the_server_serves_names_its_state():
+    async def main():
+        s = aio.Server({"worker": ["127.0.0.1:0", "127.0.0.1:1"]}, "worker", 0)
+        with pytest.raises(Unavailable, match=r"^server /job:worker/replica:0/task:0 is new$"):
+            await s.recv(key(1, 0, "early"), timeout=1)  # its producer is task 1: a peer recv
+    run(main())
+
+
 def test_a_stop_that_keeps_waiting_says_why_where_a_plain_script_sees_it(caplog):
     async def main():
         async with cluster(1) as (a,):
