@@ -207,7 +207,7 @@ def test_off_there_is_no_timeline_and_no_file(tmp_path, monkeypatch):
                 assert server.timeline is None and server.servicer.timeline is None
                 assert type(server.table) is WaitingTable and type(server.planes) is Planes
                 # nothing wraps the recvs and serves: the plain methods run
-                assert "fetch" not in vars(server._receiver) and "take" not in vars(server.servicer)
+                assert "fetch" not in vars(server.receiver) and "take" not in vars(server.servicer)
     run(main())
     assert list(tmp_path.iterdir()) == []
 
