@@ -273,3 +273,31 @@ def test_two_threads_sending_one_lent_array_hand_it_over_once(sockdir):
 
             await asyncio.get_running_loop().run_in_executor(None, work)
     run(main())
+
+
+def test_a_received_segment_is_sent_on_only_by_its_holder_and_once(sockdir):
+    """A send may name a segment its session holds (a tensor it received): never
+    one another client holds, and never one it has sent on already."""
+    from rendezvous import errors
+    from rendezvous.client.core import LocalOp
+    from rendezvous.local.frames import Kind
+
+    from test_daemon import pooled
+
+    async def main():
+        async with daemons(sockdir) as (d,), Client(d.local_target) as a, \
+                Client(d.local_target) as b, Client(d.local_target) as c:
+            value = np.arange(1 << 15, dtype=np.float64)
+            await a.send(key(0, 0, "x"), value, step_id=1)
+            got = await b.recv(key(0, 0, "x"), step_id=1, timeout=10)
+            seg = _received_segment(b, got)
+            with pytest.raises(errors.InvalidArgument, match="not lent to this client"):
+                await c._link.call(LocalOp(Kind.SEND, pooled(1, "stolen", value, seg), 10))
+            assert d.pool.get(seg).held_by is not None and not d.server.pending()  # still b's
+            await b.send(key(0, 0, "on"), got, step_id=1)  # its holder: handed over
+            with pytest.raises(errors.InvalidArgument, match="not lent to this client"):
+                await b._link.call(LocalOp(Kind.SEND, pooled(1, "twice", value, seg), 10))
+            np.testing.assert_array_equal(await c.recv(key(0, 0, "on"), step_id=1, timeout=10), value)
+            assert not d.server.pending()
+            del got
+    run(main())
