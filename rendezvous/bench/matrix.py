@@ -118,7 +118,7 @@ def rates(doc: Mapping[str, Any]) -> dict[str, float | None]:
     size = doc["rate"]["bytes"]
     out: dict[str, float | None] = {}
     for name, _ in CELLS:
-        r, ref = by.get(name), None
+        r = by.get(name)
         if r is not None:
             ref = by.get(reference(name, size))
             stat = "best_per_s" if ref and r.get("best_per_s") and ref.get("best_per_s") else "per_s"

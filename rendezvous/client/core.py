@@ -9,8 +9,9 @@ itself (a segment to map or retire, a late reply to give back). Those
 decisions are written once here; each client only carries out the
 operations they ask for, blocking or awaiting.
 
-A send (and the lending of an array, :meth:`ClientCore.empty_plan`) is a
-generator (:meth:`ClientCore.send_plan`) that yields what it needs done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment)
+A send (:meth:`ClientCore.send_plan`), like the lending of an array
+(:meth:`ClientCore.empty_plan`), is a generator that yields what it needs
+done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment)
 and is sent each one's outcome; :func:`drive` runs it with a blocking
 caller, and the asyncio client awaits each step the same way.
 """
@@ -159,7 +160,7 @@ class ClientCore:
         segments = self.segments
         if not is_dead:
             tensor = arr = as_array(tensor)
-            seg_id = segments.hand_over(arr) if segments is not None and arr.base is not None else None
+            seg_id = segments.hand_over(arr) if segments is not None else None
             if seg_id is not None:
                 yield LocalOp(Kind.SEND, messages.pooled_send(head, arr, seg_id))
                 self._count("send_handed_over")
@@ -206,7 +207,7 @@ class ClientCore:
         for key, tensor, dead in items:
             arr = None if dead else as_array(tensor)
             if arr is None or not groups.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes \
-                    or (segments is not None and arr.base is not None and segments.on_pool(arr)):
+                    or (segments is not None and segments.on_pool(arr)):
                 flush()
                 plan.append((key, tensor, dead))
                 continue

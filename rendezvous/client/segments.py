@@ -124,12 +124,11 @@ class Segments:
         C-contiguous. The segment is then no longer this client's (no release
         is told for it), and ``arr`` and the array lent become read-only: the
         bytes are the tensor's now. None: the send copies."""
-        base = arr.base
-        if base is None or not arr.nbytes or not arr.flags.c_contiguous:
+        base = arr.base  # (an array on a segment has its owner array as base)
+        if base is None or not self.on_pool(arr) or not arr.nbytes or not arr.flags.c_contiguous \
+                or base.ctypes.data != arr.ctypes.data:
             return None
         key = id(base)
-        if not isinstance(base, np.ndarray) or base.ctypes.data != arr.ctypes.data:
-            return None
         with self._lock:
             loan = self._loans.pop(key, None)
             view = self._views.pop(key, None) if loan is None else None

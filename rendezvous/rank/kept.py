@@ -33,7 +33,7 @@ class Kept:
     """Fetched tensors waiting for the next recv of their (step, key), oldest first."""
 
     def __init__(self) -> None:
-        #: (step, key) -> what is held for it, oldest first (read, never changed, outside)
+        #: (step, key) -> what is held for it, oldest first (others read it, never change it)
         self.held: dict[tuple[int, str], collections.deque[Received]] = {}
         #: when each (step, key) began to hold tensors (time.monotonic())
         self._since: dict[tuple[int, str], float] = {}

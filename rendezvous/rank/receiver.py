@@ -137,7 +137,7 @@ class Receiver:
         err = self.table.aborted(step_id)
         if err is not None:
             raise err
-        if self.kept.held and self.kept.has(step_id, canonical):
+        if (step_id, canonical) in self.kept.held:
             return self._recv_kept(step_id, canonical, target, span)
         if src is None:
             return self._recv_local(step_id, canonical, timeout, target, span)
