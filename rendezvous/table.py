@@ -41,7 +41,7 @@ import copy
 import concurrent.futures
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, final
+from typing import Any, final
 
 from .errors import Aborted, InvalidArgument, RendezvousError
 from .items import PendingEntry, Received

@@ -16,7 +16,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
