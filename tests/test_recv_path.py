@@ -54,6 +54,7 @@ def _modules_of_one_recv() -> tuple[set[str], list[str]]:
     """(every module one recv runs, those that ran until its request was made, in order)."""
     seen: set[str] = set()
     down: list[str] = []
+    made = [False]  # the request is made: what runs from then on is not on the way down
 
     def profile(frame, event, arg):
         if event in ("call", "return"):
@@ -61,11 +62,9 @@ def _modules_of_one_recv() -> tuple[set[str], list[str]]:
             if "/rendezvous/" in name and "/rendezvous/v1/" not in name:
                 module = name.rsplit("/rendezvous/", 1)[1]
                 seen.add(module)
-                if not down or down[-1] != "":
-                    if module not in down:
-                        down.append(module)
-                    if event == "return" and module == "codec/requests.py":
-                        down.append("")  # the request is made: what runs from here is not on the way down
+                if not made[0] and module not in down:
+                    down.append(module)
+                made[0] = made[0] or (event == "return" and module == "codec/requests.py")
 
     def on_loop(server, what) -> None:
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -86,7 +85,7 @@ def _modules_of_one_recv() -> tuple[set[str], list[str]]:
             sys.setprofile(None)
             on_loop(consumer, None)
         np.testing.assert_array_equal(got, np.ones(256, np.float32))
-    return seen, [m for m in down if m]
+    return seen, down
 
 
 def test_one_recv_crosses_only_the_modules_listed():
