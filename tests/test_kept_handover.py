@@ -21,6 +21,7 @@ import pytest
 from rendezvous.client.aio import Client
 from rendezvous.client.core import LocalOp
 from rendezvous.errors import DeadlineExceeded
+from rendezvous.items import Received
 from rendezvous.local.frames import Kind
 from rendezvous.local.messages import returned
 from rendezvous.v1 import local_pb2 as lpb
@@ -63,6 +64,27 @@ async def _nothing_answers(recv_again, *keys: str) -> None:
     for k in keys:
         with pytest.raises(DeadlineExceeded):
             await recv_again(k)
+
+
+@pytest.mark.parametrize("where", ["own-table", "producer"])
+def test_a_tensor_kept_after_a_recv_was_called_and_before_it_waits_is_that_recvs(where):
+    """A recv's checks run when it is called (what is kept among them) and it
+    waits once its coroutine runs, a turn later: a tensor kept in between (a
+    cut transfer that landed) is that recv's. ``own-table``: this rank's own
+    key; ``producer``: another task's key, the recv about to ask it (there the
+    tensor was served once: the producer would wait for another)."""
+    async def main():
+        async with cluster(2) as (c, p):
+            k = key(0, 0, "k") if where == "own-table" else key(1, 0, "k")
+            value = np.arange(6, dtype=np.int32)
+            recv = asyncio.ensure_future(c.receiver.fetch(k, 4, LONG, None))  # called, not yet running
+            c.kept.keep(4, k, Received(value, False), why=None)
+            np.testing.assert_array_equal((await _got_promptly(recv)).item.value, value)
+            await until(lambda: nothing_in_flight(c, p), what="the recvs in flight")
+            await _nothing_answers(lambda x: c.recv(x, step_id=4, timeout=0.3), k)
+            await until(lambda: nothing_in_flight(c, p), what="the withdrawn recv")
+            assert not left_anywhere(c, p)
+    run(main(), 60)
 
 
 @pytest.mark.parametrize("where", ["consumer", "own-table", "producer"])

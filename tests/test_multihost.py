@@ -148,12 +148,22 @@ def _env() -> dict[str, str]:
             "RENDEZVOUS_KEEPALIVE_TIMEOUT": str(KEEPALIVE_TIMEOUT), "GRPC_VERBOSITY": "ERROR"}
 
 
+def show_logs(*paths: Path) -> None:
+    """The daemons' logs, printed as a fixture ends: pytest shows them with a
+    failed test's report (what each daemon saw of the fault), and drops them
+    for one that passed."""
+    for path in paths:
+        if path.exists():
+            print(f"--- {path.name} (last 6000 characters) ---\n{path.read_text(errors='replace')[-6000:]}")
+
+
 def start_node(host: netns.Host, index: int, cluster: str, sockdir: str) -> Node:
     env = _env()
     local = f"unix:{sockdir}/{host.name}.sock"
-    d = host.popen([RENDEZVOUSD, "--cluster", cluster, "--job-name", "node", "--task-index", str(index),
-                    "--local", local, "--metrics-port", "0"],
-                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    with open(Path(sockdir) / f"{host.name}.log", "w") as log:  # the child holds its own descriptor
+        d = host.popen([RENDEZVOUSD, "--cluster", cluster, "--job-name", "node", "--task-index", str(index),
+                        "--local", local, "--metrics-port", "0"],
+                       stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = d.stdout.readline()  # type: ignore[union-attr]
     ready = READY.match(line)
     assert ready, f"{host.name}: no ready line from rendezvousd: {line!r}"
@@ -166,6 +176,7 @@ def nodes(hosts):
     cluster = cluster_file(hosts)
     with tempfile.TemporaryDirectory(prefix="rdvmh", dir="/tmp") as sockdir:
         yield [start_node(h, i, cluster, sockdir) for i, h in enumerate(hosts.hosts)]
+        show_logs(*(Path(sockdir) / f"{h.name}.log" for h in hosts.hosts))
 
 
 def cluster_file(net: netns.Net) -> str:
@@ -251,10 +262,12 @@ def mpi_nodes(hosts):
     env = hosts.env({**_env(), **netns.mpi_network_env()})
     with tempfile.TemporaryDirectory(prefix="rdvmh", dir="/tmp") as sockdir:
         cluster = json.dumps({"node": [f"{h.address}:0" for h in hosts.hosts]})
-        job = subprocess.Popen(
-            hosts.mpiexec([RENDEZVOUSD, "--cluster", cluster, "--job-name", "node", "--protocol", "grpc+mpi",
-                           "--local", f"unix:{sockdir}/d{{task_index}}.sock", "--metrics-port", "0"]),
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        log = Path(sockdir) / "job.log"
+        with open(log, "w") as err:
+            job = subprocess.Popen(
+                hosts.mpiexec([RENDEZVOUSD, "--cluster", cluster, "--job-name", "node", "--protocol", "grpc+mpi",
+                               "--local", f"unix:{sockdir}/d{{task_index}}.sock", "--metrics-port", "0"]),
+                stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
         try:
             ready = {}
             while len(ready) < 3:
@@ -267,6 +280,7 @@ def mpi_nodes(hosts):
         finally:
             os.killpg(job.pid, 9)
             job.wait()
+            show_logs(log)
 
 
 def test_daemons_in_one_mpi_job_across_hosts_move_tensors_over_mpi_on_the_network(hosts, mpi_nodes):

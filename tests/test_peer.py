@@ -30,6 +30,7 @@ from rendezvous.errors import (
     ResourceExhausted,
 )
 from rendezvous.keys import TaskName
+from rendezvous.rank.kept import Kept
 from rendezvous.rpc.consumer_stream import PendingCall
 from rendezvous.rpc.peer import BatchFailed, PeerClient
 from rendezvous.stats import Stats
@@ -154,13 +155,17 @@ def _inline_planes(extra: list[DataPlane] = ()) -> Planes:
 
 
 @contextlib.asynccontextmanager
-async def scripted(planes: Planes | None = None, on_unclaimed=None,
+async def scripted(planes: Planes | None = None, on_unclaimed=None, kept: Kept | None = None,
                    **config) -> AsyncIterator[tuple[ScriptedPeer, PeerClient]]:
+    """A client of a scripted peer; with ``kept``, what nobody waits for is kept
+    there and recvs about to ask take from it, as a rank server's do."""
     peer = ScriptedPeer()
     await peer.start()
     settings = {"connect_timeout": 10.0, **config}
+    if kept is not None:
+        on_unclaimed = lambda step_id, k, fetched: kept.keep(step_id, k, fetched.item, why=None)  # noqa: E731
     client = PeerClient(PEER, peer.target, Config.load(settings, env={}), planes=planes or _inline_planes(),
-                        on_unclaimed=on_unclaimed)
+                        on_unclaimed=on_unclaimed, claim=None if kept is None else kept.claim)
     try:
         yield peer, client
     finally:
@@ -881,6 +886,67 @@ def test_an_mpi_transfer_cut_from_its_stream_fails_the_recv_after_the_window_and
             fut.set_result(np.array([4, 2]))
             assert (await r).item.value.tolist() == [4, 2]
             assert (await again.next()).WhichOneof("kind") == "cancel"
+    run(main(), 20)
+
+
+def test_a_cut_transfer_landing_while_the_next_recv_waits_for_its_stream_is_taken_not_asked_again():
+    """The cable is back, the next recv of the key waits for its stream, and the
+    cut transfer lands meanwhile (MPI's connection came back first): the recv
+    takes it from what the server keeps as it is about to ask, and asks nobody
+    (the producer served the tensor once; asked again, it waits for another)."""
+    async def main():
+        plane = DescriptorPlane()
+        kept = Kept()
+        async with scripted(planes=_inline_planes([plane]), kept=kept, reconnect_attempts=3, keepalive_time=0,
+                            connect_timeout=1.0) as (peer, client):
+            side, req, r = await _on_its_way(peer, client, plane, 10)
+            side.abort(grpc.StatusCode.UNAVAILABLE, "ping timeout")
+            with pytest.raises(PeerUnavailable, match="kept for the next recv"):
+                await r
+            gate, waiting = asyncio.Event(), asyncio.Event()
+            reconnect = client._reconnect
+
+            async def slow_reconnect(deadline):
+                waiting.set()
+                await gate.wait()  # the channel comes back after the transfer landed
+                await reconnect(deadline)
+
+            client._reconnect = slow_reconnect
+            r = asyncio.ensure_future(client.recv(K1, step_id=1, timeout=10))
+            await asyncio.wait_for(waiting.wait(), 10)
+            (fut, _), = plane.arrivals
+            fut.set_result(np.array([4, 2]))
+            await until(lambda: kept.has(1, K1), what="the landed tensor to be kept")
+            gate.set()
+            assert (await asyncio.wait_for(r, 5)).item.value.tolist() == [4, 2]
+            assert not kept and not client.live_stream().pending
+            assert all(not side.pending_requests() for side in peer.sides)
+            # exactly once: the key is not answered again
+            with pytest.raises(DeadlineExceeded):
+                await client.recv(K1, step_id=1, timeout=0.3)
+    run(main(), 30)
+
+
+def test_a_batch_takes_what_is_kept_for_its_keys_as_each_part_leaves_and_asks_the_rest():
+    """Kept for a key in each of a batch's two requests (they landed while it
+    waited to ask): those are taken, not asked; the rest are asked in runs of
+    neighbours, each call under its own id, and answered in key order. An id
+    left in doubt for a key taken stays in doubt."""
+    async def main():
+        kept = Kept()
+        async with scripted(kept=kept) as (peer, client):
+            side = await connected(peer, client)
+            kept.keep(2, LONG[1], Received(np.array([-1]), False), why=None)
+            kept.keep(2, LONG[3], Received(np.array([-3]), False), why=None)
+            client.in_doubt.add(2, LONG[1], 4242)
+            r = asyncio.ensure_future(client.recv_batch(LONG, step_id=2))
+            q0, q2 = await side.recvs(2)
+            assert [q0.recv.rendezvous_key, q2.recv.rendezvous_key] == [LONG[0], LONG[2]]
+            assert [list(m.recv_many.rendezvous_keys) for m in side.many[-2:]] == [LONG[:1], LONG[2:3]]
+            side.write(*reply(q2.call_id, np.array([2])), *reply(q0.call_id, np.array([0])))
+            assert [f.item.value.tolist() for f in await r] == [[0], [-1], [2], [-3]]
+            assert not kept and not side.pending_requests()
+            assert client.in_doubt.ids(2, LONG[1]) == [4242]
     run(main(), 20)
 
 

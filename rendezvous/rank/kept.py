@@ -7,7 +7,9 @@ never lost. The rank server keeps it here, per (step, key) in order, hands
 it to the next recv of that key and step before asking anyone, and drops it
 with its step. A recv of that key and step already waiting when a tensor is
 kept takes it at once (``offer``, the receiver's: see
-:meth:`Kept.hand_over`), oldest tensor to the oldest recv.
+:meth:`Kept.hand_over`), oldest tensor to the oldest recv; one still on its
+way to its producer (waiting for a stream) takes it as it asks
+(:meth:`Kept.claim`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, ItemsView, Iterator, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, Sequence, ValuesView
 from typing import Any
 
 from rendezvous.errors import RendezvousError
@@ -69,6 +71,19 @@ class Kept:
         self.offer(step_id, key, queue)
         if not queue and self.held.get((step_id, key)) is queue:
             self._forget((step_id, key))
+
+    def claim(self, step_id: int, keys: Sequence[str], start: int = 0,
+              end: int | None = None) -> list[tuple[int, Fetched]]:
+        """The tensors held for ``keys[start:end]`` in ``step_id`` (one each, the
+        oldest), taken, with their positions in ``keys``: for recvs about to ask
+        a producer (see PeerClient's ``claim``). A tensor kept while such a recv
+        waited (for its stream, for its turn) was served once already: asked
+        again, the producer would wait for another."""
+        held = self.held
+        if not held:
+            return []
+        return [(i, Fetched(self.take(step_id, keys[i]), Path.LOCAL, placed=False))
+                for i in range(start, len(keys) if end is None else end) if (step_id, keys[i]) in held]
 
     def has(self, step_id: int, key: str) -> bool:
         return (step_id, key) in self.held

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -89,7 +90,6 @@ def _in_order(units: list[tuple[list[int], asyncio.Task]], n: int, ready: dict[i
         for i, fetched in zip(idx, task.result()):
             out[i] = fetched
     return out
-
 
 
 class Receiver:
@@ -183,10 +183,8 @@ class Receiver:
 
     def _recv_done(self, span: RecvSpan, key: Key | str, step_id: int, fetched: Fetched | None = None,
                    error: BaseException | None = None) -> None:
-        try:
+        with contextlib.suppress(RendezvousError):  # not a key: no recv happened
             self.timeline.recv_done(span, key, step_id, fetched, error)  # type: ignore[union-attr]
-        except RendezvousError:
-            pass  # not a key: no recv happened
 
     async def _recv_kept(self, step_id: int, key: str, target: Placement, span: RecvSpan | None) -> Fetched:
         """A tensor fetched before and not delivered: it goes first."""
@@ -203,6 +201,8 @@ class Receiver:
     async def _recv_local(self, step_id: int, key: str, timeout: float | None, target: Placement,
                           span: RecvSpan | None) -> Fetched:
         """From this rank's own table: the object that was sent, unless it must move device."""
+        if self.kept.held and (step_id, key) in self.kept.held:  # kept since the call: nobody waited yet
+            return await self._recv_kept(step_id, key, target, span)
         try:
             async with self._deadlines.timeout(timeout):
                 item = await self.table.recv(step_id, key)

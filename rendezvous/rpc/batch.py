@@ -18,12 +18,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rendezvous.codec.requests import recv_many_request
+from rendezvous.codec.requests import many_keys_field, recv_many_request
 from rendezvous.errors import PeerUnavailable, RendezvousError, Unavailable
 from rendezvous.transport import Fetched, Path
 
 from .consumer_stream import Broken, ConsumerStream, PendingCall
-from .delivery import ASKED
+from .delivery import ANSWERED, ASKED
 
 if TYPE_CHECKING:
     from .peer import PeerClient
@@ -181,22 +181,10 @@ async def fetch_batch(client: "PeerClient", keys: Sequence[str], step_id: int, p
     stream = await client._get_stream(None)
     n = len(keys)
     first = client._take_ids(n)
-    rid = client._take_request_ids(n)
-    in_doubt = client.in_doubt
     batch = _Batch(loop, n)
     calls: list[_Call] = []
     try:
-        for a, b, encoded in client._key_parts(keys):
-            part = [_Call(batch, keys[i], step_id, placement,
-                          (in_doubt.take(step_id, keys[i]) if in_doubt else None) or rid + i)
-                    for i in range(a, b)]
-            calls += part
-            _submit(client, stream, first + a, part, step_id, encoded, options)
-            if a == 0 and b < n and not stream.outbox.empty():
-                # The first request leaves now (the writer's turn), and the
-                # producer starts on it while the rest are made (a call that
-                # takes it at once, MPI, has it already).
-                await asyncio.sleep(0)
+        await _ask(client, stream, first, keys, step_id, placement, options, batch, calls)
         # one future for the batch: all answered, or one failed (a stream that
         # broke fails its other calls too: then they all settle first)
         await batch.waiter
@@ -206,6 +194,68 @@ async def fetch_batch(client: "PeerClient", keys: Sequence[str], step_id: int, p
     if not batch.failed and not batch.broken and not batch.cancelled:
         return [c._result for c in calls]
     return await _settle(client, keys, step_id, placement, options, stream, first, calls, arrived)
+
+
+async def _ask(client: "PeerClient", stream: ConsumerStream, first: int, keys: Sequence[str], step_id: int,
+               placement: Any, options: bytes | None, batch: _Batch, calls: list[_Call],
+               ids: Sequence[int] | None = None) -> None:
+    """A call per key of ``keys`` (the calls ``first`` .., appended to
+    ``calls``), asked on ``stream`` part by part, a RecvMany each, with
+    ``ids`` for request_ids (else new ones, or the one left in doubt for the
+    key). A key the server keeps a tensor for by the time its part leaves
+    (it landed while the batch waited for its stream or its turn) is answered
+    from there, not asked: the producer served it once already."""
+    n = len(keys)
+    in_doubt = client.in_doubt
+    claim = client.claim
+    rid = client._take_request_ids(n) if ids is None else 0
+    for a, b, encoded in client._key_parts(keys):
+        if ids is None:
+            part = [_Call(batch, keys[i], step_id, placement,
+                          (in_doubt.take(step_id, keys[i]) if in_doubt else None) or rid + i)
+                    for i in range(a, b)]
+        else:
+            part = [_Call(batch, keys[i], step_id, placement, ids[i]) for i in range(a, b)]
+        calls += part
+        kept = claim(step_id, keys, a, b) if claim is not None else None
+        if kept:
+            _ask_the_rest(client, stream, first, keys, a, part, kept, rid if ids is None else None, step_id, options)
+        else:
+            _submit(client, stream, first + a, part, step_id, encoded, options)
+        if a == 0 and b < n and not stream.outbox.empty():
+            # The first request leaves now (the writer's turn), and the
+            # producer starts on it while the rest are made (a call that
+            # takes it at once, MPI, has it already).
+            await asyncio.sleep(0)
+
+
+def _ask_the_rest(client: "PeerClient", stream: ConsumerStream, first: int, keys: Sequence[str], a: int,
+                  part: list[_Call], kept: list[tuple[int, Fetched]], rid: int | None, step_id: int,
+                  options: bytes | None) -> None:
+    """``part`` (the calls of ``keys[a:]``) with the tensors of ``kept``
+    answered from them; the rest asked, each run of neighbours in a RecvMany
+    of its own (their call ids stay ``first`` + position). An id left in doubt
+    (one not from ``rid``, the new ids' start; any id when None) and not used
+    stays in doubt."""
+    taken = set()
+    for i, fetched in kept:
+        call = part[i - a]
+        if rid is None or call.request_id != rid + i:
+            client.in_doubt.add(step_id, call.key, call.request_id)
+        call.to(ANSWERED)
+        call.set_result(fetched)
+        taken.add(i)
+    i, end = a, a + len(part)
+    while i < end:
+        if i in taken:
+            i += 1
+            continue
+        j = i
+        while j < end and j not in taken:
+            j += 1
+        _submit(client, stream, first + i, part[i - a:j - a], step_id,
+                many_keys_field([k.encode() for k in keys[i:j]]), options)
+        i = j
 
 
 async def _settle(client: "PeerClient", keys: Sequence[str], step_id: int, placement: Any,
@@ -267,10 +317,7 @@ async def _settle(client: "PeerClient", keys: Sequence[str], step_id: int, place
         batch = _Batch(loop, len(asked))
         calls = []
         try:
-            for a, b, encoded in client._key_parts(asked):
-                part = [_Call(batch, asked[k], step_id, placement, ids[k]) for k in range(a, b)]
-                calls += part
-                _submit(client, stream, first + a, part, step_id, encoded, options)
+            await _ask(client, stream, first, asked, step_id, placement, options, batch, calls, ids)
             await batch.waiter
         except BaseException:
             _give_up(client, stream, first, calls, positions, arrived)

@@ -26,7 +26,9 @@ recv of the same key and step (the producer may have written the tensor
 into the dead connection: its retry cache answers the id again). A recv
 whose bytes were already moving outside the stream (MPI) is not asked
 again: it waits for them for the reconnect window, then fails, and its
-tensor is kept when it lands.
+tensor is kept when it lands. A recv that waits to ask (for a stream to
+come back) takes what was kept for its key meanwhile (``claim``) instead of
+asking: the producer would wait for a second tensor.
 
 What a request offers and how a reply's bytes are received is the server's
 data planes' business (:class:`rendezvous.transport.Planes`): the stream
@@ -76,6 +78,7 @@ class PeerClient:
                  credentials: grpc.ChannelCredentials | None = None,
                  metadata: tuple[tuple[str, str], ...] = (),
                  on_unclaimed: Callable[[int, str, Fetched], None] | None = None,
+                 claim: Callable[[int, Sequence[str], int, int], list[tuple[int, Fetched]]] | None = None,
                  open_call: Callable[[], Any] | None = None, deadlines: Deadlines | None = None) -> None:
         self.task = task
         self.address = address
@@ -83,6 +86,10 @@ class PeerClient:
         self.planes = planes
         #: where a reply nobody waits for any more goes (the rank server keeps it)
         self._on_unclaimed = on_unclaimed
+        #: ``claim(step_id, keys, start, end)``: what the server keeps for
+        #: ``keys[start:end]`` (kept while their recvs waited to ask), taken, with
+        #: the positions; asked as each request leaves, the key is not asked
+        self.claim = claim
         #: opens the stream another way than gRPC (the MPI request path): a call
         #: with the stream-stream call's write, read and cancel
         self._open_call = open_call
@@ -157,6 +164,8 @@ class PeerClient:
                     stream = self._stream
                     if stream is None or not stream.alive:  # (a live one needs no coroutine)
                         stream = await self._get_stream(deadline)
+                    if self.claim is not None and (kept := self._claimed(step_id, key, request_id, asked)):
+                        return kept
                     call_id = self._take_ids(1)
                     pending = PendingCall(loop.create_future(), key, step_id, placement, request_id)
                     stream.submit(call_id, pending, step_id, key_bytes, request_id, options)
@@ -184,13 +193,26 @@ class PeerClient:
             if asked and not orphaned:
                 self.in_doubt.add(step_id, key, request_id)
             if isinstance(exc, TimeoutError):
-                why = "" if self._connected_once or self._open_call is not None else (
-                    f": it was never reached (no server answered at {self.address} yet; "
-                    f"is it started, and is that its address?)")
-                raise DeadlineExceeded(
-                    f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s{why}"
-                ) from None
+                raise self._timed_out(key, step_id, timeout) from None
             raise
+
+    def _claimed(self, step_id: int, key: str, request_id: int, asked: bool) -> Fetched | None:
+        """The tensor the server keeps for ``key`` (it landed while this recv
+        waited to ask: for a stream, for its turn), taken, or None. An id left
+        in doubt (``asked``) and not used stays in doubt."""
+        kept = self.claim(step_id, (key,), 0, 1) if self.claim is not None else None
+        if not kept:
+            return None
+        if asked:
+            self.in_doubt.add(step_id, key, request_id)
+        return kept[0][1]
+
+    def _timed_out(self, key: str, step_id: int, timeout: float | None) -> DeadlineExceeded:
+        why = "" if self._connected_once or self._open_call is not None else (
+            f": it was never reached (no server answered at {self.address} yet; "
+            f"is it started, and is that its address?)")
+        return DeadlineExceeded(
+            f"recv of {key!r} (step {step_id}) from {self.describe()} timed out after {timeout:g}s{why}")
 
     async def recv_batch(self, keys: Sequence[str], step_id: int, placement: Any = None,
                          arrived: set[int] | None = None) -> list[Fetched]:
