@@ -165,7 +165,7 @@ async def scripted(planes: Planes | None = None, on_unclaimed=None, kept: Kept |
     if kept is not None:
         on_unclaimed = lambda step_id, k, fetched: kept.keep(step_id, k, fetched.item, why=None)  # noqa: E731
     client = PeerClient(PEER, peer.target, Config.load(settings, env={}), planes=planes or _inline_planes(),
-                        on_unclaimed=on_unclaimed, claim=None if kept is None else kept.claim)
+                        on_unclaimed=on_unclaimed, kept=kept)
     try:
         yield peer, client
     finally:

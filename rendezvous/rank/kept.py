@@ -76,7 +76,7 @@ class Kept:
               end: int | None = None) -> list[tuple[int, Fetched]]:
         """The tensors held for ``keys[start:end]`` in ``step_id`` (one each, the
         oldest), taken, with their positions in ``keys``: for recvs about to ask
-        a producer (see PeerClient's ``claim``). A tensor kept while such a recv
+        a producer (see PeerClient's ``kept``). A tensor kept while such a recv
         waited (for its stream, for its turn) was served once already: asked
         again, the producer would wait for another."""
         held = self.held

@@ -569,6 +569,6 @@ class Server:
     def _make_peer(self, task: TaskName) -> PeerClient:
         return PeerClient(task, self.cluster.address(task), self.config, planes=self.planes,
                           credentials=self._setup.channel_credentials, metadata=self._setup.metadata,
-                          on_unclaimed=self.receiver.unclaimed, claim=self.kept.claim,
+                          on_unclaimed=self.receiver.unclaimed, kept=self.kept,
                           open_call=self.link.open_call(task),
                           deadlines=self._deadlines)

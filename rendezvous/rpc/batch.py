@@ -207,7 +207,7 @@ async def _ask(client: "PeerClient", stream: ConsumerStream, first: int, keys: S
     from there, not asked: the producer served it once already."""
     n = len(keys)
     in_doubt = client.in_doubt
-    claim = client.claim
+    keeper = client.kept
     rid = client._take_request_ids(n) if ids is None else 0
     for a, b, encoded in client._key_parts(keys):
         if ids is None:
@@ -217,7 +217,7 @@ async def _ask(client: "PeerClient", stream: ConsumerStream, first: int, keys: S
         else:
             part = [_Call(batch, keys[i], step_id, placement, ids[i]) for i in range(a, b)]
         calls += part
-        kept = claim(step_id, keys, a, b) if claim is not None else None
+        kept = keeper.claim(step_id, keys, a, b) if keeper is not None and keeper.held else None
         if kept:
             _ask_the_rest(client, stream, first, keys, a, part, kept, rid if ids is None else None, step_id, options)
         else:

@@ -27,7 +27,7 @@ into the dead connection: its retry cache answers the id again). A recv
 whose bytes were already moving outside the stream (MPI) is not asked
 again: it waits for them for the reconnect window, then fails, and its
 tensor is kept when it lands. A recv that waits to ask (for a stream to
-come back) takes what was kept for its key meanwhile (``claim``) instead of
+come back) takes what was kept for its key meanwhile (``kept``) instead of
 asking: the producer would wait for a second tensor.
 
 What a request offers and how a reply's bytes are received is the server's
@@ -42,8 +42,8 @@ import asyncio
 import collections
 import logging
 import secrets
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import grpc
 
@@ -61,7 +61,7 @@ from .delivery import InDoubt
 from .grpc_calls import GrpcCall
 from .options import STREAM_METHOD, peer_channel_options
 
-__all__ = ["PeerClient", "BatchFailed"]
+__all__ = ["PeerClient", "BatchFailed", "Keeper"]
 
 log = logging.getLogger("rendezvous.client")
 
@@ -71,6 +71,19 @@ _UNSETTLED = 4096
 _KEY_PARTS = 32
 
 
+class Keeper(Protocol):
+    """What a rank server keeps for the next recv of a key (:class:`rendezvous.rank.kept.Kept`)."""
+
+    @property
+    def held(self) -> Mapping[tuple[int, str], Any]:
+        """(step, key) -> what is held for it (read, never changed, here; the
+        same mapping for the keeper's life)."""
+
+    def claim(self, step_id: int, keys: Sequence[str], start: int = 0,
+              end: int | None = None) -> list[tuple[int, Fetched]]:
+        """What is held for ``keys[start:end]``, taken, with the positions."""
+
+
 class PeerClient:
     """Recvs from one remote task. Create and use inside one running loop."""
 
@@ -78,7 +91,7 @@ class PeerClient:
                  credentials: grpc.ChannelCredentials | None = None,
                  metadata: tuple[tuple[str, str], ...] = (),
                  on_unclaimed: Callable[[int, str, Fetched], None] | None = None,
-                 claim: Callable[[int, Sequence[str], int, int], list[tuple[int, Fetched]]] | None = None,
+                 kept: Keeper | None = None,
                  open_call: Callable[[], Any] | None = None, deadlines: Deadlines | None = None) -> None:
         self.task = task
         self.address = address
@@ -86,10 +99,10 @@ class PeerClient:
         self.planes = planes
         #: where a reply nobody waits for any more goes (the rank server keeps it)
         self._on_unclaimed = on_unclaimed
-        #: ``claim(step_id, keys, start, end)``: what the server keeps for
-        #: ``keys[start:end]`` (kept while their recvs waited to ask), taken, with
-        #: the positions; asked as each request leaves, the key is not asked
-        self.claim = claim
+        #: what the server keeps for the next recv of a key (see Keeper): a recv
+        #: about to ask takes from it instead
+        self.kept = kept
+        self._held = kept.held if kept is not None else None
         #: opens the stream another way than gRPC (the MPI request path): a call
         #: with the stream-stream call's write, read and cancel
         self._open_call = open_call
@@ -164,7 +177,7 @@ class PeerClient:
                     stream = self._stream
                     if stream is None or not stream.alive:  # (a live one needs no coroutine)
                         stream = await self._get_stream(deadline)
-                    if self.claim is not None and (kept := self._claimed(step_id, key, request_id, asked)):
+                    if self._held and (kept := self._claimed(step_id, key, request_id, asked)):
                         return kept
                     call_id = self._take_ids(1)
                     pending = PendingCall(loop.create_future(), key, step_id, placement, request_id)
@@ -200,7 +213,7 @@ class PeerClient:
         """The tensor the server keeps for ``key`` (it landed while this recv
         waited to ask: for a stream, for its turn), taken, or None. An id left
         in doubt (``asked``) and not used stays in doubt."""
-        kept = self.claim(step_id, (key,), 0, 1) if self.claim is not None else None
+        kept = self.kept.claim(step_id, (key,), 0, 1) if self.kept is not None else None
         if not kept:
             return None
         if asked:
