@@ -551,7 +551,7 @@ def _stats(args: argparse.Namespace, channel: Any, metadata: Any, address: str) 
                         "table": table, "daemon": daemon})
         return 0
     lines = [f"{reply.task} at {address} (protocol {reply.protocol})"]
-    rows = [name for name in ("local", "grpc", "mpi") if name in paths]
+    rows = [name for name in ("local", "grpc", "mpi", "ipc") if name in paths]
     columns = [c for c in _COUNTERS if any(c in paths[r] for r in rows)]
     columns += sorted({c for r in rows for c in paths[r]} - set(columns))
     grid = [["path", *columns]] + [[r, *(str(paths[r].get(c, "-")) for c in columns)] for r in rows]

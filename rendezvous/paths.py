@@ -19,6 +19,7 @@ class Path(StrEnum):
     LOCAL = "local"  # from this process's own table
     GRPC = "grpc"    # inside the gRPC reply
     MPI = "mpi"      # asked, or moved, by MPI
+    IPC = "ipc"      # copied device to device from another process of the node (CUDA IPC)
 
 
 class Hop(StrEnum):

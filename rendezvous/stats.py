@@ -1,4 +1,4 @@
-"""Transfer counters per path (:class:`rendezvous.paths.Path`: local, grpc, mpi).
+"""Transfer counters per path (:class:`rendezvous.paths.Path`: local, grpc, mpi, ipc).
 
 Each path counts, on the consumer side, ``transfers`` completed, their payload
 ``bytes``, ``errors``, and ``fallbacks`` (transfers that took this path because
@@ -20,10 +20,11 @@ __all__ = ["Stats", "PATHS", "COUNTERS", "GPU_COUNTERS", "payload_nbytes"]
 PATHS = tuple(Path)
 COUNTERS = ("transfers", "bytes", "errors", "fallbacks", "served", "served_bytes", "served_fused")
 #: GPU tensors: staged (through pinned host buffers) or direct (CUDA-aware MPI)
-#: MPI transfers per direction, and whole-tensor host<->device copies
-#: (default gRPC path, local hand-offs to another device).
+#: MPI transfers per direction, whole-tensor host<->device copies (default
+#: gRPC path, local hand-offs to another device), and CUDA IPC exports, copies,
+#: handles opened, and GPU tensors IPC could not carry (another node or GPU).
 GPU_COUNTERS = ("staged_sends", "staged_recvs", "direct_sends", "direct_recvs", "staged_bytes",
-                "to_host", "to_device")
+                "to_host", "to_device", "ipc_sends", "ipc_recvs", "ipc_fallbacks", "ipc_opens")
 
 
 class Stats:
@@ -53,7 +54,7 @@ class Stats:
         self._gpu[counter] += n
 
     def snapshot(self) -> dict[str, dict[str, int]]:
-        """The counters by path name ("local", "grpc", "mpi")."""
+        """The counters by path name ("local", "grpc", "mpi", "ipc")."""
         return {str(p): dict(c) for p, c in self._paths.items()}
 
     def gpu_snapshot(self) -> dict[str, int]:

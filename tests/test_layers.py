@@ -375,6 +375,7 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
     "data-plane contract": {},
     "MPI": {"numpy": AT_IMPORT, "google": AT_IMPORT,
             "mpi4py": IN_FUNCTIONS},  # loaded when the MPI half starts, never with MPI_DISABLED=1
+    "CUDA IPC": {"google": AT_IMPORT},
     "control plane": {"numpy": AT_IMPORT, "google": AT_IMPORT, "grpc": AT_IMPORT, "grpc_health": AT_IMPORT},
     "rank server": {"numpy": AT_IMPORT, "grpc": AT_IMPORT},
     "node daemon": {"numpy": AT_IMPORT, "google": AT_IMPORT, "grpc": AT_IMPORT,

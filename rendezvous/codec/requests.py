@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from rendezvous.v1 import rendezvous_pb2 as pb
+
 from . import fields as F
 from . import wire
 
-__all__ = ["recv_request", "many_keys_field", "recv_many_request", "cancel_request", "batch_requests"]
+__all__ = ["recv_request", "many_keys_field", "recv_many_request", "cancel_request", "release_request",
+           "batch_requests"]
 
 
 def recv_request(call_id: int, step_id: int, key: bytes, request_id: int,
@@ -57,6 +60,12 @@ def recv_many_request(call_id: int, step_id: int, keys: list[bytes] | bytes, req
 def cancel_request(call_id: int) -> bytes:
     """A StreamRequest cancelling ``call_id`` (an empty Cancel message)."""
     return wire.varint_field(F.STREAM_REQUEST_CALL_ID, call_id) + wire.len_field_header(F.STREAM_REQUEST_CANCEL, 0)
+
+
+def release_request(export_ids: list[int], failed: bool) -> bytes:
+    """A StreamRequest releasing what the producer exported (CUDA IPC): ``failed``,
+    the consumer could not copy it."""
+    return pb.StreamRequest(release=pb.IpcRelease(export_ids=export_ids, failed=failed)).SerializeToString()
 
 
 def batch_requests(messages: list[bytes]) -> bytes:

@@ -280,6 +280,34 @@ class DeviceBackend(ABC):
         """Bytes ``[start, stop)`` of a contiguous device array as an object MPI can
         take directly (CUDA-aware MPI only)."""
 
+    # -- CUDA IPC: device memory shared with another process of the node ----------
+
+    def ipc_devices(self) -> dict[int, bytes] | None:
+        """Device index -> UUID of each GPU whose memory this process can export
+        and open by IPC handles; None: no IPC (the default)."""
+        return None
+
+    def ipc_export(self, tensor: DeviceTensor) -> tuple[bytes, int, bytes, Any]:
+        """``tensor`` for another process: the memory handle of its allocation,
+        its offset there, the handle of an interprocess event recorded once
+        ``tensor.ready`` is done, and what to hold with the tensor (the event).
+        The caller holds both until the importer says it is done with them."""
+        raise NotImplementedError(f"{self.name} has no CUDA IPC")
+
+    def ipc_open(self, memory: bytes, device: int) -> Any:
+        """Another process's allocation mapped here, for :meth:`ipc_copy` (the
+        caller caches it per allocation and closes it with :meth:`ipc_close`)."""
+        raise NotImplementedError(f"{self.name} has no CUDA IPC")
+
+    def ipc_close(self, opened: Any) -> None:
+        """Unmap what :meth:`ipc_open` mapped."""
+
+    def ipc_copy(self, opened: Any, offset: int, event: bytes, dst: Any, device: int, after: Any) -> Any:
+        """Copy ``dst``'s size of bytes at ``offset`` of ``opened`` into ``dst`` on
+        ``device``'s peer copy stream once the exporter's ``event`` and ``after``
+        (the allocation's event) are done; an event."""
+        raise NotImplementedError(f"{self.name} has no CUDA IPC")
+
     def allocate(self, meta: TensorMeta, device: int) -> Allocation:
         """A new device array and the event after which another stream (a copy
         stream) or MPI may write it.

@@ -23,11 +23,16 @@ the staging pipelines'. This module only maps the primitives onto cupy:
   (:meth:`CupyBackend.event_done` raises the asynchronous error);
 * imports that do not synchronize on their own (``from_cai`` hides the
   exporter's stream from ``cupy.asarray``, which would block the host on it):
-  the caller has already ordered the streams, on the GPU.
+  the caller has already ordered the streams, on the GPU;
+* CUDA IPC (``cudaIpcGetMemHandle`` of the whole allocation, found with
+  ``cuMemGetAddressRange``, and an interprocess event recorded on an "ipc"
+  stream after the tensor's ready event); the importer's copy waits for that
+  event on its peer stream. Not yet run on a GPU: ``make gpu-check`` on one.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -88,6 +93,8 @@ class CupyBackend(DeviceBackend):
         self._streams: dict[tuple[int, str], Any] = {}
         self._peers: dict[tuple[int, int], bool] = {}  # (src, dst) -> direct copies possible and enabled
         self._lock = threading.Lock()
+        self._uuids: dict[int, bytes] | None = None  # device -> UUID, for CUDA IPC ({}: none)
+        self._libcuda: Any = None
 
     def _cupy(self) -> Any:
         if self._cp is None:
@@ -293,6 +300,75 @@ class CupyBackend(DeviceBackend):
         # cudaHostAlloc, freed (cudaFreeHost) when the last numpy view of it is gone
         mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(max(nbytes, 1)), 0)
         return np.frombuffer(mem, dtype=np.uint8, count=nbytes)  # keeps ``mem`` alive
+
+    # -- CUDA IPC --------------------------------------------------------------
+
+    def ipc_devices(self) -> dict[int, bytes] | None:
+        if self._uuids is None:
+            uuids: dict[int, bytes] = {}
+            try:
+                rt = self._cupy().cuda.runtime
+                for i in range(self.device_count()):
+                    uuid = rt.getDeviceProperties(i).get("uuid")
+                    if uuid:
+                        uuids[i] = bytes(uuid)
+            except Exception as exc:  # no driver, an old cupy: GPU tensors go the staged way
+                log.info("CUDA IPC unavailable (%s: %s)", type(exc).__name__, exc)
+                uuids = {}
+            self._uuids = uuids
+        return self._uuids or None
+
+    def _allocation_base(self, ptr: int) -> int:
+        """The start of the ``cudaMalloc`` allocation holding ``ptr`` (a pool hands
+        out pieces of larger ones; an IPC handle names a whole allocation)."""
+        if self._libcuda is None:
+            self._libcuda = ctypes.CDLL("libcuda.so.1")
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        status = self._libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+        if status != 0:
+            raise RuntimeError(f"cuMemGetAddressRange failed (CUDA driver error {status})")
+        return int(base.value)
+
+    def ipc_export(self, tensor: DeviceTensor) -> tuple[bytes, int, bytes, Any]:
+        cp = self._cupy()
+        rt = cp.cuda.runtime
+        ptr = int(tensor.array.data.ptr)
+        stream = self._stream(tensor.device, "ipc")
+        with cp.cuda.Device(tensor.device):
+            base = self._allocation_base(ptr)
+            memory = bytes(rt.ipcGetMemHandle(base))
+            event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            stream.wait_event(tensor.ready)
+            event.record(stream)
+            handle = bytes(rt.ipcGetEventHandle(event.ptr))
+        return memory, ptr - base, handle, event
+
+    def ipc_open(self, memory: bytes, device: int) -> Any:
+        cp = self._cupy()
+        with cp.cuda.Device(device):
+            return int(cp.cuda.runtime.ipcOpenMemHandle(memory))  # peer access enabled lazily
+
+    def ipc_close(self, opened: Any) -> None:
+        self._cupy().cuda.runtime.ipcCloseMemHandle(opened)
+
+    def ipc_copy(self, opened: Any, offset: int, event: bytes, dst: Any, device: int, after: Any) -> Any:
+        cp = self._cupy()
+        rt = cp.cuda.runtime
+        stream = self._stream(device, "peer")
+        with cp.cuda.Device(device):
+            if after is not None:
+                stream.wait_event(after)
+            imported = rt.ipcOpenEventHandle(event)
+            try:
+                rt.streamWaitEvent(stream.ptr, imported, 0)
+            finally:
+                rt.eventDestroy(imported)  # released once the wait is done
+            nbytes = int(dst.nbytes)
+            if nbytes:
+                rt.memcpyAsync(dst.data.ptr, opened + offset, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(stream)
+        return done
 
     def user_array(self, array: Any) -> Any:
         return array

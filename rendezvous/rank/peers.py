@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from rendezvous.codec.requests import release_request
 from rendezvous.errors import RendezvousError
 from rendezvous.keys import TaskName
 from rendezvous.rpc.peer import PeerClient
@@ -23,6 +25,8 @@ __all__ = ["Peers"]
 
 
 T = TypeVar("T")
+
+log = logging.getLogger("rendezvous")
 
 
 class _StepEnded:
@@ -48,6 +52,16 @@ class Peers:
         if client is None:
             client = self._clients[task] = self._make(task)
         return client
+
+    def release(self, producer: str, export_ids: list[int], failed: bool) -> None:
+        """Tell ``producer`` this rank is done with its CUDA IPC exports (see
+        rendezvous.ipc), on the live stream to it; with none, the producer drops
+        them once this process is gone."""
+        stream = self.get(TaskName.parse(producer)).live_stream()
+        if stream is not None:
+            stream.send(release_request(export_ids, failed))
+        else:
+            log.info("no stream to %s to release its CUDA IPC exports %s on", producer, export_ids)
 
     def values(self) -> list[PeerClient]:
         return list(self._clients.values())

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from rendezvous import auth, interop
+from rendezvous import auth, interop, ipc
 from rendezvous.codec import allocator, dtypes, tensors
 from rendezvous.buffers import RecvBuffers
 from rendezvous.cluster import ClusterLike, ClusterSpec, parse_address
@@ -109,17 +109,15 @@ class Server:
         self.incarnation: int = cfg.incarnation or self.cluster.incarnation(self.task) or new_incarnation()
         self.cluster = self.cluster.with_address(self.task, self.bind_address, self.incarnation)
         self._sent_keys.incarnation = self.incarnation
-        #: Whether this loop polls MPI itself while traffic is expected (the
-        #: fastest for a program that is all asyncio): ``True``: every transfer,
-        #: with gRPC requests or MPI ones; ``"remote"``: only those with ranks
-        #: MPI reaches over the network (a transfer across hosts moves only as
-        #: fast as it is polled: BENCHMARKS.md, "Notes for tuning"); ``"attended"``:
-        #: those, and with requests over MPI every transfer while a caller waits
-        #: on the loop (counted with :meth:`attending`); ``False``: never. The
-        #: blocking Server says ``"attended"``: its loop thread, spinning, would
-        #: keep the GIL from the caller's threads while they compute, so its MPI
-        #: thread polls node-local transfers then; a caller blocked on a recv
-        #: needs no GIL, and its reply is taken at the loop's pace.
+        #: Whether this loop polls MPI itself while traffic is expected (the fastest
+        #: for a program that is all asyncio): ``True``: every transfer, with gRPC
+        #: requests or MPI ones; ``"remote"``: only those with ranks MPI reaches over
+        #: the network (a transfer across hosts moves only as fast as it is polled:
+        #: BENCHMARKS.md, "Notes for tuning"); ``"attended"``: those, and with MPI
+        #: requests every transfer while a caller waits on the loop (:meth:`attending`);
+        #: ``False``: never. The blocking Server says ``"attended"``: its loop thread,
+        #: spinning, would keep the GIL from the caller's threads while they compute;
+        #: a caller blocked on a recv needs no GIL, and its reply is taken at the loop's pace.
         self.poll_on_loop: bool | str = True
         #: this rank's timeline (rendezvous.timeline; the ``timeline`` setting), or None: off
         self.timeline = (Timeline.for_task(cfg.timeline, self.cluster, self.task, max_bytes=cfg.timeline_max_bytes)
@@ -156,6 +154,8 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._target: str | None = None
         self.peers = Peers(self._make_peer)
+        ipc.join(self.planes, cfg, str(self.task), self.devices, self._stats, release=self.peers.release,
+                 gave_back=self.servicer.gave_up, delivered=self._retry.delivered)  # GPU tensors on this node
         #: tensors fetched and not delivered, for the next recv of their key and step
         self.kept = Kept()
         #: the deadlines and stall warnings of this server's recvs, on one loop timer

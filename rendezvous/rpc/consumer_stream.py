@@ -140,9 +140,8 @@ class ConsumerStream:
         self._send(request)
 
     def _send(self, message: bytes) -> None:
-        """Queue ``message`` for the writer, or hand it to the call at once when
-        the call takes messages without waiting (MPI) and none is queued
-        before it: requests keep their order, one loop turn sooner."""
+        """Queue ``message`` for the writer, or hand it to a call that takes messages without
+        waiting (MPI) when none is queued before it: in order, one loop turn sooner."""
         if self._write_now is not None and self.outbox.empty() and self._write_now(message):
             return
         self.outbox.put_nowait(message)
@@ -162,7 +161,7 @@ class ConsumerStream:
         run: list[tuple[int, int, bytes, int, bytes | None]] = []
         size = 0
         for item in queued:
-            if isinstance(item, bytes):  # a cancel: after the requests before it
+            if isinstance(item, bytes):  # a cancel or a release: after the requests before it
                 if run:
                     messages.append(_run_request(run))
                     run = []
@@ -179,10 +178,9 @@ class ConsumerStream:
             size = len(item[2])
         if run:
             messages.append(_run_request(run))
-        # Handed to the call at once, packed, when it takes messages without
-        # waiting (MPI) and nothing is queued before them; what it does not take
-        # is queued one by one for the writer, which packs what it finds queued
-        # (never a packed message inside another).
+        # Handed to the call at once, packed, when it takes messages without waiting
+        # (MPI) and nothing is queued before them; the rest is queued one by one for
+        # the writer, which packs what it finds (never a packed message in another).
         sent = 0
         if self._write_now is not None and self.outbox.empty():
             for pack in _packs(messages):
@@ -212,11 +210,14 @@ class ConsumerStream:
             p.to(BROKE)
             return False
         p.to(GAVE_UP)
-        # at the end of the turn, after its request (a cancel never overtakes it)
+        self.send(cancel_request(call_id))  # after its request: a cancel never overtakes it
+        return True
+
+    def send(self, message: bytes) -> None:
+        """A cancel or an IPC release, at the end of the turn, after what was asked before."""
         if not self._coalescing:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._coalescing.append(cancel_request(call_id))
-        return True
+        self._coalescing.append(message)
 
     async def _write(self) -> None:
         outbox = self.outbox
@@ -228,8 +229,7 @@ class ConsumerStream:
                     continue
                 # Everything queued while the last write was in flight goes as one
                 # message, up to a size every producer accepts (max_request_bytes >= 64 KiB).
-                queued = [first]
-                size = len(first)
+                queued, size = [first], len(first)
                 while not outbox.empty() and size < _BATCH_REQUEST_BYTES:
                     queued.append(outbox.get_nowait())
                     size += len(queued[-1]) + 4
@@ -241,7 +241,7 @@ class ConsumerStream:
 
     async def _read(self) -> None:
         error: RendezvousError = PeerUnavailable(f"stream to {self.client.describe()} closed")
-        closed_here = False
+        closed_here = False  # (cancelled here: closed locally)
         try:
             while True:
                 buf = await self.call.read()

@@ -188,13 +188,11 @@ class ProducerStream:
             self.wakeup.set()
 
     def _arrived(self, raw: Any) -> bool:
-        """A request message handed over as it arrives (by the MPI request path,
-        when none is queued before it): a lone recv or cancel is handled here,
-        with no turn of the reader; the replies made ready are written once
-        the turn's arrivals are taken (:meth:`_write_ready`). False leaves the
-        message to the reader: one it is still handling, a batch, one that does
-        not parse or breaks the stream (the reader meets the error again and
-        ends the stream)."""
+        """A request message handed over as it arrives (by the MPI request path, when
+        none is queued before it): a lone recv or cancel is handled here, with no turn
+        of the reader; the replies made ready are written once the turn's arrivals are
+        taken (:meth:`_write_ready`). False leaves the message to the reader: one it is
+        still handling, a batch, one that does not parse or breaks the stream."""
         if self._handling or self.reader_done or self.failed or self.closing:
             return False
         try:
@@ -236,8 +234,10 @@ class ProducerStream:
             self._cancel(call_id)
         elif kind == "recv_many":
             await self._handle_many(call_id, msg.recv_many)
+        elif kind == "release":
+            self.s.planes.released(msg.release.export_ids, msg.release.failed)
         else:
-            raise _BadStream(f"StreamRequest {call_id} has neither recv, recv_many nor cancel")
+            raise _BadStream(f"StreamRequest {call_id} has neither recv, recv_many, cancel nor release")
 
     async def _handle_many(self, first: int, many: pb.RecvMany) -> None:
         """A batched request: each key is the call ``first + i`` with a single

@@ -120,10 +120,26 @@ class DataPlane(ABC):
     #: travel inside the reply itself
     descriptor_url: ClassVar[str] = ""
 
+    #: whether this plane's offer carries the next plane's inside it (see
+    #: :meth:`wrap`, :meth:`inner`): a request carries one ``Any``
+    wraps_offers: ClassVar[bool] = False
+
     def offer(self, placement: Any) -> bytes | None:
         """What a request for a tensor bound for ``placement`` carries for this
         plane (an encoded ``Any``), or None."""
         return None
+
+    def wrap(self, offer: bytes, rest: bytes | None) -> bytes:
+        """A wrapping plane's ``offer`` with ``rest`` (the next plane's) inside it."""
+        return offer
+
+    def inner(self, options: Any) -> Any | None:
+        """The next plane's offer inside a request's ``options`` that this
+        (wrapping) plane's offer made, or None when they are not its."""
+        return None
+
+    def released(self, export_ids: Any, failed: bool) -> None:
+        """A consumer is done with what this plane exported for it (IPC)."""
 
     @abstractmethod
     def plan(self, request: Any, item: Received) -> Reply | None:
@@ -177,6 +193,7 @@ class Planes:
         self.planes = tuple(planes)
         self.inline = planes[-1]
         self._by_url = {p.descriptor_url: p for p in planes if p.descriptor_url}
+        self._wrapping = any(p.wraps_offers for p in planes)
 
     def register(self, plane: DataPlane) -> None:
         """Add ``plane``, preferred over the ones already here (the inline plane
@@ -185,10 +202,13 @@ class Planes:
             raise ValueError("only one plane carries tensors inline")
         self.planes = (plane, *self.planes)
         self._by_url[plane.descriptor_url] = plane
+        self._wrapping = self._wrapping or plane.wraps_offers
 
     def offer(self, placement: Any) -> bytes | None:
         """The request's ``transport_options``: the first plane's offer that is
         not None (a request carries one ``Any``)."""
+        if self._wrapping:
+            return _first_offer(self.planes, placement)
         for plane in self.planes:
             offered = plane.offer(placement)
             if offered is not None:
@@ -196,19 +216,32 @@ class Planes:
         return None
 
     def plan(self, request: Any, item: Received) -> Reply:
-        """The reply for ``item``: the first plane that will carry it."""
+        """The reply for ``item``: the first plane that will carry it (the planes
+        after a wrapping one see the offer inside its own)."""
         if not item.is_dead:
             for plane in self.planes[:-1]:
                 reply = plane.plan(request, item)
                 if reply is not None:
                     return reply
+                if plane.wraps_offers:
+                    request = _unwrapped(plane, request)
+        elif self._wrapping:
+            request = self._unwrap(request)
         reply = self.inline.plan(request, item)
         assert reply is not None, "the inline plane carries every tensor"
         return reply
 
+    def _unwrap(self, request: Any) -> Any:
+        for plane in self.planes:
+            if plane.wraps_offers:
+                request = _unwrapped(plane, request)
+        return request
+
     def plan_group(self, request: Any, arrays: Sequence[Any], layout: Any) -> tuple[Path, Carry | None]:
         """How a group reply's payload travels: the first plane that carries it
         (its path, and the planned transfer), else inside the frame."""
+        if self._wrapping:
+            request = self._unwrap(request)
         for plane in self.planes[:-1]:
             carry = plane.plan_group(request, arrays, layout)
             if carry is not None:
@@ -251,6 +284,39 @@ class Planes:
             return  # nothing of ours is in flight for a transport we do not know
         plane.drain(reply, head)
 
+    def released(self, export_ids: Any, failed: bool) -> None:
+        for plane in self.planes:
+            plane.released(export_ids, failed)
+
     def close(self) -> None:
         for plane in self.planes:
             plane.close()
+
+
+def _first_offer(planes: Sequence[DataPlane], placement: Any) -> bytes | None:
+    """The first of ``planes``' offers that is not None, a wrapping plane's with
+    the rest's inside it."""
+    for i, plane in enumerate(planes):
+        offered = plane.offer(placement)
+        if offered is not None:
+            return plane.wrap(offered, _first_offer(planes[i + 1:], placement)) if plane.wraps_offers else offered
+    return None
+
+
+class _Unwrapped:
+    """A request as the planes after a wrapping one see it: its
+    ``transport_options`` the offer inside the wrapping plane's."""
+
+    __slots__ = ("_request", "transport_options")
+
+    def __init__(self, request: Any, options: Any) -> None:
+        self._request = request
+        self.transport_options = options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def _unwrapped(plane: DataPlane, request: Any) -> Any:
+    inner = plane.inner(request.transport_options)
+    return request if inner is None else _Unwrapped(request, inner)

@@ -60,6 +60,42 @@ class MpiTransfer(_message.Message):
     chunk_bytes: int
     def __init__(self, world_id: _Optional[int] = ..., source_rank: _Optional[int] = ..., tag: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class IpcEndpoint(_message.Message):
+    __slots__ = ("node", "pid", "devices", "next")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    node: bytes
+    pid: int
+    devices: _containers.RepeatedScalarFieldContainer[bytes]
+    next: _any_pb2.Any
+    def __init__(self, node: _Optional[bytes] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[bytes]] = ..., next: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
+
+class IpcTransfer(_message.Message):
+    __slots__ = ("memory", "offset", "event", "export_id", "producer", "nbytes")
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    memory: bytes
+    offset: int
+    event: bytes
+    export_id: int
+    producer: str
+    nbytes: int
+    def __init__(self, memory: _Optional[bytes] = ..., offset: _Optional[int] = ..., event: _Optional[bytes] = ..., export_id: _Optional[int] = ..., producer: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class IpcRelease(_message.Message):
+    __slots__ = ("export_ids", "failed")
+    EXPORT_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    export_ids: _containers.RepeatedScalarFieldContainer[int]
+    failed: bool
+    def __init__(self, export_ids: _Optional[_Iterable[int]] = ..., failed: _Optional[bool] = ...) -> None: ...
+
 class Cancel(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -97,18 +133,20 @@ class ReplyGroup(_message.Message):
     def __init__(self, call_ids: _Optional[_Iterable[int]] = ..., dtypes: _Optional[bytes] = ..., ranks: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., transport_options: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., send_start_micros: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("call_id", "recv", "cancel", "recv_many", "batch")
+    __slots__ = ("call_id", "recv", "cancel", "recv_many", "release", "batch")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     RECV_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     RECV_MANY_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     recv: RecvTensorRequest
     cancel: Cancel
     recv_many: RecvMany
+    release: IpcRelease
     batch: _containers.RepeatedCompositeFieldContainer[StreamRequest]
-    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., recv_many: _Optional[_Union[RecvMany, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[int] = ..., recv: _Optional[_Union[RecvTensorRequest, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., recv_many: _Optional[_Union[RecvMany, _Mapping]] = ..., release: _Optional[_Union[IpcRelease, _Mapping]] = ..., batch: _Optional[_Iterable[_Union[StreamRequest, _Mapping]]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
