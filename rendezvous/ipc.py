@@ -20,7 +20,8 @@ Ordering and ownership:
   the copy's event is done;
 * a consumer that cannot open or copy releases with ``failed``: the tensor
   goes back to the producer's table for a later recv (nothing is lost), and
-  its recv fails with UNAVAILABLE;
+  its recv fails with UNAVAILABLE; one that cannot open a handle offers IPC
+  no more (its later recvs take the staged or default path);
 * a consumer process that ends releases what it holds: the producer watches
   each consumer process it exports to (a pidfd on its loop) and drops its
   exports once it exits, however it ends.
@@ -133,8 +134,10 @@ class IpcPlane(DataPlane):
         #: producer: ``delivered(request_id)``: the consumer has the tensor (its
         #: release): the retry cache need not hold it any longer
         self.delivered: Callable[[int], None] | None = None
-        self._offer = _pack(pb.IpcEndpoint(node=self.node, pid=self.pid,
-                                           devices=[u for m in self._uuids.values() for u in m.values()]))
+        #: what a recv bound for a GPU offers (None: nothing; after a handle could not be opened)
+        self._offer: bytes | None = _pack(pb.IpcEndpoint(
+            node=self.node, pid=self.pid, devices=[u for m in self._uuids.values() for u in m.values()])) \
+            if self._uuids else None
 
     @property
     def usable(self) -> bool:
@@ -144,7 +147,7 @@ class IpcPlane(DataPlane):
     # -- consumer -----------------------------------------------------------
 
     def offer(self, placement: Placement | None) -> bytes | None:
-        return self._offer if placement is not None and placement.is_gpu and self._uuids else None
+        return self._offer if placement is not None and placement.is_gpu else None
 
     def wrap(self, offer: bytes, rest: bytes | None) -> bytes:
         """``offer`` with the next plane's offer inside it (``next``)."""
@@ -173,7 +176,14 @@ class IpcPlane(DataPlane):
         ``device`` after the producer's event, then release the export: done,
         or failed (the producer puts the tensor back)."""
         try:
-            opened = self._open(backend, transfer.memory, device)
+            try:
+                opened = self._open(backend, transfer.memory, device)
+            except Exception as exc:  # this process cannot open handles: staged from now on
+                log.warning("CUDA IPC: cannot open a memory handle of %s (%s: %s); GPU tensors from other "
+                            "processes of this node take the staged path from now on", transfer.producer,
+                            type(exc).__name__, exc)
+                self._offer = None
+                raise
             dst, allocated = backend.allocate(meta, device)
             done = backend.ipc_copy(opened, transfer.offset, transfer.event, dst, device, allocated)
             await asyncio.get_running_loop().run_in_executor(None, backend.event_wait, done)

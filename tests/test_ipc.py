@@ -251,17 +251,40 @@ def test_a_consumer_that_dies_releases_what_it_was_lent(tmp_path):
         consumer.close()
 
 
-def test_a_copy_that_cannot_be_made_puts_the_tensor_back_for_the_next_recv(producer):
+def test_a_copy_that_cannot_be_made_puts_the_tensor_back_for_the_next_recv(producer, monkeypatch):
+    """The first copy fails (its buffer cannot be allocated): the recv fails, the
+    tensor goes back, and the next recv copies it by IPC."""
+    def out_of_memory(*args: Any) -> Any:
+        raise FakeCudaError("cudaErrorMemoryAllocation")
+
     with rank(NODE, 0, {1: producer.target}) as (c, fake):
         k = gkey(1, 0, "back")
+        producer.do(op="send", key=k, n=64, seed=2)
+        monkeypatch.setattr(fake, "allocate", out_of_memory)
+        with pytest.raises(Unavailable, match="went back to its producer"):
+            c.recv(k, timeout=30, device="gpu:0")
+        monkeypatch.undo()
+        np.testing.assert_array_equal(c.recv(k, timeout=30, device="gpu:0").get(), values(64, 2))
+        nothing_more(c, k)
+        assert c.stats()["ipc"]["transfers"] == 1
+        st = producer.until(lambda s: s["exports"] == 0, "both exports settled")
+        assert st["gpu"]["ipc_sends"] == 2 and not st["violations"]
+
+
+def test_a_handle_that_cannot_be_opened_puts_the_tensor_back_and_ipc_is_not_offered_again(producer):
+    with rank(NODE, 0, {1: producer.target}) as (c, fake):
+        k, later = gkey(1, 0, "back"), gkey(1, 0, "later")
         fake.open_faults.append(FakeCudaError("cudaErrorMapBufferObjectFailed"))
         producer.do(op="send", key=k, n=64, seed=2)
         with pytest.raises(Unavailable, match="went back to its producer"):
             c.recv(k, timeout=30, device="gpu:0")
         np.testing.assert_array_equal(c.recv(k, timeout=30, device="gpu:0").get(), values(64, 2))
+        producer.do(op="send", key=later, n=64, seed=8)
+        np.testing.assert_array_equal(c.recv(later, timeout=30, device="gpu:0").get(), values(64, 8))
         nothing_more(c, k)
-        st = producer.until(lambda s: s["exports"] == 0, "both exports settled")
-        assert st["gpu"]["ipc_sends"] == 2 and not st["violations"]
+        assert c.stats()["ipc"]["transfers"] == 0 and fake.opened == 0
+        st = producer.until(lambda s: s["exports"] == 0, "the failed export settled")
+        assert st["gpu"]["ipc_sends"] == 1 and not st["violations"]
 
 
 def test_gpus_of_another_node_take_another_path_and_the_fallback_is_counted(producer):
