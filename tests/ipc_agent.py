@@ -2,7 +2,7 @@
 (:class:`rendezvous.testing.fakegpu_ipc.FakeIpcBackend`), driven by JSON lines
 on stdin; one JSON answer per line on stdout (tests/test_ipc.py).
 
-    python tests/ipc_agent.py NODE TASK_INDEX
+    python tests/ipc_agent.py NODE TASK_INDEX    (NODE "cupy": the real GPU, cupy's backend)
 
 It prints ``{"target": ...}`` once serving. Commands (``op``):
 
@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -40,9 +41,15 @@ from rendezvous.testing.fakegpu_ipc import FakeIpcBackend
 
 def main() -> None:
     node, index = sys.argv[1], int(sys.argv[2])
-    fake = FakeIpcBackend(node)
+    if node == "cupy":  # a real GPU (tests/test_gpu_cupy.py): no gates, memory from cupy's pool
+        import cupy
+        from rendezvous.devices.cupy_backend import CupyBackend
+        backend: Any = CupyBackend()
+        fake: Any = None
+    else:
+        backend = fake = FakeIpcBackend(node)
     server = rendezvous.Server({"worker": ["127.0.0.1:0", "127.0.0.1:0"]}, "worker", index,
-                               devices=Devices([fake]))
+                               devices=Devices([backend]))
     server.start()
     out = threading.Lock()
     kept: list = []
@@ -68,8 +75,12 @@ def main() -> None:
             count = cmd.get("count")
             for i in range(count or 1):
                 values = cmd.get("seed", 0) + i + np.arange(cmd["n"], dtype=np.float32)
-                arr = fake.empty(TensorMeta(np.dtype(np.float32), (cmd["n"],)), 0)
-                fake.launch(lambda a, v=values: a.__setitem__(..., v), arr, gate=gate if cmd.get("gated") else None)
+                if fake is None:
+                    arr = cupy.asarray(values)
+                else:
+                    arr = fake.empty(TensorMeta(np.dtype(np.float32), (cmd["n"],)), 0)
+                    fake.launch(lambda a, v=values: a.__setitem__(..., v), arr,
+                                gate=gate if cmd.get("gated") else None)
                 server.send(cmd["key"].replace("{i}", str(i)), arr)
                 if cmd.get("keep"):
                     kept.append(arr)
@@ -90,10 +101,13 @@ def main() -> None:
             gc.collect()
             ipc = [p for p in server.aio.planes.planes if p.path == "ipc"]
             stats = server.stats()
+            if fake is None:
+                device = {"device_bytes": cupy.get_default_memory_pool().used_bytes(), "violations": []}
+            else:
+                device = {"device_bytes": fake.device_bytes(0), "exported": fake.exported, "opened": fake.opened,
+                          "violations": fake.violations, "peer_queued": fake.copy_stream(0, "peer").pending}
             answer({"id": cmd["id"], "ok": True, "exports": len(ipc[0].exports) if ipc else None,
-                    "device_bytes": fake.device_bytes(0), "exported": fake.exported, "opened": fake.opened,
-                    "gpu": stats["gpu"], "ipc": stats["ipc"], "violations": fake.violations,
-                    "peer_queued": fake.copy_stream(0, "peer").pending})
+                    "gpu": stats["gpu"], "ipc": stats["ipc"], **device})
         elif op == "let_go":  # the retry cache lets every answer go, as the end of its window would
             async def let_go() -> None:
                 retry = server.aio._retry

@@ -43,3 +43,16 @@ def test_the_report_reads_only_the_staged_gpu_targets(tmp_path):
         "gpu_staged    16 MiB"]
     ok, lines = _results(tmp_path, ok=False)
     assert not ok and "MISSED" in lines[1]
+
+
+def test_the_ipc_bench_runs_end_to_end_on_the_fake_gpu(tmp_path):
+    """The IPC bench's harness (a producer process, recvs one at a time and all
+    at once, the copy it is compared with), on the fake GPU: every tensor came
+    by IPC. Its figures are the fake's and judged nowhere."""
+    from rendezvous.bench import gpu_ipc
+
+    out = tmp_path / "ipc.json"
+    assert gpu_ipc.main(["--fake", "--sizes", "64K,1M", "--count", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["fake"] and doc["ok"] and [r["size"] for r in doc["rows"]] == [64 << 10, 1 << 20]
+    assert all(r["ipc_one_gbps"] > 0 and r["ipc_many_gbps"] > 0 and r["d2d_gbps"] > 0 for r in doc["rows"])

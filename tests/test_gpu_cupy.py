@@ -189,3 +189,31 @@ def test_a_local_recv_onto_the_other_gpu():
             assert isinstance(got, cupy.ndarray) and got.device.id == 1
             assert np.array_equal(got.get(), expected)
     run(main())
+
+
+def test_a_tensor_from_another_process_of_the_node_comes_by_cuda_ipc_and_nothing_is_left():
+    """CUDA IPC between two processes on GPU 0: 1,000 tensors, each checked,
+    each allocation opened once, every export released, no device memory left
+    in the producer (tests/test_ipc.py checks the ordering rules on the fake GPU)."""
+    import rendezvous
+    from test_ipc import Agent
+
+    producer = Agent("cupy", 1)
+    try:
+        server = rendezvous.Server({"worker": ["127.0.0.1:0", producer.target]}, "worker", 0)
+        with server:
+            server.update_cluster({"worker": [server.target, producer.target]})
+            base = producer.state()["device_bytes"]
+            for r in range(100):
+                producer.do(op="send", key=gkey(1, 0, f"k{r}-{{i}}"), n=1 << 16, seed=r, count=10)
+                for i in range(10):
+                    got = server.recv(gkey(1, 0, f"k{r}-{i}"), timeout=60, device="gpu:0")
+                    assert isinstance(got, cupy.ndarray) and float(got[0]) == r + i and float(got[-1]) == r + i + 65535
+                    del got
+            stats = server.stats()
+            assert stats["ipc"]["transfers"] == 1000 and stats["grpc"]["transfers"] == 0, stats
+            assert stats["gpu"]["ipc_opens"] <= 10
+            st = producer.until(lambda s: s["exports"] == 0, "every export released")
+            assert st["gpu"]["ipc_sends"] == 1000 and st["device_bytes"] <= base
+    finally:
+        producer.close()

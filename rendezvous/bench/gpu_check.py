@@ -8,7 +8,9 @@
 2. the staged bandwidth against its bounds: ``rendezvous bench --gpu cupy``
    with raw MPI, staged GPU->GPU (and with one chunk in flight) and the
    device->host copy, from 16 MiB, and the bench's target
-   ``staged >= 0.8 x min(D2H, raw MPI)``.
+   ``staged >= 0.8 x min(D2H, raw MPI)``;
+3. node-local GPU->GPU by CUDA IPC against a device-to-device copy in one
+   process (:mod:`rendezvous.bench.gpu_ipc`), target ``>= 0.8`` from 16 MiB.
 
 Where cupy cannot be imported or sees no CUDA device it says so and exits 0
 (nothing to check here: the fake-GPU tests in the ordinary suite ran
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(("staged GPU->GPU >= 0.8 x min(D2H, raw MPI)", ok))
         else:
             results.append(("staged bandwidth bench", False))
+        results.append(("CUDA IPC GPU->GPU >= 0.8 x a device-to-device copy",
+                        _step("IPC bandwidth", [sys.executable, "-m", "rendezvous.bench.gpu_ipc", "--sizes", args.sizes,
+                                                "--json", str(out / "ipc.json")], timeout=900)))
     print("\n== gpu-check report")
     for name, ok in results:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
