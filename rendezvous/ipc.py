@@ -24,7 +24,11 @@ Ordering and ownership:
   no more (its later recvs take the staged or default path);
 * a consumer process that ends releases what it holds: the producer watches
   each consumer process it exports to (a pidfd on its loop) and drops its
-  exports once it exits, however it ends.
+  exports once it exits, however it ends (never put back: the consumer may
+  have delivered the tensor before its release left);
+* a receive cancelled while its copy runs (its server stopping) holds the
+  destination until the copy is done, then releases as failed; with no
+  stream left to send that on, the export is held until the process exits.
 
 Counted under ``Path.IPC`` and the GPU counters ``ipc_sends``, ``ipc_recvs``,
 ``ipc_opens`` and ``ipc_fallbacks`` (a GPU tensor offered IPC that it could
@@ -164,38 +168,45 @@ class IpcPlane(DataPlane):
 
     def receive(self, buf: bytes, head: ReplyHead, placement: Placement | None = None) -> Arrival:
         transfer, meta = self._parse(buf, head)
-        if placement is None or not placement.is_gpu:
-            raise Internal("an IPC descriptor answered a recv bound for the host (IPC is offered for GPUs only)")
         backend = self.devices.gpu_backend()
-        if backend not in self._uuids:
-            raise Internal("an IPC descriptor came to a process that offered no IPC")
+        if placement is None or not placement.is_gpu or backend not in self._uuids:
+            self._released(transfer, failed=True)  # the tensor goes back: nothing is lost to a wrong answer
+            raise Internal("an IPC descriptor answered a recv that was offered no IPC (bound for the host, or "
+                           "in a process without it)")
         return Arrival(Path.IPC, pending=self._copy(backend, transfer, meta, placement.index), placed=True)
 
     async def _copy(self, backend: DeviceBackend, transfer: pb.IpcTransfer, meta: TensorMeta, device: int) -> Any:
         """Open (or find open) the producer's allocation, copy the tensor onto
         ``device`` after the producer's event, then release the export: done,
-        or failed (the producer puts the tensor back)."""
+        or failed (the producer puts the tensor back). Cancelled (the server
+        stops) while the copy runs, it releases as failed once the copy is done,
+        holding the destination until then."""
         try:
-            try:
-                opened = self._open(backend, transfer.memory, device)
-            except Exception as exc:  # this process cannot open handles: staged from now on
-                log.warning("CUDA IPC: cannot open a memory handle of %s (%s: %s); GPU tensors from other "
-                            "processes of this node take the staged path from now on", transfer.producer,
-                            type(exc).__name__, exc)
-                self._offer = None
-                raise
+            opened = self._open(backend, transfer.memory, device)
             dst, allocated = backend.allocate(meta, device)
             done = backend.ipc_copy(opened, transfer.offset, transfer.event, dst, device, allocated)
-            await asyncio.get_running_loop().run_in_executor(None, backend.event_wait, done)
-        except BaseException as exc:
-            self._released(transfer, failed=True)
-            if isinstance(exc, Exception):
-                raise Unavailable(f"CUDA IPC copy from {transfer.producer} failed ({type(exc).__name__}: {exc}); "
-                                  "the tensor went back to its producer for the next recv") from None
+        except Exception as exc:
+            raise self._failed(transfer, exc) from None
+        copied = asyncio.get_running_loop().run_in_executor(None, backend.event_wait, done)
+        try:
+            await asyncio.shield(copied)
+        except asyncio.CancelledError:
+            def back(_: asyncio.Future, held: Any = dst) -> None:  # (held: dst stays until the copy is done)
+                self._released(transfer, failed=True)
+            copied.add_done_callback(back)
             raise
+        except Exception as exc:
+            raise self._failed(transfer, exc) from None
         self._released(transfer, failed=False)
         self.stats.gpu("ipc_recvs")
         return backend.user_array(dst)
+
+    def _failed(self, transfer: pb.IpcTransfer, exc: Exception) -> Unavailable:
+        """The copy of ``transfer`` could not be made: released as failed (the
+        tensor goes back to its producer); the recv's error."""
+        self._released(transfer, failed=True)
+        return Unavailable(f"CUDA IPC copy from {transfer.producer} failed ({type(exc).__name__}: {exc}); "
+                           "the tensor went back to its producer for the next recv")
 
     def _open(self, backend: DeviceBackend, memory: bytes, device: int) -> Any:
         key = (backend, memory)
@@ -203,7 +214,13 @@ class IpcPlane(DataPlane):
         if opened is not None:
             self._opened.move_to_end(key)
             return opened
-        opened = self._opened[key] = backend.ipc_open(memory, device)
+        try:
+            opened = self._opened[key] = backend.ipc_open(memory, device)
+        except Exception as exc:  # this process cannot open handles: no IPC from now on
+            log.warning("CUDA IPC: cannot open a memory handle (%s: %s); GPU tensors from other processes "
+                        "of this node take the staged or default path from now on", type(exc).__name__, exc)
+            self._offer = None
+            raise
         self.stats.gpu("ipc_opens")
         while len(self._opened) > OPENED:
             (old, _), gone = self._opened.popitem(last=False)

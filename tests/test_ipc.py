@@ -11,6 +11,7 @@ and the fallback is counted."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import gc
@@ -41,6 +42,7 @@ from rendezvous.transport.inline import InlinePlane
 from rendezvous.ipc import IpcPlane
 from rendezvous.v1 import rendezvous_pb2 as pb
 
+from conftest import run, until
 from mpi_scenarios import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -378,3 +380,53 @@ def test_a_descriptor_that_lies_about_its_size_is_internal_and_a_stray_release_f
     ipc.exports[5] = "held"  # type: ignore[assignment]
     ipc.released([6, 7], failed=True)  # not ours: ignored, nothing put back
     assert list(ipc.exports) == [5]
+
+
+class _HeldCopies(FakeIpcBackend):
+    """The fake with IPC opened in this very process (a stand-in for the other
+    one) and each copy a no-op queued on the peer stream, which a test holds."""
+
+    def ipc_open(self, memory: bytes, device: int) -> Any:
+        return memory
+
+    def ipc_copy(self, opened: Any, offset: int, event: bytes, dst: Any, device: int, after: Any) -> Any:
+        return self._launch(self.copy_stream(device, "peer"), lambda: None, [dst._block])
+
+
+def _descriptor(export_id: int) -> tuple[bytes, ReplyHead]:
+    transfer = pb.IpcTransfer(memory=b"m", offset=0, event=b"e", export_id=export_id,
+                              producer="/job:worker/replica:0/task:1", nbytes=16)
+    options = any_pb2.Any()
+    options.Pack(transfer)
+    meta = rendezvous.codec.tensors.encode_meta(rendezvous.codec.tensors.TensorMeta(np.dtype(np.float32), (4,)))
+    buf = meta + options.SerializeToString()
+    return buf, ReplyHead(tensor=(0, len(meta)), transport_options=(len(meta), len(buf)))
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_the_release_waits_for_the_copy_even_when_the_receive_is_cancelled(cancelled):
+    """The copy is held on its stream: nothing is released until it has run;
+    then a completed receive releases as done, a cancelled one (its server
+    stopping) as failed, so the producer puts the tensor back."""
+    async def main():
+        fake = _HeldCopies(NODE)
+        plane = IpcPlane("/job:worker/replica:0/task:0", Devices([fake]), Stats())
+        released: list = []
+        plane.release = lambda *a: released.append(a)
+        gate = threading.Event()
+        fake.copy_stream(0, "peer").hold(gate)
+        task = asyncio.ensure_future(plane.receive(*_descriptor(9), Placement("GPU", 0)).pending)
+        try:
+            await until(lambda: fake.copy_stream(0, "peer").pending >= 2, what="the copy queued")
+            if cancelled:
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            assert released == []  # the copy has not run: nothing is released
+        finally:
+            gate.set()  # (a failed check must not leave the copy's waiter blocked)
+        await until(lambda: released, what="the release")
+        assert released == [("/job:worker/replica:0/task:1", [9], cancelled)]
+        if not cancelled:
+            assert (await task).shape == (4,)
+    run(main(), 30)

@@ -57,7 +57,8 @@ class Peers:
         """Tell ``producer`` this rank is done with its CUDA IPC exports (see
         rendezvous.ipc), on the live stream to it; with none, the producer drops
         them once this process is gone."""
-        stream = self.get(TaskName.parse(producer)).live_stream()
+        client = self._clients.get(TaskName.parse(producer))  # (asked it before, or nothing to release)
+        stream = client.live_stream() if client is not None else None
         if stream is not None:
             stream.send(release_request(export_ids, failed))
         else:
