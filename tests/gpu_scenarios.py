@@ -250,6 +250,35 @@ def late(backend: str = "cupy") -> None:
     result(rank=me, checked=checked, torch=torch is not None, stats=stats)
 
 
+def ipc() -> None:
+    """Two ranks of one node on the fake GPU with IPC: a GPU tensor goes by
+    CUDA IPC, a host tensor bound for a GPU still by MPI (the IPC offer
+    carries MPI's inside it), both checked; every export released."""
+    from rendezvous.ipc import IpcPlane
+    from rendezvous.testing.fakegpu_ipc import FakeIpcBackend
+
+    fake = FakeIpcBackend("mpi-node")
+    server = start(2, devices=Devices([fake]), gpu_staging_chunk_bytes=1 << 20)
+    me = server.task.task
+    other = 1 - me
+    n = (3 << 20) + 5
+    server.send(gkey(me, other, "dev"), fake.array(pattern(n, me)), step_id=1)
+    def host_key(src: int, dst: int) -> str:  # produced on the host, bound for the consumer's GPU
+        return gkey(src, dst, "host").replace("device:GPU:0;0000", "device:CPU:0;0000", 1)
+
+    server.send(host_key(me, other), pattern(n, 10 + me), step_id=1)
+    got = server.recv(gkey(other, me, "dev"), step_id=1, timeout=60)
+    assert type(got).__name__ == "FakeDeviceArray" and np.array_equal(got.get(), pattern(n, other))
+    got = server.recv(host_key(other, me), step_id=1, timeout=60)
+    assert type(got).__name__ == "FakeDeviceArray" and np.array_equal(got.get(), pattern(n, 10 + other))
+    finish(server)  # the peer has copied what we exported and released it
+    (plane,) = [p for p in server.aio.planes.planes if isinstance(p, IpcPlane)]
+    wait_for(lambda: not plane.exports, "every export released")
+    stats = server.stats()
+    server.stop(5)
+    result(rank=me, stats=stats, violations=fake.violations)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     globals()[name](*args)

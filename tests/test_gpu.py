@@ -76,3 +76,15 @@ def test_a_staged_send_that_fails_partway_fails_its_recv_at_once(dst_kind, how):
         assert r["took"] < 10, r["took"]
         assert not r["violations"], r["violations"]
         assert r["pinned_held"] == 0 and r["pinned_out"] == 0, r
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("requests", REQUESTS, ids=IDS)
+def test_ranks_of_one_node_move_gpu_tensors_by_ipc_and_host_ones_by_mpi(requests):
+    _, results, out = launch(2, "ipc", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_MPI_REQUESTS": requests},
+                             timeout=140, script=SCRIPT)
+    for r in results:
+        stats, gpu = r["stats"], r["stats"]["gpu"]
+        assert stats["ipc"]["transfers"] == 1 and gpu["ipc_sends"] == gpu["ipc_recvs"] == 1, stats
+        assert stats["mpi"]["transfers"] >= 1 and gpu["staged_recvs"] == 1, stats  # the host tensor, by MPI
+        assert gpu["staged_sends"] == 0 and not r["violations"]

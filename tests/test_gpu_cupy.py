@@ -67,7 +67,8 @@ def test_no_device_memory_leak_over_many_transfers():
 
 @pytest.mark.timeout(300)
 def test_cupy_over_mpi_staged():
-    _, results, out = launch(2, "transfers", "cupy", env={"MPI_OPTIMAL_PATH": "1"}, timeout=280,
+    _, results, out = launch(2, "transfers", "cupy", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_CUDA_IPC": "0"},
+                             timeout=280,
                              script=str(HERE / "gpu_scenarios.py"))
     for r in results:
         gpu = r["stats"]["gpu"]
@@ -145,7 +146,8 @@ def test_a_gpu_that_does_not_exist_is_named():
 
 @pytest.mark.timeout(300)
 def test_late_producers_over_staged_mpi():
-    _, results, _ = launch(2, "late", "cupy", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_CUDA_AWARE": "0"},
+    _, results, _ = launch(2, "late", "cupy", env={"MPI_OPTIMAL_PATH": "1", "RENDEZVOUS_CUDA_AWARE": "0",
+                                                   "RENDEZVOUS_CUDA_IPC": "0"},
                            timeout=280, script=str(HERE / "gpu_scenarios.py"))
     for r in results:
         assert r["checked"] == 1 + r["torch"], r  # cupy, and torch where it imports

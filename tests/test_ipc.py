@@ -354,6 +354,10 @@ def test_the_ipc_offer_carries_the_next_planes_offer_and_the_next_planes_see_it(
     # a host tensor asked with the IPC offer: the planes after IPC see their own offer
     planes.plan(_request(gpu), Received(np.arange(4), False))
     assert recording.seen == ["type.googleapis.com/test.Endpoint"]
+    # a plane registered later (MPI's, once MPI is up) goes after IPC's, whose offer wraps it
+    later = _Recording()
+    planes.register(later)
+    assert planes.planes[:2] == (ipc, later)
 
 
 def test_a_consumer_in_the_same_process_is_not_sent_a_handle_it_cannot_open():

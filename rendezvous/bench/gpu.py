@@ -82,9 +82,10 @@ class GpuRendezvous(ServerContender):
         extra: dict[str, Any] = {"gpu_staging_depth": self.depth} if self.depth else {}
         from rendezvous.devices import Devices
 
+        # (the staged path is the one across nodes: on one node CUDA IPC would take it over)
         self.server = aio.Server(cluster, self.job, self.ctx.rank, protocol="grpc+mpi",
                                  devices=Devices([self.backend]), mpi_optimal_path=True,
-                                 mpi_disabled=False, **extra)
+                                 mpi_disabled=False, cuda_ipc=False, **extra)
         await self.server.start()  # collective: both ranks, same order
 
     def key(self, n: int, i: int = 0) -> str:

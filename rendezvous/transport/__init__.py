@@ -197,10 +197,13 @@ class Planes:
 
     def register(self, plane: DataPlane) -> None:
         """Add ``plane``, preferred over the ones already here (the inline plane
-        stays last). A server registers its MPI plane once MPI is up."""
+        stays last, a plane that wraps offers first). A server registers its
+        MPI plane once MPI is up."""
         if not plane.descriptor_url:
             raise ValueError("only one plane carries tensors inline")
-        self.planes = (plane, *self.planes)
+        # a wrapping plane stays first: it hands on, inside its offer, what it cannot carry
+        first = 0 if plane.wraps_offers else sum(1 for p in self.planes if p.wraps_offers)
+        self.planes = (*self.planes[:first], plane, *self.planes[first:])
         self._by_url[plane.descriptor_url] = plane
         self._wrapping = self._wrapping or plane.wraps_offers
 
