@@ -359,19 +359,21 @@ class IpcPlane(DataPlane):
 
 def join(planes: Planes, config: Config, task: str, devices: Devices, stats: Stats, *,
          release: Callable[[str, list[int], bool], None], gave_back: Callable[[Any, Received], None],
-         delivered: Callable[[int], None]) -> IpcPlane | None:
-    """A rank server's IPC plane, joined to its ``planes`` (preferred over the
-    others) when ``cuda_ipc`` is on and a GPU backend here can export and open
-    memory by IPC; else None. ``release``, ``gave_back``, ``delivered``: see
-    the plane's attributes of those names."""
+         delivered: Callable[[int], None]) -> None:
+    """A rank server's IPC plane joins its ``planes`` (ahead of the others)
+    once a GPU is first used here (:meth:`Devices.when_used`: no GPU library is
+    loaded before), when ``cuda_ipc`` is on and a GPU backend can export and
+    open memory by IPC. ``release``, ``gave_back``, ``delivered``: see the
+    plane's attributes of those names."""
     if not config.cuda_ipc:
-        return None
-    plane = IpcPlane(task, devices, stats)
-    if not plane.usable:
-        return None
-    plane.release, plane.gave_back, plane.delivered = release, gave_back, delivered
-    planes.register(plane)
-    return plane
+        return
+
+    def joined() -> None:
+        plane = IpcPlane(task, devices, stats)
+        if plane.usable:
+            plane.release, plane.gave_back, plane.delivered = release, gave_back, delivered
+            planes.register(plane)
+    devices.when_used(joined)
 
 
 def _nothing() -> None:

@@ -434,3 +434,24 @@ def test_the_release_waits_for_the_copy_even_when_the_receive_is_cancelled(cance
         if not cancelled:
             assert (await task).shape == (4,)
     run(main(), 30)
+
+
+def test_the_plane_joins_only_once_a_gpu_is_used_and_host_work_never_asks_the_backend():
+    """A host-only program never touches its GPU library (cupy is not imported):
+    the IPC plane joins at the first GPU tensor sent (or recv bound for a GPU)."""
+    class Watched(FakeIpcBackend):
+        asked = 0
+
+        def available(self) -> bool:
+            Watched.asked += 1
+            return super().available()
+
+    fake = Watched(NODE)
+    with rendezvous.Server({"worker": ["127.0.0.1:0"]}, "worker", 0, devices=Devices([fake])) as s:
+        k = "/job:worker/replica:0/task:0/cpu:0;0000000000000000;/job:worker/replica:0/task:0/cpu:0;h;0:0"
+        s.send(k, np.arange(3))
+        assert s.recv(k, timeout=10).tolist() == [0, 1, 2]
+        assert Watched.asked == 0 and not [p for p in s.aio.planes.planes if isinstance(p, IpcPlane)]
+        s.send(gkey(0, 0, "g"), fake.array(np.arange(4, dtype=np.float32)))
+        assert ipc_plane(s).usable and Watched.asked > 0
+        assert s.recv(gkey(0, 0, "g"), timeout=10).get().tolist() == [0, 1, 2, 3]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -197,6 +198,22 @@ class Devices:
         self._held: list[tuple[DeviceBackend, Any, tuple[Any, ...]]] = []
         self._lock = threading.Lock()
         self._warned: set[str] = set()
+        #: run once, when a GPU is first used here (see :meth:`when_used`)
+        self._when_used: list[Callable[[], None]] | None = []
+
+    def when_used(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when a GPU is first used here (a GPU tensor sent, a recv
+        bound for a usable GPU), or now if one was: what only GPU users need is
+        set up then, and a host-only program never imports cupy."""
+        if self._when_used is None:
+            fn()
+        else:
+            self._when_used.append(fn)
+
+    def _used(self) -> None:
+        waiting, self._when_used = self._when_used, None
+        for fn in waiting or ():
+            fn()
 
     def backend_for(self, obj: Any) -> DeviceBackend | None:
         """The backend that recognizes ``obj`` as a device tensor, or None for host data."""
@@ -211,6 +228,8 @@ class Devices:
         """The backend to allocate GPU destinations with, or None if no GPU can be used."""
         for b in self.backends:
             if b.available():
+                if self._when_used is not None:
+                    self._used()
                 return b
         return None
 
@@ -237,7 +256,10 @@ class Devices:
         obj = _without_grad(obj)
         backend = self.backend_for(obj)
         if backend is not None:
-            return import_device(backend, obj)
+            tensor = import_device(backend, obj)
+            if self._when_used is not None:
+                self._used()
+            return tensor
         return import_host(obj)
 
     def _warn_once(self, what: str, message: str) -> None:
