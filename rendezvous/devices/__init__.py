@@ -4,46 +4,42 @@ Tensors are typed by protocol, not by library:
 
 * host: numpy arrays, anything with the buffer protocol or ``__array_interface__``,
   and DLPack exporters whose ``__dlpack_device__`` is the CPU (``np.from_dlpack``);
-* GPU: objects with ``__cuda_array_interface__`` (cupy, torch, numba, ...) or a
-  DLPack exporter on a CUDA device. A :class:`DeviceBackend` that recognizes
-  the object imports it; the one shipped is
-  :class:`rendezvous.devices.cupy_backend.CupyBackend`, which imports cupy only when
-  a GPU tensor is actually involved.
+* GPU: objects with ``__cuda_array_interface__`` (cupy, torch, numba, ...) or a DLPack
+  exporter on a CUDA device. A :class:`DeviceBackend` that recognizes the object imports
+  it; the one shipped is :class:`rendezvous.devices.cupy_backend.CupyBackend`, which
+  imports cupy only when a GPU tensor is actually involved.
 
-The producer's stream need not be the caller's: a torch tensor written on a
-side stream, a numba array on another. :func:`import_device` decides, for
-every backend alike, how the caller's stream is ordered after the producer's
-before the tensor's ready event is recorded (DLPack asked with the caller's stream; CUDA
-array interface v3 ``stream`` waited on; v2, which names no stream, a device
-synchronize); backends only supply the primitives.
+The producer's stream need not be the caller's: a torch tensor written on a side stream,
+a numba array on another. :func:`import_device` decides, for every backend alike, how
+the caller's stream is ordered after the producer's before the tensor's ready event is
+recorded (DLPack asked with the caller's stream; CUDA array interface v3 ``stream``
+waited on; v2, which names no stream, a device synchronize); backends only supply the
+primitives.
 
-The contract a GPU library implements (:class:`DeviceBackend`), the device
-tensors it makes and placements are in :mod:`rendezvous.devices.backend`, and
-importable from here too. This module holds what a server owns: its backends,
-asked in order (:class:`Devices`), and their pinned staging pools.
+The contract a GPU library implements (:class:`DeviceBackend`), the device tensors it
+makes and placements are in :mod:`rendezvous.devices.backend`, and importable from here
+too. This module holds what a server owns: its backends, asked in order
+(:class:`Devices`), and their pinned staging pools.
 
-A GPU tensor placed onto another GPU of the same process (a local recv whose
-key names another device, a received tensor that must move) is copied device
-to device when the backend says the pair has peer access
-(:meth:`DeviceBackend.can_access_peer`): one copy, on the destination's peer
-copy stream, after the source's ready event and the destination's allocation
-event (:meth:`DeviceBackend.to_peer`). Without peer access it goes through
-pinned host memory, as a tensor from another process does.
+A GPU tensor placed onto another GPU of the same process (a local recv whose key names
+another device, a received tensor that must move) is copied device to device when the
+backend says the pair has peer access (:meth:`DeviceBackend.can_access_peer`): one copy,
+on the destination's peer copy stream, after the source's ready event and the
+destination's allocation event (:meth:`DeviceBackend.to_peer`). Without peer access it
+goes through pinned host memory, as a tensor from another process does.
 
-Where a received tensor goes is a :class:`Placement`: the key's
-``dst_device`` by default (``GPU:N`` -> the device, anything else -> host),
-or an explicit override. A GPU placement on a machine without a usable GPU
-backend falls back to the host with one warning, so CPU-only jobs that name
-GPU devices in their keys keep working; an explicit GPU override there is an
-error instead.
+Where a received tensor goes is a :class:`Placement`: the key's ``dst_device`` by
+default (``GPU:N`` -> the device, anything else -> host), or an explicit override. A GPU
+placement on a machine without a usable GPU backend falls back to the host with one
+warning, so CPU-only jobs that name GPU devices in their keys keep working; an explicit
+GPU override there is an error instead.
 
-Host staging uses pinned memory from a :class:`PinnedPool` (reused; pinning
-is slow), in chunks, so copies overlap transfers; see
-:mod:`rendezvous.mpi.staging` for the MPI pipelines. A buffer goes back to the
-pool only once the copy using it has completed (:meth:`PinnedPool.give` with
-``after``), also when a transfer fails or is cancelled, and the pools of one
-:class:`Devices` keep at most ``pinned_keep_bytes`` idle: pinned memory beyond
-that is released.
+Host staging uses pinned memory from a :class:`PinnedPool` (reused; pinning is slow), in
+chunks, so copies overlap transfers; see :mod:`rendezvous.mpi.staging` for the MPI
+pipelines. A buffer goes back to the pool only once the copy using it has completed
+(:meth:`PinnedPool.give` with ``after``), also when a transfer fails or is cancelled,
+and the pools of one :class:`Devices` keep at most ``pinned_keep_bytes`` idle: pinned
+memory beyond that is released.
 """
 
 from __future__ import annotations
@@ -186,10 +182,8 @@ class Devices:
 
     def __init__(self, backends: list[DeviceBackend] | None = None,
                  pinned_keep_bytes: int = PINNED_KEEP_BYTES) -> None:
-        if backends is None:
-            # not at the top: cupy_backend imports .backend, which runs this package first
+        if backends is None:  # (imported here: cupy_backend imports .backend, which runs this package first)
             from rendezvous.devices.cupy_backend import CupyBackend
-
             backends = [CupyBackend()]
         self.backends: tuple[DeviceBackend, ...] = tuple(backends)
         self.budget = PinnedBudget(pinned_keep_bytes)
@@ -202,15 +196,14 @@ class Devices:
         self._when_used: list[Callable[[], None]] | None = []
 
     def when_used(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` when a GPU is first used here (a GPU tensor sent, a recv
-        bound for a usable GPU), or now if one was: what only GPU users need is
-        set up then, and a host-only program never imports cupy."""
+        """Run ``fn`` when a GPU is first used here (a GPU tensor sent, a recv bound for a
+        usable GPU), or now if one was: a host-only program never imports cupy."""
         if self._when_used is None:
             fn()
         else:
             self._when_used.append(fn)
 
-    def _used(self) -> None:
+    def _used(self) -> None:  # (what waits runs once: later calls find None)
         waiting, self._when_used = self._when_used, None
         for fn in waiting or ():
             fn()
@@ -228,8 +221,7 @@ class Devices:
         """The backend to allocate GPU destinations with, or None if no GPU can be used."""
         for b in self.backends:
             if b.available():
-                if self._when_used is not None:
-                    self._used()
+                self._used()
                 return b
         return None
 
@@ -257,8 +249,7 @@ class Devices:
         backend = self.backend_for(obj)
         if backend is not None:
             tensor = import_device(backend, obj)
-            if self._when_used is not None:
-                self._used()
+            self._used()
             return tensor
         return import_host(obj)
 
