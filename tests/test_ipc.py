@@ -146,6 +146,13 @@ def ipc_plane(server: rendezvous.Server) -> IpcPlane:
     return plane
 
 
+def released(producer: Agent, what: str) -> dict:
+    """The producer's state once it holds no export and no device memory (its
+    stream lets go of a reply's tensor once the write returns, which may come
+    after the consumer's release)."""
+    return producer.until(lambda s: s["exports"] == 0 and s["device_bytes"] == 0, what)
+
+
 def nothing_more(server: rendezvous.Server, k: str) -> None:
     """Exactly once: the key answers no second time."""
     with pytest.raises(DeadlineExceeded):
@@ -162,9 +169,9 @@ def test_a_gpu_tensor_from_another_process_of_the_node_comes_device_to_device_by
         assert stats["ipc"]["transfers"] == 1 and stats["ipc"]["bytes"] == 4096 * 4
         assert stats["gpu"]["ipc_recvs"] == 1 and stats["gpu"]["ipc_opens"] == 1
         assert stats["grpc"]["transfers"] == 0 and stats["gpu"]["to_device"] == 0  # no host bounce
-        st = producer.until(lambda s: s["exports"] == 0, "the producer to see the release")
+        st = released(producer, "the producer to see the release and free the memory")
         assert st["gpu"]["ipc_sends"] == 1 and st["gpu"]["to_host"] == 0 and st["ipc"]["served"] == 1
-        assert st["device_bytes"] == 0 and not st["violations"]  # released: the memory is free
+        assert not st["violations"]
         nothing_more(c, k)
         del got
         gc.collect()
@@ -184,8 +191,8 @@ def test_a_thousand_transfers_open_each_allocation_once_and_leave_no_device_memo
         assert stats["ipc"]["transfers"] == 1000 and stats["gpu"]["ipc_recvs"] == 1000
         # the producer's allocator hands the same blocks out again: each opened once, kept open
         assert stats["gpu"]["ipc_opens"] == fake.opened <= 10 and fake.closed == 0
-        st = producer.until(lambda s: s["exports"] == 0, "every export released")
-        assert st["device_bytes"] == 0 and st["gpu"]["ipc_sends"] == 1000 and not st["violations"]
+        st = released(producer, "every export released, the memory free")
+        assert st["gpu"]["ipc_sends"] == 1000 and not st["violations"]
         assert fake.device_bytes(0) == 0 and not fake.violations
 
 
@@ -225,8 +232,36 @@ def test_the_producer_holds_the_memory_until_the_copy_is_done_and_released(produ
         finally:
             gate.set()  # (a failed check must not leave the recv waiting)
         np.testing.assert_array_equal(recv.result(30).get(), values(2048, 3))
-        st = producer.until(lambda s: s["exports"] == 0, "the release after the copy")
-        assert st["device_bytes"] == 0 and not st["violations"] and not fake.violations
+        st = released(producer, "the release after the copy, the memory free")
+        assert not st["violations"] and not fake.violations
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["recv", "recv_many"])
+def test_a_recv_that_times_out_while_its_copy_waits_keeps_the_tensor_for_the_next_recv(producer, batch):
+    """The deadline races the copy: the recv gives up while its copy waits for
+    the producer's event; the copy still lands (and is released), the tensor is
+    kept, the next recv of the key gets it on its GPU, and nothing answers a
+    third time."""
+    def recv(k: str, timeout: float) -> Any:
+        return c.recv_many([k], timeout=timeout, device="gpu:0")[0] if batch else \
+            c.recv(k, timeout=timeout, device="gpu:0")
+
+    with rank(NODE, 0, {1: producer.target}) as (c, fake):
+        k = gkey(1, 0, "raced")
+        producer.do(op="send", key=k, n=512, seed=6, gated=True)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                recv(k, 0.3)
+        finally:
+            producer.do(op="open")
+        producer.until(lambda s: s["exports"] == 0, "the copy done and released")
+        wait_for(lambda: c.aio.kept, "the late tensor kept")
+        got = recv(k, 30)
+        assert type(got).__name__ == "FakeDeviceArray" and got.device == 0
+        np.testing.assert_array_equal(got.get(), values(512, 6))
+        nothing_more(c, k)
+        assert c.stats()["gpu"]["ipc_recvs"] == 1 and not fake.violations  # copied once, delivered once
+        assert not c.aio.kept and not [e for e in c.pending() if e.key == k]
 
 
 def test_a_consumer_that_dies_releases_what_it_was_lent(tmp_path):

@@ -126,11 +126,10 @@ class Receiver:
 
     def fetch(self, key: Key | str, step_id: int, timeout: float | None,
               device: str | Placement | None, span: RecvSpan | None = None) -> Awaitable[Fetched]:
-        """The tensor of ``key`` in ``step_id``, on its device, with the path it took
-        (what it saw on the way in ``span``, when one is given): what to await,
-        at once. The checks run in the call (a malformed key, an aborted step
-        raise there), the wait in the awaitable, with no coroutine of this
-        method's own in between (a step's gathered recvs pay for every frame)."""
+        """The tensor of ``key`` in ``step_id``, on its device, with the path it took (what it
+        saw on the way in ``span``, when given): what to await, at once. The checks run in the
+        call (a malformed key, an aborted step raise there), the wait in the awaitable, with no
+        coroutine of this method's own in between (a step's gathered recvs pay for every frame)."""
         canonical, src, wanted = self._route(key)
         target = wanted if device is None and wanted is CPU else \
             self.devices.resolve(parse_placement(device) or wanted, device is not None)[0]  # a host key: nothing to resolve
@@ -145,9 +144,8 @@ class Receiver:
 
     def fetching(self, key: Key | str, step_id: int, timeout: float | None,
                  device: str | Placement | None) -> Awaitable[Fetched]:
-        """:meth:`fetch`, watched for a stall when it may wait longer than
-        ``stall_warning`` (a program that seems to hang is told what it waits
-        for). What to await, at once."""
+        """:meth:`fetch`, watched for a stall when it may wait longer than ``stall_warning``
+        (a program that seems to hang is told what it waits for). What to await, at once."""
         limit, watch = self.stall_warning, self.on_stall
         fetching = self.fetch(key, step_id, timeout, device)
         if limit <= 0 or watch is None or self._deadlines is None or (timeout is not None and timeout <= limit):
@@ -442,8 +440,8 @@ class Receiver:
             n = nbytes = 0
             ndarray = np.ndarray
             for (value, _), fetched_path, placed in got:
-                if type(value) is not ndarray and not placed and isinstance(value, DeviceTensor):
-                    break  # a GPU tensor for the host: placed one by one below
+                if type(value) is not ndarray and not placed and value is not None:
+                    break  # a GPU tensor (or one that landed for a recv before) for the host: placed below
                 size = payload_nbytes(value)
                 if fetched_path is not last:
                     if last is not None:
@@ -463,7 +461,7 @@ class Receiver:
             item = fetched.item
             value = item.value
             received(fetched.path, payload_nbytes(value))
-            if not fetched.placed and (isinstance(value, DeviceTensor) or needs_copy(value, target, True)):
+            if not fetched.placed and (type(value) is not np.ndarray or needs_copy(value, target, True)):
                 try:
                     item = Received(await self._place(item.value, target), item.is_dead)
                 except BaseException as exc:
@@ -501,9 +499,8 @@ class Receiver:
         self.kept.keep(step_id, key, fetched.item, why="timed out or was cancelled while it was on its way")
 
     def _offer_kept(self, step_id: int, key: str, queue: collections.deque[Received]) -> None:
-        """Tensors kept for ``key`` in ``step_id`` (``queue``, oldest first) to the
-        recvs of it already waiting (see Kept.offer): in this rank's own table
-        for its own key, else on the producer's stream."""
+        """Tensors kept for ``key`` in ``step_id`` (``queue``, oldest first) to the recvs of it already
+        waiting (see Kept.offer): in this rank's own table for its own key, else on the producer's stream."""
         try:
             _, src, _ = self._route(key)
         except RendezvousError:
@@ -527,6 +524,9 @@ class Receiver:
         """``value`` on ``target`` (already resolved); copies run off the loop."""
         if value is None:
             return None
+        if type(value) is not np.ndarray and not isinstance(value, DeviceTensor) \
+                and (backend := self.devices.backend_for(value)) is not None:
+            value = backend.wrap(value)  # a GPU array that landed for a recv before (kept): typed again
         if not isinstance(value, DeviceTensor) and not self.devices.needs_copy(value, target, True):
             return value  # host data staying on the host (strings too): the object as it is
         started = now() if span is not None else 0
