@@ -246,12 +246,17 @@ def test_a_recv_that_times_out_while_its_copy_waits_keeps_the_tensor_for_the_nex
         return c.recv_many([k], timeout=timeout, device="gpu:0")[0] if batch else \
             c.recv(k, timeout=timeout, device="gpu:0")
 
-    with rank(NODE, 0, {1: producer.target}) as (c, fake):
-        k = gkey(1, 0, "raced")
+    with rank(NODE, 0, {1: producer.target}) as (c, fake), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        k, warm = gkey(1, 0, "raced"), gkey(1, 0, "warm")
+        producer.do(op="send", key=warm, n=4, seed=0)
+        recv(warm, 30)  # connected: the deadline below is spent on the copy alone
         producer.do(op="send", key=k, n=512, seed=6, gated=True)
         try:
+            first = pool.submit(recv, k, 3.0)
+            fake.wait_until(lambda: any(type(s.blocked_on).__name__ == "_RemoteEvent" for s in fake._streams),
+                            what="the copy waiting for the producer's event", timeout=30)
             with pytest.raises(DeadlineExceeded):
-                recv(k, 0.3)
+                first.result(30)
         finally:
             producer.do(op="open")
         producer.until(lambda s: s["exports"] == 0, "the copy done and released")
@@ -260,7 +265,7 @@ def test_a_recv_that_times_out_while_its_copy_waits_keeps_the_tensor_for_the_nex
         assert type(got).__name__ == "FakeDeviceArray" and got.device == 0
         np.testing.assert_array_equal(got.get(), values(512, 6))
         nothing_more(c, k)
-        assert c.stats()["gpu"]["ipc_recvs"] == 1 and not fake.violations  # copied once, delivered once
+        assert c.stats()["gpu"]["ipc_recvs"] == 2 and not fake.violations  # each copied once, delivered once
         assert not c.aio.kept and not [e for e in c.pending() if e.key == k]
 
 
