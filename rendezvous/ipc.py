@@ -86,9 +86,9 @@ def _pack(msg: Any) -> bytes:
     return out.SerializeToString()
 
 
-def inner_offer(options: Any) -> Any | None:
-    """The next plane's offer inside an ``IpcEndpoint`` (an ``Any``, possibly
-    empty), or None when ``options`` is not one."""
+def _endpoint(options: Any) -> pb.IpcEndpoint | None:
+    """The ``IpcEndpoint`` a request's ``options`` carry, or None when they are
+    another plane's (INVALID_ARGUMENT when it does not parse)."""
     if options.type_url != ENDPOINT_URL:
         return None
     endpoint = pb.IpcEndpoint()
@@ -96,7 +96,14 @@ def inner_offer(options: Any) -> Any | None:
         options.Unpack(endpoint)
     except DecodeError:
         raise InvalidArgument("request carries a malformed IpcEndpoint") from None
-    return endpoint.next
+    return endpoint
+
+
+def inner_offer(options: Any) -> Any | None:
+    """The next plane's offer inside an ``IpcEndpoint`` (an ``Any``, possibly
+    empty), or None when ``options`` is not one."""
+    endpoint = _endpoint(options)
+    return None if endpoint is None else endpoint.next
 
 
 class _Export(NamedTuple):
@@ -264,14 +271,9 @@ class IpcPlane(DataPlane):
         tensor = item.value
         if not isinstance(tensor, DeviceTensor):
             return None
-        opts = req.transport_options
-        if opts.type_url != ENDPOINT_URL:
+        endpoint = _endpoint(req.transport_options)
+        if endpoint is None:
             return None
-        endpoint = pb.IpcEndpoint()
-        try:
-            opts.Unpack(endpoint)
-        except DecodeError:
-            raise InvalidArgument("request carries a malformed IpcEndpoint") from None
         uuid = self._uuids.get(tensor.backend, {}).get(tensor.device)
         if uuid is None or endpoint.node != self.node or endpoint.pid in (self.pid, 0) or endpoint.pid < 0 \
                 or uuid not in endpoint.devices:
