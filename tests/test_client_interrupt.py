@@ -19,7 +19,8 @@ import pytest
 from rendezvous import errors
 from rendezvous.client import Client as BlockingClient
 from rendezvous.client.blocking import _BlockingLink
-from rendezvous.client.core import LocalOp, InFlight
+from rendezvous.client.core import LocalOp
+from rendezvous.client.link import InFlight
 from rendezvous.local.frames import Kind
 
 from conftest import run

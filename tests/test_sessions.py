@@ -297,7 +297,8 @@ def test_recv_many_mistakes_and_its_share_of_waiting_recvs(sockdir):  # noqa: F8
 def test_a_late_batch_reply_goes_back_in_order(sockdir):  # noqa: F811
     """A client whose batch gave up before its answer came returns every tensor
     (last first, so the daemon, which keeps each in front, keeps their order)."""
-    from rendezvous.client.core import LocalOp, Router
+    from rendezvous.client.core import LocalOp
+    from rendezvous.client.link import Router
 
     class Link(Router):
         def __init__(self):

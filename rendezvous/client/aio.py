@@ -39,8 +39,11 @@ from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 
 from .blocking import token_metadata
-from .core import (GRPC_METHODS, RECVS, ClientCore, Copy, LocalOp, InFlight, Router, check_items, check_socket,
+from rendezvous.devices import Devices
+
+from .core import (GRPC_METHODS, RECVS, ClientCore, Copy, LocalOp, check_socket,
                    connect_within, drive_async)
+from .link import InFlight, Router
 from .segments import Segments
 
 __all__ = ["Client"]
@@ -129,18 +132,18 @@ class Client:
     A ``unix:`` address whose socket does not exist fails at once (Unavailable
     naming the path); a daemon that exists but does not answer is waited for
     up to ``connect_timeout`` seconds (default 30), or a recv's own
-    ``timeout`` when that is smaller, then Unavailable. ``shm_ok`` and
-    ``token`` as for :class:`rendezvous.client.Client`."""
+    ``timeout`` when that is smaller, then Unavailable. ``shm_ok``, ``token``
+    and ``devices`` as for :class:`rendezvous.client.Client`."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, shm_ok: bool | None = None,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, devices: Devices | None = None) -> None:
         self.address = address or default_address()
         self._target, _ = channel_target(self.address)
         self._metadata = token_metadata(self.address, token)
         self._shm_ok = shm_ok
         self._connect_timeout = connect_timeout
         self.client_id = secrets.token_hex(6)
-        self._core = ClientCore()
+        self._core = ClientCore(devices)
         self._link: _AioLink | None = None
         self._channel: grpc.aio.Channel | None = None
         self._session: grpc.aio.UnaryStreamCall[bytes, bytes] | None = None
@@ -260,26 +263,38 @@ class Client:
         await self.connect()
         await drive_async(self._core.send_plan(key, tensor, step_id, is_dead), self._do, self._copy)
 
-    async def _copy(self, step: Copy) -> None:
+    async def _copy(self, step: Any) -> Any:
+        if not isinstance(step, Copy):  # a GPU copy: it waits on the device
+            return await asyncio.get_running_loop().run_in_executor(None, self._core.run, step)
         assert self._link is not None
         if step.arr.nbytes >= _OFF_LOOP_BYTES:
             await asyncio.get_running_loop().run_in_executor(None, self._link.segments.write, step.seg_id, step.arr)
         else:
             self._link.segments.write(step.seg_id, step.arr)
+        return None
 
-    async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
+    async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                        device: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
+        op = self._core.recv_op(key, step_id, timeout)
+        targets = self._core.gpu.targets((op.key,), device)
         await self.connect(timeout)
-        return self._core.received(await self._do(self._core.recv_op(key, step_id, timeout)))
+        item = self._core.received(await self._do(op))
+        if targets is None:
+            return item
+        return (await drive_async(self._core.placed_plan((op.key,), step_id, [item], targets), self._do,
+                                  self._copy))[0]
 
-    async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
-        """The tensor sent under ``key`` in ``step_id`` (None if dead)."""
-        value: np.ndarray | None = (await self.recv_item(key, step_id, timeout)).value
-        return value
+    async def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                   device: str | None = None) -> Any:
+        """The tensor sent under ``key`` in ``step_id`` (None if dead), placed as
+        :meth:`rendezvous.client.Client.recv` places it."""
+        return (await self.recv_item(key, step_id, timeout, device)).value
+
 
     async def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """See :meth:`rendezvous.client.Client.send_many`."""
-        checked = check_items(items)
+        checked = self._core.check_items(items)
         await self.connect()
         batch: list[LocalOp] = []  # SEND_MANY ops written together (in order), answered together
         for step in self._core.send_many_plan(checked, step_id):
@@ -297,19 +312,23 @@ class Client:
             await asyncio.gather(*(self._do(op) for op in batch))
 
     async def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
-                        timeout: float | None = None) -> list[np.ndarray | None]:
+                        timeout: float | None = None, device: str | None = None) -> list[Any]:
         """See :meth:`rendezvous.client.Client.recv_many`."""
-        return [item.value for item in await self.recv_many_items(keys, step_id, timeout)]
+        return [item.value for item in await self.recv_many_items(keys, step_id, timeout, device)]
 
     async def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0,
-                              timeout: float | None = None) -> list[Received]:
+                              timeout: float | None = None, device: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
         if not keys:
             return []
         op = self._core.recv_many_op(keys, step_id, timeout)
+        targets = self._core.gpu.targets(op.keys, device)
         await self.connect(timeout)
         self._core.check_many(op)  # (the first call attaches: now it is known whether a session carries it)
-        return self._core.received_many(await self._do(op), op)
+        items = self._core.received_many(await self._do(op), op)
+        if targets is None:
+            return items
+        return await drive_async(self._core.placed_plan(op.keys, step_id, items, targets), self._do, self._copy)
 
     async def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""

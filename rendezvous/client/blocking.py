@@ -6,28 +6,15 @@
         c.send(key, np.ones(1 << 20), step_id=3)
         grads = c.recv(other_key, step_id=3, timeout=30)
 
-``send`` puts a tensor into the daemon's waiting table (the key's producer
-must be the daemon's task); ``recv`` asks the daemon for a tensor produced on
-this node or anywhere in the cluster.
-
 On the daemon's machine the client keeps one connection to the daemon's
-session socket (:mod:`rendezvous.daemon.sessions`) for its life. Tensors of
-at least the daemon's shared-memory threshold cross the local hop through
-the daemon's pool of shared-memory segments: a send copies the array into a
-segment once; a recv returns an array that *is* a view on a segment (read in
-place, writable), which goes back to the pool when the array and every view
-of it are gone. Smaller tensors travel in the frames. Over TCP (or with
-``shm_ok=False``) the client uses the daemon's gRPC service instead, every
-tensor inside its messages.
-
-Every error is a :class:`rendezvous.RendezvousError` with the daemon's status
-(``Aborted``, ``DeadlineExceeded``, ``Unavailable`` while it drains, ...).
-:class:`rendezvous.client.aio.Client` is the same for coroutines; both make
-their decisions in :mod:`rendezvous.client.core`.
-
-Addresses: ``unix:PATH`` or ``HOST:PORT``; by default ``$RENDEZVOUS_LOCAL_ADDRESS``,
-else ``unix:$XDG_RUNTIME_DIR/rendezvous/rendezvousd.sock``, else
-``unix:/run/rendezvous/rendezvousd.sock``.
+session socket (:mod:`rendezvous.daemon.sessions`) for its life, and large
+tensors cross through the daemon's pool of shared-memory segments; over TCP
+(or with ``shm_ok=False``) it calls the daemon's gRPC service, every tensor
+inside the messages. client/README.md tells every call, the addresses and the
+pool. :class:`rendezvous.client.aio.Client` is the same for coroutines; both
+make their decisions in :mod:`rendezvous.client.core` (GPU tensors:
+:mod:`rendezvous.client.gpu`). Every error is a
+:class:`rendezvous.RendezvousError` with the daemon's status.
 """
 
 from __future__ import annotations
@@ -46,6 +33,7 @@ import grpc
 import numpy as np
 
 from rendezvous import auth
+from rendezvous.devices import Devices
 from rendezvous.errors import DeadlineExceeded, RendezvousError, Unavailable
 from rendezvous.keys import Key
 from rendezvous.local import messages
@@ -56,7 +44,8 @@ from rendezvous.rpc.options import local_channel_options
 from rendezvous.items import Received
 from rendezvous.v1 import local_pb2 as lpb
 
-from .core import GRPC_METHODS, RECVS, ClientCore, LocalOp, InFlight, Router, check_items, check_socket, drive
+from .core import GRPC_METHODS, RECVS, ClientCore, Copy, LocalOp, check_socket, drive
+from .link import InFlight, Router
 from .segments import Segments
 
 __all__ = ["Client", "token_metadata"]
@@ -274,15 +263,16 @@ class Client:
     seconds (default 30), then Unavailable. ``shm_ok``: use the session
     socket and shared memory (default: when the daemon offers a session
     socket beside a ``unix:`` address). ``token``: sent over TCP (default
-    ``$RENDEZVOUS_TOKEN``)."""
+    ``$RENDEZVOUS_TOKEN``). ``devices``: the GPU backends GPU tensors are sent
+    and received with (default: cupy's, loaded at the first GPU tensor)."""
 
     def __init__(self, address: str | None = None, *, token: str | None = None, shm_ok: bool | None = None,
-                 connect_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 30.0, devices: Devices | None = None) -> None:
         self.address = address or default_address()
         target, _ = channel_target(self.address)
         check_socket(self.address)
         self._metadata = token_metadata(self.address, token)
-        self._core = ClientCore()
+        self._core = ClientCore(devices)
         self.client_id = secrets.token_hex(6)
         self._closed = False
         self._link: _BlockingLink | None = None
@@ -348,10 +338,9 @@ class Client:
         """A new array to fill and send without a copy: on a pool segment lent to
         this client, which :meth:`send` hands over as it is (a receiver on this
         node gets a view on the same memory). After the send it is the tensor's:
-        read-only, and not to be read once the tensor may be received. Dropped
-        unsent, its segment goes back to this client. Without a session socket,
-        or beyond this client's share of the pool, an ordinary array (a send
-        copies it). See client/README.md, "Lent buffers"."""
+        read-only, and not to be read once it may be received. Dropped unsent, its
+        segment goes back to this client. Without a session socket, or beyond this
+        client's share of the pool, an ordinary array. client/README.md: "Lent buffers"."""
         if self._closed:
             raise Unavailable("client is closed")
         return drive(self._core.empty_plan(shape, dtype), self._do, None)
@@ -363,25 +352,36 @@ class Client:
         return arr
 
     def send(self, key: Key | str, tensor: Any, step_id: int = 0, is_dead: bool = False) -> None:
-        """Produce ``tensor`` under ``key`` (whose producer is the daemon's task).
-        Returns once the daemon holds it; the caller may then reuse its array,
-        unless it came from :meth:`empty` or a recv on shared memory: that one
-        was handed over, not copied (see :meth:`empty`)."""
+        """Produce ``tensor`` under ``key`` (whose producer is the daemon's task). Returns
+        once the daemon holds it; the caller may then reuse its array, unless it came
+        from :meth:`empty` or a recv on shared memory: that one was handed over."""
         if self._closed:
             raise Unavailable("client is closed")
-        copy = self._link.segments.write if self._link is not None else None
-        drive(self._core.send_plan(key, tensor, step_id, is_dead), self._do, copy)
+        drive(self._core.send_plan(key, tensor, step_id, is_dead), self._do, self._copy)
 
-    def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> Received:
+    def _copy(self, step: Any) -> Any:
+        if not isinstance(step, Copy):
+            return self._core.run(step)  # a GPU copy
+        assert self._link is not None
+        self._link.segments.write(step.seg_id, step.arr)
+        return None
+
+    def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+                  device: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        return self._core.received(self._do(self._core.recv_op(key, step_id, timeout)))
+        op = self._core.recv_op(key, step_id, timeout)
+        targets = self._core.gpu.targets((op.key,), device)
+        item = self._core.received(self._do(op))
+        return item if targets is None else \
+            drive(self._core.placed_plan((op.key,), step_id, [item], targets), self._do, self._copy)[0]
 
-    def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None) -> np.ndarray | None:
-        """The tensor sent under ``key`` in ``step_id`` (None if dead), produced on
-        this node or fetched by the daemon from its producer. Over the session
-        socket a large one is a view on shared memory, yours until you drop it."""
-        value: np.ndarray | None = self.recv_item(key, step_id, timeout).value
-        return value
+    def recv(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
+             device: str | None = None) -> Any:
+        """The tensor sent under ``key`` in ``step_id`` (None if dead), from this node
+        or fetched by the daemon. A large one is a view on shared memory (over the
+        session socket), yours until you drop it; on the key's dst_device (``GPU:N``:
+        a cupy array on GPU N) or ``device`` ("cpu", "gpu:N"), as a server's recv."""
+        return self.recv_item(key, step_id, timeout, device).value
 
     def send_many(self, items: Iterable[tuple[Any, ...]] | Mapping[Key | str, Any], step_id: int = 0) -> None:
         """Send many tensors (``(key, tensor)`` or ``(key, tensor, is_dead)``
@@ -389,29 +389,31 @@ class Client:
         each run of small host arrays (under the shared-memory threshold) packed
         in one operation of up to 4 MiB, the others (large, dead, strings) one
         by one. Returns once the daemon holds them all."""
-        for step in self._core.send_many_plan(check_items(items), step_id):
+        for step in self._core.send_many_plan(self._core.check_items(items), step_id):
             if isinstance(step, LocalOp):
                 self._do(step)  # a run of small tensors, packed in one operation
             else:
                 self.send(step[0], step[1], step_id, step[2])
 
     def recv_many(self, keys: Sequence[Key | str], step_id: int = 0,
-                  timeout: float | None = None) -> list[np.ndarray | None]:
+                  timeout: float | None = None, device: str | None = None) -> list[Any]:
         """Many tensors, in key order, under one deadline, all or none: if one key
         fails, nothing is taken (the daemon keeps what had arrived for the next
         recv of its key), and the error names the keys that failed (see
-        :meth:`rendezvous.aio.Server.recv_many`). One operation for the daemon
-        (RECV_MANY on the session socket, the RecvMany call over gRPC), which
-        asks each remote producer once for its keys."""
-        return [item.value for item in self.recv_many_items(keys, step_id, timeout)]
+        :meth:`rendezvous.aio.Server.recv_many`), each placed as :meth:`recv`'s. One
+        operation for the daemon, which asks each remote producer once for its keys."""
+        return [item.value for item in self.recv_many_items(keys, step_id, timeout, device)]
 
     def recv_many_items(self, keys: Sequence[Key | str], step_id: int = 0,
-                        timeout: float | None = None) -> list[Received]:
+                        timeout: float | None = None, device: str | None = None) -> list[Received]:
         """:meth:`recv_many` as ``Received(value, is_dead)`` items."""
         if not keys:
             return []
         op = self._core.recv_many_op(keys, step_id, timeout)
-        return self._core.received_many(self._do(op), op)
+        targets = self._core.gpu.targets(op.keys, device)
+        items = self._core.received_many(self._do(op), op)
+        return items if targets is None else \
+            drive(self._core.placed_plan(op.keys, step_id, items, targets), self._do, self._copy)
 
     def abort(self, step_id: int, message: str = "aborted") -> None:
         """Abort the step in the daemon: its waiters and later sends/recvs fail ABORTED."""
@@ -424,8 +426,7 @@ class Client:
         return messages.to_pending(self._do(self._core.pending_op()))
 
     def stats(self) -> dict[str, int]:
-        """This client's counts: send_/recv_ inline|shm (the local hop), and
-        local|grpc|mpi (how the daemon got what was received)."""
+        """This client's counts (see :meth:`rendezvous.client.core.ClientCore.stats`)."""
         return self._core.stats()
 
     # -- lifecycle ------------------------------------------------------------------------

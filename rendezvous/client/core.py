@@ -4,16 +4,17 @@ The blocking :class:`rendezvous.client.Client` and the asyncio
 :class:`rendezvous.client.aio.Client` make the same decisions: whether a
 send goes through a lent pool segment or inside the frame, asking for a
 segment when the client has none, how a reply becomes an array, what is
-counted, and what becomes of a frame from the daemon that is not the answer
-itself (a segment to map or retire, a late reply to give back). Those
-decisions are written once here; each client only carries out the
-operations they ask for, blocking or awaiting.
+counted (a frame that answers no caller: :mod:`rendezvous.client.link`; GPU
+tensors: :mod:`rendezvous.client.gpu`). Those decisions are written once
+here; each client only carries out the operations they ask for, blocking or
+awaiting.
 
 A send (:meth:`ClientCore.send_plan`), like the lending of an array
-(:meth:`ClientCore.empty_plan`), is a generator that yields what it needs
-done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment)
-and is sent each one's outcome; :func:`drive` runs it with a blocking
-caller, and the asyncio client awaits each step the same way.
+(:meth:`ClientCore.empty_plan`) or the placing of received GPU tensors
+(:meth:`ClientCore.placed_plan`), is a generator that yields what it needs
+done (an :class:`LocalOp` for the daemon, a :class:`Copy` into a segment, a
+GPU copy) and is sent each one's outcome; :func:`drive` runs it with a
+blocking caller, and the asyncio client awaits each step the same way.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from rendezvous.codec import groups
+from rendezvous.devices import Devices, DeviceTensor, Placement
 from rendezvous.errors import InvalidArgument, ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key, canonical_key
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
-from rendezvous.local.frames import SEND_MANY_TENSORS, SMALL_BODY, Kind, frame
+from rendezvous.local.frames import SEND_MANY_TENSORS, SMALL_BODY, Kind
 from rendezvous.paths import Hop
 from rendezvous.table import send_items
 from rendezvous.items import Received
@@ -41,14 +43,15 @@ from rendezvous.codec.dtypes import as_array, is_memcpyable
 from rendezvous.codec.tensors import check_sendable
 from rendezvous.v1 import local_pb2 as lpb
 
+from .gpu import ClientGpu, Place, Stage
 from .segments import Segments
 
-__all__ = ["LocalOp", "Copy", "ClientCore", "Router", "InFlight", "RECVS", "drive", "drive_async", "GRPC_METHODS",
-           "check_items", "check_socket", "connect_within"]
+__all__ = ["LocalOp", "Copy", "ClientCore", "RECVS", "drive", "drive_async", "GRPC_METHODS",
+           "check_socket", "connect_within"]
 
 #: the gRPC method of each operation, for a client without a session socket
 GRPC_METHODS = {Kind.SEND: "Send", Kind.SEND_MANY: "SendMany", Kind.RECV: "Recv", Kind.RECV_MANY: "RecvMany",
-                Kind.ABORT: "Abort", Kind.PENDING: "Pending"}
+                Kind.ABORT: "Abort", Kind.PENDING: "Pending", Kind.RETURN: "Return"}
 #: operations whose answer carries tensors: a caller that gives up gives them back
 RECVS = (Kind.RECV, Kind.RECV_MANY)
 #: the most bytes (tensors, keys and their records) one SEND_MANY carries (send_many
@@ -98,7 +101,7 @@ class Copy(NamedTuple):
     arr: np.ndarray
 
 
-Step = LocalOp | Copy
+Step = LocalOp | Copy | Stage | Place
 SendPlan = Generator[Step, Any, Hop]
 R = TypeVar("R")
 
@@ -106,14 +109,15 @@ R = TypeVar("R")
 class ClientCore:
     """A local client's state and decisions: the daemon's task and shared-memory
     threshold once attached, its segments (None without a session socket), and
-    its counts (thread-safe)."""
+    its counts (thread-safe); ``gpu``, its GPU side (``devices``: its backends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, devices: Devices | None = None) -> None:
         self.task = ""
         self.shm_threshold = -1
         self.segments: Segments | None = None
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+        self.gpu = ClientGpu(devices)
 
     def attached(self, info: lpb.AttachResponse, segments: Segments | None) -> None:
         """The daemon said who it is (WELCOME, or the Attach stream's first message)."""
@@ -137,51 +141,106 @@ class ClientCore:
         segments = self.segments
         seg_id = None
         if segments is not None and nbytes:
-            seg_id = segments.take(nbytes)
-            if seg_id is None:
-                try:
-                    yield LocalOp(Kind.LEND, struct.pack("<Q", nbytes))
-                except ResourceExhausted:
-                    pass  # the pool (or this client's share of it) is full: a private array
-                seg_id = segments.take(nbytes)
+            seg_id = yield from self._segment(nbytes)  # None when full: a private array
         if segments is None or seg_id is None:
             self._count("empty_private")
             return np.empty(dims, dt)
         self._count("empty_lent")
         return segments.lend_array(seg_id, dims, dt)
 
-    def send_plan(self, key: Key | str, tensor: Any, step_id: int, is_dead: bool) -> SendPlan:
+    def send_plan(self, key: Key | str, tensor: Any, step_id: int, is_dead: bool,
+                  kind: Kind = Kind.SEND) -> SendPlan:
         """The steps of one send; returns how it crossed the local hop. An array
         lent by ``Client.empty`` (or a received one on shared memory) is handed
         over as it is; any other tensor of at least the threshold goes into a
         segment lent for its size class (asked for when none is in stock; if
-        the pool is full, inline)."""
+        the pool is full, inline); a GPU tensor is copied to the host first.
+        ``kind`` RETURN gives back a received tensor that could not be placed."""
         head = messages.send_head(key, step_id)
         segments = self.segments
         if not is_dead:
+            if type(tensor) is not np.ndarray:
+                tensor = self.gpu.devices.import_tensor(tensor)
+                if isinstance(tensor, DeviceTensor):
+                    return (yield from self._send_device(head, tensor, kind))
             tensor = arr = as_array(tensor)
             seg_id = segments.hand_over(arr) if segments is not None else None
             if seg_id is not None:
-                yield LocalOp(Kind.SEND, messages.pooled_send(head, arr, seg_id))
+                yield LocalOp(kind, messages.pooled_send(head, arr, seg_id))
                 self._count("send_handed_over")
                 return Hop.SHM
-            if segments is not None and 0 <= self.shm_threshold <= arr.nbytes and arr.nbytes and is_memcpyable(arr):
-                seg_id = segments.take(arr.nbytes)
-                if seg_id is None:
-                    try:
-                        yield LocalOp(Kind.LEND, struct.pack("<Q", arr.nbytes))
-                    except ResourceExhausted:
-                        pass  # the pool (or this client's share of it) is full: inline
-                    seg_id = segments.take(arr.nbytes)
+            if self._pooled(arr.nbytes) and is_memcpyable(arr):
+                seg_id = yield from self._segment(arr.nbytes)
                 if seg_id is not None:
-                    yield Copy(seg_id, arr)
-                    yield LocalOp(Kind.SEND, messages.pooled_send(head, arr, seg_id))
+                    yield from self._into(seg_id, Copy(seg_id, arr))
+                    yield LocalOp(kind, messages.pooled_send(head, arr, seg_id))
                     self._count(f"send_{Hop.SHM}")
                     return Hop.SHM
         body, _ = messages.inline_send(head, tensor, is_dead)
-        yield LocalOp(Kind.SEND, body)
+        yield LocalOp(kind, body)
         self._count(f"send_{Hop.INLINE}")
         return Hop.INLINE
+
+    def _pooled(self, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` crosses through a segment (a session, and
+        at least the daemon's threshold)."""
+        return self.segments is not None and 0 <= self.shm_threshold <= nbytes and nbytes > 0
+
+    def _segment(self, nbytes: int) -> Generator[Step, Any, int | None]:
+        """A segment from this session's stock for ``nbytes``, lent for it when none
+        is in stock; None when the pool (or this client's share of it) is full."""
+        assert self.segments is not None
+        seg_id = self.segments.take(nbytes)
+        if seg_id is None:
+            try:
+                yield LocalOp(Kind.LEND, struct.pack("<Q", nbytes))
+            except ResourceExhausted:
+                pass  # full: the caller sends inline
+            seg_id = self.segments.take(nbytes)
+        return seg_id
+
+    def _send_device(self, head: bytes, tensor: DeviceTensor, kind: Kind) -> SendPlan:
+        """A GPU tensor's send: copied to the host once, through pinned chunks, into
+        a lent segment (or a new array, sent inline), after its ready event."""
+        seg_id = (yield from self._segment(tensor.nbytes)) if self._pooled(tensor.nbytes) else None
+        host = yield from self._into(seg_id, Stage(tensor, seg_id))
+        self._count("send_from_gpu")
+        if seg_id is not None:
+            yield LocalOp(kind, messages.pooled_send(head, host, seg_id))
+            self._count(f"send_{Hop.SHM}")
+            return Hop.SHM
+        body, _ = messages.inline_send(head, host, False)
+        yield LocalOp(kind, body)
+        self._count(f"send_{Hop.INLINE}")
+        return Hop.INLINE
+
+    def _into(self, seg_id: int | None, step: Copy | Stage) -> Generator[Step, Any, Any]:
+        """``step`` (a copy into segment ``seg_id``); the segment back in stock if it fails."""
+        try:
+            return (yield step)
+        except BaseException:
+            if seg_id is not None and self.segments is not None:
+                self.segments.restock(seg_id)
+            raise
+
+    def run(self, step: Stage | Place) -> Any:
+        """Carry out a GPU copy a plan asks for (blocking: the asyncio client runs it off its loop)."""
+        if isinstance(step, Stage):
+            return self.gpu.stage(step, self.segments)
+        placed, moved = self.gpu.place(step)
+        self._count("recv_to_gpu", moved)
+        return placed
+
+    def check_items(self, items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
+        """send_many's items as (key, tensor, is_dead) (:func:`rendezvous.table.send_items`),
+        every key and host array checked before any is sent (InvalidKey, UnsupportedDType)."""
+        out = send_items(items)
+        for key, tensor, dead in out:
+            as_key(key)
+            if not dead and (type(tensor) is np.ndarray or not hasattr(tensor, "__dlpack__")
+                             and not self.gpu.on_gpu(tensor)):
+                check_sendable(as_array(tensor))
+        return out
 
     def send_many_plan(self, items: list[tuple[Any, Any, bool]], step_id: int) -> list[LocalOp | tuple[Any, Any, bool]]:
         """send_many's checked ``items`` as what to do, in their order (so FIFO per
@@ -205,7 +264,7 @@ class ClientCore:
 
         segments = self.segments
         for key, tensor, dead in items:
-            arr = None if dead else as_array(tensor)
+            arr = None if dead or self.gpu.on_gpu(tensor) else as_array(tensor)
             if arr is None or not groups.fusable(arr, SEND_MANY_BYTES) or 0 <= threshold <= arr.nbytes \
                     or (segments is not None and segments.on_pool(arr)):
                 flush()
@@ -241,6 +300,21 @@ class ClientCore:
             self._counts[f"recv_{reply.hop}"] += 1
             self._counts[reply.path] += 1
         return reply.item
+
+    def placed_plan(self, keys: Sequence[str], step_id: int, items: list[Received],
+                    targets: list[Placement]) -> Generator[Step, Any, list[Received]]:
+        """The steps of putting a recv's ``items`` where ``targets`` say. If they
+        cannot be put there (out of device memory, a CUDA error), every one goes
+        back to the daemon (RETURN: kept for the next recv of its key) and the
+        recv fails RESOURCE_EXHAUSTED."""
+        try:
+            placed: list[Received] = yield Place(items, targets)
+        except Exception as exc:
+            for key, item in zip(keys, items):
+                yield from self.send_plan(key, item.value, step_id, item.is_dead, Kind.RETURN)
+            raise ResourceExhausted(f"cannot put the received tensors on their GPU: {type(exc).__name__}: "
+                                    f"{exc}; they are kept for the next recv of their keys") from exc
+        return placed
 
     def recv_many_op(self, keys: Sequence[Key | str], step_id: int, timeout: float | None) -> LocalOp:
         """The RECV_MANY of ``keys``: one operation, one deadline (the daemon's;
@@ -300,16 +374,16 @@ class ClientCore:
     def stats(self) -> dict[str, int]:
         """Counts: send_/recv_ inline|shm (the local hop; send_handed_over: a
         lent or received array sent with no copy), empty_lent|private (arrays
-        made by ``Client.empty``), and local|grpc|mpi (how the daemon got what
-        was received)."""
+        made by ``Client.empty``), local|grpc|mpi (how the daemon got what was
+        received), send_from_gpu and recv_to_gpu (GPU tensors copied across)."""
         with self._lock:
             return {str(k): v for k, v in self._counts.items()}
 
 
 def drive(plan: Generator[Step, Any, R], do: Callable[[LocalOp], Any],
-          copy: Callable[[int, np.ndarray], None] | None) -> R:
-    """Run a send's steps with a blocking ``do(op)`` (its answer, or raises) and
-    ``copy(seg_id, arr)`` (None without a session: a plan copies only into its segments)."""
+          copy: Callable[[Any], Any] | None) -> R:
+    """Run a plan's steps with a blocking ``do(op)`` (its answer, or raises) and
+    ``copy(step)`` for any other step (its outcome; None for a plan that copies nothing)."""
     outcome: Any = None
     error: BaseException | None = None
     while True:
@@ -320,17 +394,17 @@ def drive(plan: Generator[Step, Any, R], do: Callable[[LocalOp], Any],
             return done
         outcome, error = None, None
         try:
-            if isinstance(step, Copy):
-                assert copy is not None
-                copy(step.seg_id, step.arr)
-            else:
+            if isinstance(step, LocalOp):
                 outcome = do(step)
+            else:
+                assert copy is not None
+                outcome = copy(step)
         except Exception as exc:  # handed to the plan, which decides
             error = exc
 
 
 async def drive_async(plan: Generator[Step, Any, R], do: Callable[[LocalOp], Awaitable[Any]],
-                      copy: Callable[[Copy], Awaitable[None]]) -> R:
+                      copy: Callable[[Any], Awaitable[Any]]) -> R:
     """:func:`drive`, each step awaited."""
     outcome: Any = None
     error: BaseException | None = None
@@ -342,92 +416,6 @@ async def drive_async(plan: Generator[Step, Any, R], do: Callable[[LocalOp], Awa
             return done
         outcome, error = None, None
         try:
-            outcome = await (copy(step) if isinstance(step, Copy) else do(step))
+            outcome = await (do(step) if isinstance(step, LocalOp) else copy(step))
         except Exception as exc:  # handed to the plan, which decides
             error = exc
-
-
-_NO_BODY = memoryview(b"")
-
-
-class InFlight:
-    """An operation sent on the session socket and not answered yet: its answer
-    (kind and body) once ``done``."""
-
-    __slots__ = ("op", "kind", "body", "done", "waiter")
-
-    def __init__(self, op: LocalOp, waiter: Any = None) -> None:
-        self.op = op
-        self.kind = 0
-        self.body = _NO_BODY
-        self.done = False
-        self.waiter = waiter  # what the caller waits on (a future, for the asyncio client)
-
-    def answered(self, kind: int, body: memoryview) -> None:
-        """Its answer came (the link's reader calls this)."""
-        self.kind, self.body, self.done = kind, body, True
-
-
-class Router:
-    """What both session links do with a frame from the daemon that is not an
-    answer for a waiting caller: map and retire segments, take lent grants,
-    and give back a tensor whose recv gave up. Subclasses hold ``segments``,
-    ``_ops`` (operation id -> :class:`InFlight`), ``_cancelled`` (operation id
-    -> the :class:`LocalOp` of a recv that gave up) and ``_write(data)``."""
-
-    segments: Segments
-    _ops: dict[int, InFlight]
-    _cancelled: dict[int, LocalOp]
-
-    def _write(self, data: bytes) -> None:
-        raise NotImplementedError
-
-    def _give_up(self, op_id: int, entry: InFlight) -> None:
-        """The caller of RECV (RECV_MANY) ``op_id`` stopped waiting (a deadline of
-        its own, a cancel, Ctrl-C). Its answer is given back, never dropped: if
-        it already came, the tensors go back now (RETURN); if not, the daemon's
-        wait is cancelled and tensors that still come are given back when they
-        do. (The blocking link calls this under the lock its reader routes under.)"""
-        if self._ops.pop(op_id, None) is not None:
-            self._cancelled[op_id] = entry.op
-            self._write(frame(Kind.CANCEL, op_id))
-        elif entry.done:
-            self._return(entry.op, entry.kind, entry.body)
-
-    def _return(self, op: LocalOp, kind: int, body: memoryview) -> None:
-        """Give back the tensors of ``op``'s answer, which nobody takes (RETURN frames)."""
-        if kind == Kind.RECV_REPLY:
-            self._write(frame(Kind.RETURN, 0, messages.returned(op.key, op.step_id, body)))
-        elif kind == Kind.RECV_MANY_REPLY:
-            back = messages.returned_many(op.keys, op.step_id, body)
-            if back:
-                self._write(b"".join(frame(Kind.RETURN, 0, one) for one in back))
-
-    def _route(self, kind: int, op_id: int, body: memoryview) -> InFlight | None:
-        """The pending entry this frame answers, or None (handled here)."""
-        if kind == Kind.SEGMENTS:
-            self.segments.introduce(body)
-            return None
-        if kind == Kind.RETIRE:
-            self.segments.retire(body)
-            return None
-        entry = self._ops.pop(op_id, None)
-        if entry is None:
-            late = self._cancelled.pop(op_id, None)
-            if late is not None:
-                self._return(late, kind, body)
-            return None
-        if kind == Kind.OK:
-            self.segments.lent(body)
-        return entry
-
-
-def check_items(items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
-    """send_many's items as (key, tensor, is_dead) (:func:`rendezvous.table.send_items`),
-    every key and array checked before any is sent (InvalidKey, UnsupportedDType)."""
-    out = send_items(items)
-    for key, tensor, dead in out:
-        as_key(key)
-        if not dead and not hasattr(tensor, "__dlpack__"):
-            check_sendable(as_array(tensor))
-    return out

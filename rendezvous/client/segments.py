@@ -92,6 +92,12 @@ class Segments:
             stock = self._stock.get(size_class(nbytes))
             return stock.pop() if stock else None
 
+    def restock(self, seg_id: int) -> None:
+        """Segment ``seg_id``, taken for a send whose copy into it failed, back in the stock."""
+        with self._lock:
+            if seg_id in self._maps and not self.closed:
+                self._stock.setdefault(self._sizes[seg_id], []).append(seg_id)
+
     def lend_array(self, seg_id: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An array on lent segment ``seg_id`` for the caller to fill: a send of it
         hands the segment over with no copy (:meth:`hand_over`). Dropped unsent,
@@ -148,10 +154,13 @@ class Segments:
 
     def write(self, seg_id: int, arr: np.ndarray) -> None:
         """Copy ``arr``'s bytes into segment ``seg_id`` (the send's one copy)."""
+        np.copyto(self.target(seg_id, arr.nbytes), np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+    def target(self, seg_id: int, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of segment ``seg_id``, lent to this client for a send, to write."""
         with self._lock:
             mm = self._maps[seg_id]
-        dest = np.frombuffer(mm.buffer, np.uint8, arr.nbytes)
-        np.copyto(dest, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+        return np.frombuffer(mm.buffer, np.uint8, nbytes)
 
     def view(self, seg_id: int, nbytes: int, meta: TensorMeta) -> np.ndarray:
         """The received tensor on segment ``seg_id``; released when it (and every

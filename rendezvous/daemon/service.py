@@ -19,6 +19,7 @@ Payload copies of the gRPC service: protobuf's and gRPC's own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import copy
 import logging
 import re
@@ -115,6 +116,7 @@ class LocalServicer:
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         return [grpc.method_handlers_generic_handler(SERVICE, {
             "Send": grpc.unary_unary_rpc_method_handler(self._send),
+            "Return": grpc.unary_unary_rpc_method_handler(functools.partial(self._send, keep=True)),
             "SendMany": grpc.unary_unary_rpc_method_handler(self._send_many),
             "Recv": grpc.unary_unary_rpc_method_handler(self._recv),
             "RecvMany": grpc.unary_unary_rpc_method_handler(self._recv_many),
@@ -149,23 +151,21 @@ class LocalServicer:
 
     # -- Send -----------------------------------------------------------------
 
-    async def _send(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _send(self, request: bytes, context: grpc.aio.ServicerContext, keep: bool = False) -> bytes:
         try:
-            sent = self.send(request)
+            sent = self.send(request, keep=keep)
         except Exception as exc:
             await context.abort(*self._error(exc))
-        if self.metrics is not None:
+        if self.metrics is not None and not keep:
             self.metrics.local_op("send", sent.hop, sent.nbytes)
         return b""
 
     def send(self, raw: bytes | memoryview, resolve: Resolve | None = None, keep: bool = False) -> Sent:
-        """Put a SendRequest's tensor into the table.
-
-        ``resolve``: how the session socket turns a PoolSlot into an array (the
-        gRPC service has none: a slot is refused). ``keep``: the tensor was
-        fetched for a recv its client gave up on (the session socket's
-        RETURN): it goes back in front of the next recv of its key and step,
-        whoever produces the key."""
+        """Put a SendRequest's tensor into the table. ``resolve``: how the session
+        socket turns a PoolSlot into an array (the gRPC service has none: a slot is
+        refused). ``keep`` (RETURN, and gRPC's Return): the tensor was fetched for a
+        recv its client gave up on or could not place: it goes back in front of the
+        next recv of its key and step, whoever produces the key."""
         step_id, key, tensor, is_dead, slot = messages.parse_send(raw)
         if slot is not None and resolve is None:
             raise InvalidArgument("a pooled send is only valid on the session socket")

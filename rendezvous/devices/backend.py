@@ -330,13 +330,18 @@ class DeviceBackend(ABC):
         dst, allocated = self.allocate(src.meta, device)
         return DeviceTensor(dst, self, device, self.peer_async(src, dst, device, after=allocated))
 
-    def to_host(self, src: DeviceTensor, pool: "PinnedPool") -> np.ndarray:
-        """The tensor on the host (default path): device -> pinned chunks -> a numpy array.
-        Blocking; run it off the event loop. Copies: D2H into pinned memory, then one
-        host copy per chunk into the result (overlapped with the next chunk's D2H).
-        If anything fails, the chunks in flight go back to the pool once their copies
-        are done (never while the copy engine may still write them)."""
-        out = np.empty(src.shape, dtype=src.dtype)
+    def to_host(self, src: DeviceTensor, pool: "PinnedPool", out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor on the host (default path): device -> pinned chunks -> a numpy array
+        (``out``, C-contiguous and of the tensor's size, when given: a local client's
+        shared-memory segment). Blocking; run it off the event loop. Copies: D2H into
+        pinned memory, then one host copy per chunk into the result (overlapped with
+        the next chunk's D2H). If anything fails, the chunks in flight go back to the
+        pool once their copies are done (never while the copy engine may still write them)."""
+        if out is None:
+            out = np.empty(src.shape, dtype=src.dtype)
+        elif out.nbytes != src.nbytes or not out.flags.c_contiguous:
+            raise InvalidArgument(f"to_host into {out.nbytes} bytes (contiguous: {out.flags.c_contiguous}) "
+                                  f"for {src!r}")
         flat = out.reshape(-1).view(np.uint8)
         n = flat.size
         chunk = pool.chunk_bytes

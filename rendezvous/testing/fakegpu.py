@@ -721,8 +721,8 @@ class FakeBackend(DeviceBackend):
                 self.peer_copies += 1
         return self._launch(stream, copy, [s_block, d_block])
 
-    def to_host(self, src: DeviceTensor, pool: PinnedPool) -> np.ndarray:
-        out = super().to_host(src, pool)
+    def to_host(self, src: DeviceTensor, pool: PinnedPool, out: np.ndarray | None = None) -> np.ndarray:
+        out = super().to_host(src, pool, out)
         self._to_host_results[id(out)] = out  # a from_host of this very array is a host bounce
         return out
 

@@ -39,6 +39,11 @@ class LocalRendezvousStub:
                 request_serializer=rendezvous_dot_v1_dot_local__pb2.SendRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
                 _registered_method=True)
+        self.Return = channel.unary_unary(
+                '/rendezvous.v1.LocalRendezvous/Return',
+                request_serializer=rendezvous_dot_v1_dot_local__pb2.SendRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
+                _registered_method=True)
         self.SendMany = channel.unary_unary(
                 '/rendezvous.v1.LocalRendezvous/SendMany',
                 request_serializer=rendezvous_dot_v1_dot_local__pb2.LocalSendManyRequest.SerializeToString,
@@ -76,6 +81,14 @@ class LocalRendezvousServicer:
 
     def Send(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Return(self, request, context):
+        """A tensor a client received and could not take (its GPU could not hold it):
+        kept in front of the next recv of its key and step (the session socket's RETURN).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -121,6 +134,11 @@ def add_LocalRendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Send': grpc.unary_unary_rpc_method_handler(
                     servicer.Send,
+                    request_deserializer=rendezvous_dot_v1_dot_local__pb2.SendRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.SerializeToString,
+            ),
+            'Return': grpc.unary_unary_rpc_method_handler(
+                    servicer.Return,
                     request_deserializer=rendezvous_dot_v1_dot_local__pb2.SendRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_local__pb2.SendResponse.SerializeToString,
             ),
@@ -180,6 +198,33 @@ class LocalRendezvous:
             request,
             target,
             '/rendezvous.v1.LocalRendezvous/Send',
+            rendezvous_dot_v1_dot_local__pb2.SendRequest.SerializeToString,
+            rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Return(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.LocalRendezvous/Return',
             rendezvous_dot_v1_dot_local__pb2.SendRequest.SerializeToString,
             rendezvous_dot_v1_dot_local__pb2.SendResponse.FromString,
             options,
