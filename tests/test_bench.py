@@ -602,13 +602,28 @@ def test_gpu_target_against_the_slower_of_its_two_bounds():
 @pytest.mark.timeout(180)
 def test_tiny_run_of_the_gpu_contenders_on_the_fake_gpu(tmp_path):
     _needs_mpiexec()
-    done = _bench(tmp_path, "--gpu", "fake", "--contenders", "mpi,gpu_staged,gpu_serial,d2h", "--no-rss")
+    done = _bench(tmp_path, "--gpu", "fake", "--contenders", "mpi,gpu_staged,gpu_serial,d2h", "--no-rss",
+                  "--gpu-staging", "4K:1,8K:3")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     doc = report.load(tmp_path / JSON_NAME)
-    assert {"gpu_staged", "gpu_serial", "d2h"} <= set(doc["contenders"])
+    assert {"gpu_staged", "gpu_serial", "d2h", "gpu_staged_4K_x1", "gpu_staged_8K_x3"} <= set(doc["contenders"])
+    assert doc["contenders"]["gpu_staged_8K_x3"] == "rendezvous GPU->GPU, 8 KiB chunks x 3"
     assert any("fake GPU" in n for n in doc["notes"])
     cells = {(t["contender"], t["size"]) for t in doc["transfers"]}
-    assert {("gpu_staged", 65536), ("gpu_serial", 1024), ("d2h", 65536)} <= cells
+    assert {("gpu_staged", 65536), ("gpu_serial", 1024), ("d2h", 65536), ("gpu_staged_4K_x1", 65536),
+            ("gpu_staged_8K_x3", 1024)} <= cells
+
+
+@pytest.mark.timeout(10)
+def test_staging_settings_are_read_from_their_names():
+    from rendezvous.bench.gpu import is_gpu_contender, staging_name, staging_setting
+
+    assert staging_name("4m:4") == "gpu_staged_4M_x4" and staging_setting("gpu_staged_4M_x4") == (4 << 20, 4)
+    assert staging_setting("gpu_staged") is None and is_gpu_contender("gpu_staged_16M_x2")
+    assert not is_gpu_contender("optimal")
+    for bad in ("4M", "4M:0", "1K:2", "x:2"):
+        with pytest.raises(ValueError):
+            staging_name(bad)
 
 
 @pytest.mark.timeout(10)

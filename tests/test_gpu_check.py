@@ -24,11 +24,15 @@ def _results(tmp_path, ok):
     doc = {"targets": [
         {"id": "latency_1k_default", "what": "not a GPU target", "measured": 9.0, "op": "<=", "limit": 1.0,
          "ok": False, "note": ""},
-        {"id": "gpu_staged_16m", "what": "staged GPU->GPU vs min(D2H, raw MPI), 16 MiB", "measured": 0.91,
+        {"id": f"gpu_staged_{16 << 20}", "what": "staged GPU->GPU vs min(D2H, raw MPI), 16 MiB", "measured": 0.91,
          "op": ">=", "limit": 0.8, "ok": True, "note": ""},
-        {"id": "gpu_staged_64m", "what": "staged GPU->GPU vs min(D2H, raw MPI), 64 MiB",
-         "measured": 0.85 if ok else 0.5, "op": ">=", "limit": 0.8, "ok": ok, "note": ""}],
+        {"id": f"gpu_staged_{64 << 20}", "what": "staged GPU->GPU vs min(D2H, raw MPI), 64 MiB",
+         "measured": 0.85 if ok else 0.5, "op": ">=", "limit": 0.8, "ok": ok, "note": ""},
+        # a setting of the sweep (--gpu-staging) that misses: reported, not a failure of the check
+        {"id": f"gpu_staged_1M_x2_{64 << 20}", "what": "GPU->GPU, 1 MiB chunks x 2 vs min(D2H, raw MPI), 64 MiB",
+         "measured": 0.4, "op": ">=", "limit": 0.8, "ok": False, "note": ""}],
         "transfers": [{"contender": "gpu_staged", "size": 16 << 20, "gbps": 11.5},
+                      {"contender": "gpu_staged_1M_x2", "size": 64 << 20, "gbps": 4.0},
                       {"contender": "gpu_staged", "size": 1 << 20, "gbps": 3.0},  # below 16 MiB: left out
                       {"contender": "grpc", "size": 16 << 20, "gbps": 1.0}]}  # not a GPU contender
     (tmp_path / "bench.json").write_text(json.dumps(doc))
@@ -40,7 +44,8 @@ def test_the_report_reads_only_the_staged_gpu_targets(tmp_path):
     assert ok
     assert [line.split(":")[0].strip() for line in lines] == [
         "staged GPU->GPU vs min(D2H, raw MPI), 16 MiB", "staged GPU->GPU vs min(D2H, raw MPI), 64 MiB",
-        "gpu_staged    16 MiB"]
+        "GPU->GPU, 1 MiB chunks x 2 vs min(D2H, raw MPI), 64 MiB", "gpu_staged    16 MiB",
+        "gpu_staged_1M_x2    64 MiB"]
     ok, lines = _results(tmp_path, ok=False)
     assert not ok and "MISSED" in lines[1]
 

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contenders", default="all", metavar="LIST",
                    help="any of " + ",".join(_contender_names()) + " "
                         "(default all; gloo only if torch is installed, the gpu ones only with --gpu)")
+    p.add_argument("--gpu-staging", default="", metavar="LIST",
+                   help="also gpu_staged with these staging chunk sizes and depths, CHUNK:DEPTH comma-separated "
+                        "(4M:4,16M:2): contenders gpu_staged_4M_x4, ... (with --gpu)")
     p.add_argument("--samples", type=int, metavar="N",
                    help="timed transfers per contender and size (default: enough to move 2 GiB, "
                         "256 MiB with --quick, within [8, 1000] or [3, 200])")
@@ -100,6 +103,7 @@ def _floors(args: argparse.Namespace) -> Any:
 
 
 def _options(args: argparse.Namespace) -> Any:
+    from .gpu import staging_name, staging_setting
     from .stats import parse_size
     from .worker import CONTENDERS, Options
 
@@ -124,7 +128,11 @@ def _options(args: argparse.Namespace) -> Any:
     if not sizes:
         raise SystemExit("rendezvous bench: --sizes names no size")
     names = CONTENDERS if args.contenders == "all" else tuple(s.strip() for s in args.contenders.split(","))
-    unknown = [n for n in names if n not in CONTENDERS]
+    try:
+        names += tuple(staging_name(spec) for spec in args.gpu_staging.split(",") if spec.strip())
+        unknown = [n for n in names if n not in CONTENDERS and staging_setting(n) is None]
+    except ValueError as exc:
+        raise SystemExit(f"rendezvous bench: {exc}") from None
     if unknown:
         raise SystemExit(f"rendezvous bench: unknown contender(s) {', '.join(unknown)}; "
                          f"known: {', '.join(CONTENDERS)}")
@@ -149,7 +157,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     """The flags that reproduce ``args`` (handed to the ranks)."""
-    out = ["--contenders", args.contenders, "--outstanding", str(args.outstanding),
+    out = ["--contenders", args.contenders, "--gpu-staging", args.gpu_staging, "--outstanding", str(args.outstanding),
            "--out", str(args.out), "--timeout", str(args.timeout)]
     if args.sizes is not None:
         out += ["--sizes", args.sizes]
@@ -169,7 +177,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def _record(args: argparse.Namespace) -> dict[str, Any]:
-    return {"sizes": args.sizes, "contenders": args.contenders, "samples": args.samples, "rounds": args.rounds,
+    return {"sizes": args.sizes, "contenders": args.contenders, "gpu_staging": args.gpu_staging, "samples": args.samples, "rounds": args.rounds,
             "outstanding": args.outstanding, "rate_rounds": args.rate_rounds, "idle_seconds": args.idle_seconds,
             "quiet_seconds": args.quiet_seconds, "rss": not args.no_rss, "gpu": args.gpu, "guard": args.guard}
 

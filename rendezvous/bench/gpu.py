@@ -9,7 +9,9 @@ bounded by.
 * ``gpu_serial``: the same with one chunk in flight (no overlap), to show
   what the pipelining buys;
 * ``d2h``: one device-to-pinned-host copy of the same bytes on rank 0, the
-  other bound of the staged path (``raw MPI`` is the first).
+  other bound of the staged path (``raw MPI`` is the first);
+* ``gpu_staged_<CHUNK>_x<DEPTH>`` (``--gpu-staging 4M:4,16M:2``): ``gpu_staged``
+  with that staging chunk size and depth, to measure both instead of guessing.
 
 The GPU is cupy's on a machine with one (``--gpu cupy``), or
 :class:`rendezvous.testing.fakegpu.FakeBackend` (``--gpu fake``): host memory and
@@ -19,6 +21,7 @@ and overhead on any machine but says nothing about PCIe or NVLink.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -26,9 +29,38 @@ import numpy as np
 
 from .contenders import Contender, ServerContender, check
 
-__all__ = ["GPU_CONTENDERS", "gpu_backend", "GpuRendezvous", "DeviceToHost"]
+__all__ = ["GPU_CONTENDERS", "gpu_backend", "GpuRendezvous", "DeviceToHost", "staging_setting", "staging_name",
+           "is_gpu_contender"]
 
 GPU_CONTENDERS = ("gpu_staged", "gpu_serial", "d2h")
+_SETTING = re.compile(r"gpu_staged_(\d+[KMG]?)_x(\d+)")
+
+
+def staging_setting(name: str) -> tuple[int, int] | None:
+    """(chunk bytes, depth) of a contender ``gpu_staged_<CHUNK>_x<DEPTH>``, else None
+    (ValueError for a chunk under 4 KiB or a depth under 1)."""
+    m = _SETTING.fullmatch(name)
+    if m is None:
+        return None
+    from .stats import parse_size
+
+    chunk, depth = parse_size(m.group(1)), int(m.group(2))
+    if chunk < 4096 or depth < 1:
+        raise ValueError(f"{name}: a staging chunk of at least 4K and a depth of at least 1")
+    return chunk, depth
+
+
+def staging_name(spec: str) -> str:
+    """``"4M:4"`` -> ``"gpu_staged_4M_x4"`` (ValueError if it does not read)."""
+    chunk, sep, depth = spec.strip().upper().partition(":")
+    name = f"gpu_staged_{chunk}_x{depth}"
+    if not sep or staging_setting(name) is None:
+        raise ValueError(f"--gpu-staging takes CHUNK:DEPTH items (4M:4), not {spec!r}")
+    return name
+
+
+def is_gpu_contender(name: str) -> bool:
+    return name in GPU_CONTENDERS or _SETTING.fullmatch(name) is not None
 
 
 def gpu_backend(kind: str) -> tuple[Any, str]:
@@ -66,20 +98,30 @@ class GpuRendezvous(ServerContender):
     rate = False  # the 1 KiB rate and the host RSS tests are the host contenders'
     rss = False
 
-    def __init__(self, ctx: Any, backend: Any, depth: int | None) -> None:
+    def __init__(self, ctx: Any, backend: Any, depth: int | None, name: str | None = None) -> None:
         super().__init__(ctx, optimal=True)
         self.backend = backend
         self.depth = depth
+        self.chunk: int | None = None
         self.name = "gpu_serial" if depth == 1 else "gpu_staged"
         self.label = "rendezvous GPU->GPU, 1 chunk in flight" if depth == 1 else "rendezvous GPU->GPU"
         self.job = "gpu1" if depth == 1 else "gpu"
+        setting = staging_setting(name) if name is not None else None
+        if name is not None and setting is not None:
+            from .stats import format_size
+
+            self.chunk, self.depth = setting
+            self.name, self.job = name, f"gpu{self.chunk}x{self.depth}"
+            self.label = f"rendezvous GPU->GPU, {format_size(self.chunk)} chunks x {self.depth}"
         self._src: tuple[int, Any] | None = None
 
     async def setup(self) -> None:
         from rendezvous import aio
 
-        cluster = {**self.ctx.cluster("gpu"), **self.ctx.cluster("gpu1")}
+        cluster = self.ctx.cluster(self.job)
         extra: dict[str, Any] = {"gpu_staging_depth": self.depth} if self.depth else {}
+        if self.chunk:
+            extra["gpu_staging_chunk_bytes"] = self.chunk
         from rendezvous.devices import Devices
 
         # (the staged path is the one across nodes: on one node CUDA IPC would take it over)

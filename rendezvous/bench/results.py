@@ -24,7 +24,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .stats import format_size, percentile, ratio, summarize
@@ -219,20 +219,32 @@ def targets(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
             worst = max(row["x_size"] for row in r["ranks"]) if r else None
             out.append(_target(f"rss_{name}", f"{name} path RSS a {format_size(size)} transfer adds, worst rank,"
                                               " in tensor sizes", worst, "<=", limit))
-    for size in [s for s in sizes if s >= 16 * MiB]:
-        staged, d2h, mpi = _cell(doc, "gpu_staged", size), _cell(doc, "d2h", size), _cell(doc, "mpi", size)
-        if staged is None:
-            continue  # GPU contenders not measured in this run
-        bound = min(d2h["gbps"], mpi["gbps"]) if d2h and mpi else None
-        serial = _cell(doc, "gpu_serial", size)
-        overlap = ratio(staged["gbps"], serial["gbps"]) if serial else None
-        note = f"{overlap:.2f}x the bandwidth with one chunk in flight" if overlap else ""
-        out.append(_target(f"gpu_staged_{size}", f"staged GPU->GPU bandwidth at {format_size(size)} vs "
-                                                 "min(device->host copy, raw MPI)",
-                           ratio(staged["gbps"], bound), ">=", 0.8, note))
+    out += _gpu_targets(doc, sizes)
     if doc.get("idle"):
         worst = max(r["cpu_fraction"] for r in doc["idle"])
         out.append(_target("idle_cpu", "idle rank CPU, worst rank, fraction of one core", worst, "<", 0.02))
+    return out
+
+
+def _gpu_targets(doc: Mapping[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Staged GPU->GPU (and each setting of ``--gpu-staging``) against
+    min(device->host copy, raw MPI), from 16 MiB."""
+    out: list[dict[str, Any]] = []
+    swept = [n for n in doc["contenders"] if n.startswith("gpu_staged_")]  # --gpu-staging's settings
+    for size in [s for s in sizes if s >= 16 * MiB]:
+        d2h, mpi = _cell(doc, "d2h", size), _cell(doc, "mpi", size)
+        bound = min(d2h["gbps"], mpi["gbps"]) if d2h and mpi else None
+        for name in ("gpu_staged", *swept):
+            staged = _cell(doc, name, size)
+            if staged is None:
+                continue  # GPU contenders not measured in this run
+            serial = _cell(doc, "gpu_serial", size)
+            overlap = ratio(staged["gbps"], serial["gbps"]) if serial else None
+            note = f"{overlap:.2f}x the bandwidth with one chunk in flight" if overlap else ""
+            what = "staged GPU->GPU" if name == "gpu_staged" else doc["contenders"][name].replace("rendezvous ", "")
+            out.append(_target(f"{name}_{size}", f"{what} bandwidth at {format_size(size)} vs "
+                                                 "min(device->host copy, raw MPI)",
+                               ratio(staged["gbps"], bound), ">=", 0.8, note))
     return out
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import rss
 from .contenders import BlockingRendezvous, Contender, Gloo, Memcpy, RawGrpc, RawMpi, ServerContender, cell_name, pattern
-from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend
+from .gpu import GPU_CONTENDERS, DeviceToHost, GpuRendezvous, gpu_backend, is_gpu_contender, staging_setting
 from .local_contenders import LOCAL_CELLS, LocalClient
 from .stats import samples_for
 
@@ -202,8 +202,8 @@ def _build(ctx: Context, names: tuple[str, ...], gpu: Any = None) -> list[Conten
         made[local.name] = local
     if gpu is not None:
         made.update({"gpu_staged": GpuRendezvous(ctx, gpu, None), "gpu_serial": GpuRendezvous(ctx, gpu, 1),
-                     "d2h": DeviceToHost(ctx, gpu)})
-    return [made[n] for n in CONTENDERS if n in names and n in made]
+                     "d2h": DeviceToHost(ctx, gpu), **{n: GpuRendezvous(ctx, gpu, None, n) for n in names if staging_setting(n)}})
+    return [made[n] for n in (*CONTENDERS, *(n for n in names if n not in CONTENDERS)) if n in names and n in made]
 
 
 def _rotate(items: list, k: int) -> list:
@@ -428,9 +428,9 @@ async def run_rank(opts: Options, progress: Callable[[int, int, str], None]) -> 
         else:
             notes.append(f"gloo measured with {why}")
     gpu = None
-    if any(n in GPU_CONTENDERS for n in names):
+    if any(is_gpu_contender(n) for n in names):
         if opts.gpu == "off":
-            names = tuple(n for n in names if n not in GPU_CONTENDERS)
+            names = tuple(n for n in names if not is_gpu_contender(n))
             notes.append("GPU contenders not measured: no GPU here (--gpu fake measures the staging "
                          "pipeline with host memory standing in for the GPU)")
         else:
