@@ -38,7 +38,6 @@ not carry: another node, a GPU the consumer cannot open, the same process).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -54,6 +53,7 @@ from rendezvous.codec.replies import descriptor_response, with_call_id
 from rendezvous.codec.tensors import TensorMeta, decode_meta
 from rendezvous.config import Config
 from rendezvous.devices import DeviceBackend, DeviceTensor, Devices, Placement
+from rendezvous.devices.ipc_handles import OpenedHandles, node_id
 from rendezvous.errors import Internal, InvalidArgument, Unavailable
 from rendezvous.items import Received
 from rendezvous.stats import Stats
@@ -67,17 +67,6 @@ log = logging.getLogger("rendezvous")
 
 ENDPOINT_URL = "type.googleapis.com/rendezvous.v1.IpcEndpoint"
 TRANSFER_URL = "type.googleapis.com/rendezvous.v1.IpcTransfer"
-#: opened allocations kept per process (the least recently used is closed past this)
-OPENED = 256
-
-
-def node_id() -> bytes:
-    """This node: its kernel's boot id (processes of one node share it)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return f.read().strip()
-    except OSError:
-        return b""
 
 
 def _pack(msg: Any) -> bytes:
@@ -134,8 +123,8 @@ class IpcPlane(DataPlane):
         self.exports: dict[int, _Export] = {}
         #: consumer pid -> (its pidfd, watched on the loop; its exports held)
         self._watched: dict[int, tuple[int, int]] = {}
-        #: (backend, memory handle) -> the allocation opened here, least recently used first
-        self._opened: collections.OrderedDict[tuple[DeviceBackend, bytes], Any] = collections.OrderedDict()
+        #: the allocations of other processes opened here
+        self._opened = OpenedHandles()
         #: consumer: ``release(producer task, export ids, failed)`` sends a release
         #: to the producer (set by the rank server, which has the streams)
         self.release: Callable[[str, list[int], bool], None] | None = None
@@ -216,22 +205,16 @@ class IpcPlane(DataPlane):
                            "the tensor went back to its producer for the next recv")
 
     def _open(self, backend: DeviceBackend, memory: bytes, device: int) -> Any:
-        key = (backend, memory)
-        opened = self._opened.get(key)
-        if opened is not None:
-            self._opened.move_to_end(key)
-            return opened
+        opens = self._opened.opens
         try:
-            opened = self._opened[key] = backend.ipc_open(memory, device)
+            opened = self._opened.open(backend, memory, device)
         except Exception as exc:  # this process cannot open handles: no IPC from now on
             log.warning("CUDA IPC: cannot open a memory handle (%s: %s); GPU tensors from other processes "
                         "of this node take the staged or default path from now on", type(exc).__name__, exc)
             self._offer = None
             raise
-        self.stats.gpu("ipc_opens")
-        while len(self._opened) > OPENED:
-            (old, _), gone = self._opened.popitem(last=False)
-            old.ipc_close(gone)
+        if self._opened.opens != opens:
+            self.stats.gpu("ipc_opens")
         return opened
 
     def _released(self, transfer: pb.IpcTransfer, failed: bool) -> None:
@@ -354,9 +337,7 @@ class IpcPlane(DataPlane):
                 asyncio.get_running_loop().remove_reader(fd)
             os.close(fd)
         self._watched.clear()
-        while self._opened:
-            (backend, _), opened = self._opened.popitem()
-            backend.ipc_close(opened)
+        self._opened.close()
 
 
 def join(planes: Planes, config: Config, task: str, devices: Devices, stats: Stats, *,

@@ -27,6 +27,7 @@ class Hop(StrEnum):
 
     INLINE = "inline"  # inside the frame (or the gRPC message)
     SHM = "shm"        # through a shared-memory segment of the daemon's pool
+    IPC = "ipc"        # GPU to GPU, CUDA IPC (the session socket)
 
 
 class AddressKind(StrEnum):

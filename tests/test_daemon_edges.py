@@ -21,7 +21,7 @@ from rendezvous.codec import groups, wire
 from rendezvous.codec import fields as F
 from rendezvous.client import Client as BlockingClient
 from rendezvous.client.aio import Client
-from rendezvous.daemon import sessions as daemon_sessions
+from rendezvous.daemon import placing as daemon_placing
 from rendezvous.daemon.sessions import SESSION_HIGH_WATER
 from rendezvous.local import frames as lf
 from rendezvous.local import messages
@@ -265,7 +265,7 @@ def test_a_batch_whose_answer_cannot_be_made_gives_back_what_it_fetched(sockdir,
     """A batch whose tensors would pass what one frame carries is refused
     (RESOURCE_EXHAUSTED) and takes nothing: every tensor is kept for the next
     recv of its key, in order (FIFO per key), and no segment is handed over."""
-    monkeypatch.setattr(daemon_sessions, "_MANY_INLINE_BYTES", 1000)
+    monkeypatch.setattr(daemon_placing, "_MANY_INLINE_BYTES", 1000)
     a, b, big = key(0, 0, "a"), key(0, 0, "b"), key(0, 0, "big")
     sent = [(a, np.arange(100)), (big, np.arange(1 << 13, dtype=np.float64)), (a, np.arange(50)),
             (b, np.arange(100))]  # 2,000 bytes inline (and 64 KiB on a segment)
@@ -281,7 +281,7 @@ def test_a_batch_whose_answer_cannot_be_made_gives_back_what_it_fetched(sockdir,
             assert (kind, op, code_of(body)) == (Kind.ERROR, 4, grpc.StatusCode.RESOURCE_EXHAUSTED)
             await until(lambda: not s.recvs, what="the batch to end")
             assert d.pool.holds(s.id) == 0 and d.pool.stats()["held"] == 0  # nothing handed over
-            monkeypatch.setattr(daemon_sessions, "_MANY_INLINE_BYTES", 1 << 40)
+            monkeypatch.setattr(daemon_placing, "_MANY_INLINE_BYTES", 1 << 40)
             [(kind, op, body)] = await ask(sock, lf.frame(Kind.RECV_MANY, 5, many(asked, timeout=5.0)))
             assert (kind, op) == (Kind.RECV_MANY_REPLY, 5)
             got = answered(body, len(asked))

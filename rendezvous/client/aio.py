@@ -276,10 +276,9 @@ class Client:
     async def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                         device: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        op = self._core.recv_op(key, step_id, timeout)
-        targets = self._core.gpu.targets((op.key,), device)
         await self.connect(timeout)
-        item = self._core.received(await self._do(op))
+        op, targets = self._core.recv_op(key, step_id, timeout, device)  # (connected: a session offers IPC)
+        item = self._core.received(await self._do(op), targets is not None)
         if targets is None:
             return item
         return (await drive_async(self._core.placed_plan((op.key,), step_id, [item], targets), self._do,

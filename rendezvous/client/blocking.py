@@ -369,9 +369,8 @@ class Client:
     def recv_item(self, key: Key | str, step_id: int = 0, timeout: float | None = None,
                   device: str | None = None) -> Received:
         """:meth:`recv` as ``Received(value, is_dead)``."""
-        op = self._core.recv_op(key, step_id, timeout)
-        targets = self._core.gpu.targets((op.key,), device)
-        item = self._core.received(self._do(op))
+        op, targets = self._core.recv_op(key, step_id, timeout, device)
+        item = self._core.received(self._do(op), targets is not None)
         return item if targets is None else \
             drive(self._core.placed_plan((op.key,), step_id, [item], targets), self._do, self._copy)[0]
 

@@ -33,6 +33,7 @@ from rendezvous.codec import groups
 from rendezvous.devices import Devices, DeviceTensor, Placement
 from rendezvous.errors import InvalidArgument, ResourceExhausted, Unavailable, batch_failure
 from rendezvous.keys import Key, as_key, canonical_key
+from rendezvous.local import ipc as local_ipc
 from rendezvous.local import messages
 from rendezvous.local.address import parse_local_address
 from rendezvous.local.frames import SEND_MANY_TENSORS, SMALL_BODY, Kind
@@ -44,6 +45,7 @@ from rendezvous.codec.tensors import check_sendable
 from rendezvous.v1 import local_pb2 as lpb
 
 from .gpu import ClientGpu, Place, Stage
+from .ipc import Exported
 from .segments import Segments
 
 __all__ = ["LocalOp", "Copy", "ClientCore", "RECVS", "drive", "drive_async", "GRPC_METHODS",
@@ -122,7 +124,7 @@ class ClientCore:
     def attached(self, info: lpb.AttachResponse, segments: Segments | None) -> None:
         """The daemon said who it is (WELCOME, or the Attach stream's first message)."""
         self.task = info.task
-        self.segments = segments
+        self.segments = self.gpu.segments = segments
         self.shm_threshold = info.shm_threshold if segments is not None else -1
 
     # -- operations ---------------------------------------------------------------
@@ -200,8 +202,25 @@ class ClientCore:
         return seg_id
 
     def _send_device(self, head: bytes, tensor: DeviceTensor, kind: Kind) -> SendPlan:
-        """A GPU tensor's send: copied to the host once, through pinned chunks, into
-        a lent segment (or a new array, sent inline), after its ready event."""
+        """A GPU tensor's send: by CUDA IPC on a session (the daemon copies it), or
+        copied to the host once, through pinned chunks, into a lent segment (or a
+        new array, sent inline), after its ready event."""
+        ipc = self.gpu.ipc if kind == Kind.SEND else None
+        export = ipc.export(tensor) if ipc is not None else None
+        if export is not None:
+            assert ipc is not None
+            ipc.held.append(export)  # until the daemon answers (interrupted, held: its copy may still read)
+            try:
+                yield LocalOp(Kind.SEND_IPC, local_ipc.send_body(head, tensor.meta, export[0]))
+            except Exception as exc:
+                ipc.held.remove(export)
+                if not isinstance(exc, Unavailable):
+                    raise
+                ipc.off(exc)  # the daemon cannot open it: through the host, from now on
+            else:
+                ipc.held.remove(export)
+                self._count("send_ipc")
+                return Hop.IPC
         seg_id = (yield from self._segment(tensor.nbytes)) if self._pooled(tensor.nbytes) else None
         host = yield from self._into(seg_id, Stage(tensor, seg_id))
         self._count("send_from_gpu")
@@ -228,7 +247,8 @@ class ClientCore:
         if isinstance(step, Stage):
             return self.gpu.stage(step, self.segments)
         placed, moved = self.gpu.place(step)
-        self._count("recv_to_gpu", moved)
+        if moved:
+            self._count("recv_to_gpu", moved)
         return placed
 
     def check_items(self, items: Iterable[tuple[Any, ...]] | Mapping[Any, Any]) -> list[tuple[Any, Any, bool]]:
@@ -284,17 +304,27 @@ class ClientCore:
             self._count(f"send_{Hop.INLINE}", packed)
         return plan
 
-    @staticmethod
-    def recv_op(key: Key | str, step_id: int, timeout: float | None) -> LocalOp:
-        """The RECV of ``key``. The daemon enforces ``timeout`` (DEADLINE_EXCEEDED
+    def recv_op(self, key: Key | str, step_id: int, timeout: float | None,
+                device: Any = None) -> tuple[LocalOp, list[Placement] | None]:
+        """The RECV of ``key``, and where its tensor goes (None: the host, as
+        received; see :meth:`ClientGpu.targets`): bound for a GPU, it offers the
+        daemon CUDA IPC. The daemon enforces ``timeout`` (DEADLINE_EXCEEDED
         naming the key); the client's own deadline, 10 s later, only guards
         against a daemon that never answers."""
         canonical = canonical_key(key)
+        targets = self.gpu.targets((canonical,), device)
+        offer = self.gpu.offer(targets[0]) if targets is not None else b""
         guard = None if timeout is None else timeout + 10.0
-        return LocalOp(Kind.RECV, messages.recv_request(canonical, step_id, timeout), guard, canonical, step_id)
+        return LocalOp(Kind.RECV, messages.recv_request(canonical, step_id, timeout, offer), guard, canonical,
+                       step_id), targets
 
-    def received(self, raw: bytes | memoryview) -> Received:
-        """A RECV's answer as the item (a view on shared memory for a pooled reply)."""
+    def received(self, raw: bytes | memoryview, offered: bool = False) -> Received:
+        """A RECV's answer as the item (a view on shared memory for a pooled reply;
+        an :class:`Exported` for an export, when ``offered``, to copy as it is placed)."""
+        exported = local_ipc.replied(raw) if offered else None
+        if exported is not None:
+            self._count("recv_ipc")
+            return Received(Exported(*exported), False)
         reply = messages.parse_reply(raw, self.segments.view if self.segments is not None else None)
         with self._lock:
             self._counts[f"recv_{reply.hop}"] += 1
@@ -303,18 +333,10 @@ class ClientCore:
 
     def placed_plan(self, keys: Sequence[str], step_id: int, items: list[Received],
                     targets: list[Placement]) -> Generator[Step, Any, list[Received]]:
-        """The steps of putting a recv's ``items`` where ``targets`` say. If they
-        cannot be put there (out of device memory, a CUDA error), every one goes
-        back to the daemon (RETURN: kept for the next recv of its key) and the
-        recv fails RESOURCE_EXHAUSTED."""
-        try:
-            placed: list[Received] = yield Place(items, targets)
-        except Exception as exc:
-            for key, item in zip(keys, items):
-                yield from self.send_plan(key, item.value, step_id, item.is_dead, Kind.RETURN)
-            raise ResourceExhausted(f"cannot put the received tensors on their GPU: {type(exc).__name__}: "
-                                    f"{exc}; they are kept for the next recv of their keys") from exc
-        return placed
+        """The steps of putting a recv's ``items`` where ``targets`` say (see
+        :meth:`ClientGpu.placed_plan`), what cannot be placed given back (RETURN)."""
+        return self.gpu.placed_plan(keys, items, targets, lambda key, item: self.send_plan(
+            key, item.value, step_id, item.is_dead, Kind.RETURN))
 
     def recv_many_op(self, keys: Sequence[Key | str], step_id: int, timeout: float | None) -> LocalOp:
         """The RECV_MANY of ``keys``: one operation, one deadline (the daemon's;

@@ -7,7 +7,9 @@ over, or into a new array sent inside the frame); a recv puts each tensor
 where its key's dst_device says (``GPU:N``), or where ``device=`` says, as a
 server's recv does (:meth:`rendezvous.devices.Devices.place`). A tensor the
 client cannot put on its GPU is given back to the daemon, which keeps it for
-the next recv of its key (:meth:`ClientCore.placed_plan`).
+the next recv of its key (:meth:`ClientGpu.placed_plan`). On the session
+socket both go device to device by CUDA IPC where they can
+(:mod:`rendezvous.client.ipc`).
 
 The plans of :mod:`rendezvous.client.core` ask for these copies as steps
 (:class:`Stage`, :class:`Place`), so the asyncio client runs them off its loop.
@@ -16,16 +18,18 @@ The plans of :mod:`rendezvous.client.core` ask for these copies as steps
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from rendezvous.config import Config
 from rendezvous.devices import CPU, Devices, DeviceTensor, Placement, parse_placement, placement_for_device
+from rendezvous.errors import RendezvousError, ResourceExhausted
 from rendezvous.items import Received
 from rendezvous.keys import parse_key
 
+from .ipc import Exported, ClientIpc
 from .segments import Segments
 
 __all__ = ["Stage", "Place", "ClientGpu"]
@@ -60,7 +64,10 @@ class ClientGpu:
 
     def __init__(self, devices: Devices | None) -> None:
         self._devices = devices
-        self._staging: tuple[int, int] | None = None
+        self._config: Config | None = None
+        self._ipc: ClientIpc | None = None
+        #: the session's segments (None: no session, so no CUDA IPC)
+        self.segments: Segments | None = None
 
     @property
     def devices(self) -> Devices:
@@ -68,11 +75,26 @@ class ClientGpu:
             self._devices = Devices()
         return self._devices
 
+    @property
+    def ipc(self) -> ClientIpc | None:
+        """CUDA IPC with the daemon (a session only; ``RENDEZVOUS_CUDA_IPC``)."""
+        if self._ipc is None and self.segments is not None:
+            self._ipc = ClientIpc(self.devices, self._cfg().cuda_ipc)
+            self._ipc.segments = self.segments
+        return self._ipc
+
+    def _cfg(self) -> Config:
+        if self._config is None:
+            self._config = Config.load()
+        return self._config
+
     def _pool_args(self) -> tuple[int, int]:
-        if self._staging is None:
-            cfg = Config.load()
-            self._staging = (cfg.gpu_staging_chunk_bytes, cfg.gpu_staging_depth)
-        return self._staging
+        return self._cfg().gpu_staging_chunk_bytes, self._cfg().gpu_staging_depth
+
+    def offer(self, target: Placement) -> bytes:
+        """What a recv bound for ``target`` offers the daemon: a GPU's UUID for CUDA IPC, or b""."""
+        ipc = self.ipc if target.is_gpu else None
+        return ipc.offer(target) if ipc is not None else b""
 
     def on_gpu(self, obj: Any) -> bool:
         """Whether a backend takes ``obj`` for a GPU tensor (numpy arrays: never asked)."""
@@ -107,13 +129,36 @@ class ClientGpu:
                 out[i] = target
         return out
 
+    def placed_plan(self, keys: Sequence[str], items: list[Received], targets: list[Placement],
+                    give_back: Callable[[str, Received], Generator[Any, Any, Any]]
+                    ) -> Generator[Any, Any, list[Received]]:
+        """The steps of putting a recv's ``items`` where ``targets`` say. If they
+        cannot be put there (out of device memory, a CUDA error), each goes back
+        to the daemon (``give_back(key, item)``'s steps: kept for the next recv of
+        its key) and the recv fails RESOURCE_EXHAUSTED; an export whose IPC copy
+        failed went back with its release, and the recv fails UNAVAILABLE."""
+        try:
+            placed: list[Received] = yield Place(items, targets)
+        except Exception as exc:
+            for key, item in zip(keys, items):
+                if type(item.value) is not Exported:
+                    yield from give_back(key, item)
+            if isinstance(exc, RendezvousError):  # (IPC's UNAVAILABLE) as it is
+                raise
+            raise ResourceExhausted(f"cannot put the received tensors on their GPU: {type(exc).__name__}: "
+                                    f"{exc}; they are kept for the next recv of their keys") from exc
+        return placed
+
     def place(self, step: Place) -> tuple[list[Received], int]:
-        """Carry out ``step`` (blocking); also how many tensors it moved."""
+        """Carry out ``step`` (blocking); also how many tensors it moved from the host."""
         out: list[Received] = []
         for item, target in zip(step.items, step.targets):
             value = item.value
-            if value is None or not target.is_gpu or getattr(value, "dtype", None) == np.dtype(object):
+            if type(value) is Exported:
+                assert self._ipc is not None
+                out.append(Received(self._ipc.copy(value, target), False))
+            elif value is None or not target.is_gpu or getattr(value, "dtype", None) == np.dtype(object):
                 out.append(item)  # dead, bound for the host, or strings (no device form)
             else:
                 out.append(Received(self.devices.place(value, target, True, self._pool_args()), False))
-        return out, sum(a is not b for a, b in zip(out, step.items))
+        return out, sum(a is not b and type(b.value) is not Exported for a, b in zip(out, step.items))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rendezvous.local import messages
+from rendezvous.local import ipc, messages
 from rendezvous.local.frames import Kind, frame
 
 from .core import LocalOp
@@ -62,9 +62,14 @@ class Router:
             self._return(entry.op, entry.kind, entry.body)
 
     def _return(self, op: LocalOp, kind: int, body: memoryview) -> None:
-        """Give back the tensors of ``op``'s answer, which nobody takes (RETURN frames)."""
+        """Give back the tensors of ``op``'s answer, which nobody takes (RETURN frames;
+        an export's release as failed: the daemon keeps it)."""
         if kind == Kind.RECV_REPLY:
-            self._write(frame(Kind.RETURN, 0, messages.returned(op.key, op.step_id, body)))
+            exported = ipc.replied(body)
+            if exported is not None:
+                self._write(frame(Kind.IPC_RELEASE, 0, ipc.release_body([exported[0].export_id], True)))
+            else:
+                self._write(frame(Kind.RETURN, 0, messages.returned(op.key, op.step_id, body)))
         elif kind == Kind.RECV_MANY_REPLY:
             back = messages.returned_many(op.keys, op.step_id, body)
             if back:

@@ -38,6 +38,7 @@ class Segments:
         self._sizes: dict[int, int] = {}
         self._fds: collections.deque[int] = collections.deque()
         self._released: list[int] = []
+        self._notes: list[bytes] = []
         #: id(the array owning a lent segment's bytes) -> (segment, the array lent out)
         self._loans: dict[int, tuple[int, weakref.ref[np.ndarray]]] = {}
         #: id(the array owning a received segment's bytes) -> (segment, its release)
@@ -188,11 +189,21 @@ class Segments:
             self._released.append(seg_id)
         self._on_release()
 
+    def note(self, data: bytes) -> None:
+        """A frame with no answer (an IPC release) to go with the next RELEASE."""
+        with self._lock:
+            if self.closed:
+                return
+            self._notes.append(data)
+        self._on_release()
+
     def drain_released(self) -> bytes:
-        """A RELEASE frame for every segment let go since the last call (or b"")."""
+        """A RELEASE frame for every segment let go since the last call (or b""),
+        after the frames :meth:`note` was given."""
         with self._lock:
             ids, self._released = self._released, []
-        return frame(Kind.RELEASE, 0, pack_ids(ids)) if ids else b""
+            notes, self._notes = self._notes, []
+        return b"".join(notes) + (frame(Kind.RELEASE, 0, pack_ids(ids)) if ids else b"")
 
     def close(self) -> None:
         with self._lock:

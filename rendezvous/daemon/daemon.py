@@ -73,9 +73,10 @@ log = logging.getLogger("rendezvous.daemon")
 
 
 class Daemon:
-    """One node's daemon. Build anywhere; ``await start()`` inside the loop it lives on."""
+    """One node's daemon. Build anywhere; ``await start()`` inside the loop it lives on.
+    ``devices``: its GPU backends (default: cupy's, loaded at the first GPU tensor)."""
 
-    def __init__(self, config: Config, *, cluster: Any = None) -> None:
+    def __init__(self, config: Config, *, cluster: Any = None, devices: Any = None) -> None:
         need_extra()
         self.config = config
         found_cluster, job, index, self.index_source = resolve_identity(config) if cluster is None else \
@@ -99,7 +100,7 @@ class Daemon:
                                  max_free=self.descriptors.free)
             buffers = PoolBuffers(self.pool, self.shm_threshold, config.recv_cache_bytes)
         self.server = Server(found_cluster, job, index, config.protocol, config=config, grpc_setup=setup,
-                                 buffers=buffers)
+                             buffers=buffers, devices=devices)
         self.server.receiver.stall_warning = 0  # the daemon's own watcher says it, for local and peer recvs
         self.local = LocalServicer(self.server, self.metrics)
         #: Admin and health on the remote (rank) port: the rank server's own,

@@ -22,6 +22,7 @@ import time
 
 from rendezvous.local.frames import Kind, frame, pack_ids
 
+from .ipc import DaemonIpc
 from .pool import Pool
 from .service import LocalServicer
 from .sessions import SHARE, UCRED, FRAME_SLACK, Session
@@ -51,6 +52,7 @@ class SessionListener:
         self.segment_share = max(4, pool.max_segments // SHARE)
         self.recv_share = max(64, servicer.config.max_waiting_calls // SHARE)
         self.sessions: dict[str, Session] = {}
+        self.ipc = DaemonIpc(servicer.server)  # CUDA IPC with the sessions' clients
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
         self._ino: int | None = None
@@ -209,3 +211,4 @@ class SessionListener:
         self.remove_file()
         for session in list(self.sessions.values()):
             session.conn.close(None)
+        self.ipc.close()

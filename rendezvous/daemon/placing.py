@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from rendezvous.codec.dtypes import is_memcpyable
-from rendezvous.errors import Unavailable
+from rendezvous.errors import ResourceExhausted, Unavailable
 from rendezvous.local import messages
 from rendezvous.paths import Hop, Path
 from rendezvous.stats import payload_nbytes
@@ -29,10 +29,15 @@ from rendezvous.codec.tensors import TensorMeta
 
 from .pool import Pool, Segment
 
+#: the most tensor bytes a RECV_MANY's answer carries in its frame (a frame's
+#: length is a u32; keys and field headers take the rest)
+_MANY_INLINE_BYTES = (1 << 32) - (64 << 20)
+
 if TYPE_CHECKING:
     from rendezvous.local.connection import Connection
 
     from .listener import SessionListener
+    from .service import LocalServicer
 
 __all__ = ["Placing", "Answer"]
 
@@ -52,6 +57,7 @@ class Placing:
     """The answer-making half of a session (:class:`rendezvous.daemon.sessions.Session`)."""
 
     server: SessionListener
+    servicer: LocalServicer
     pool: Pool
     id: str
     conn: Connection
@@ -149,3 +155,24 @@ class Placing:
             raise
         for seg in handed:
             self._introduce(seg)
+
+    def _many_body(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]
+                   ) -> tuple[list, dict[Hop, list[int]], list[Segment]]:
+        """A RECV_MANY's LocalRecvManyResponse (:func:`messages.many_answer`: the
+        tensors on segments as replies naming them, the host arrays that go
+        inline packed in one group), per hop the tensors and bytes that
+        crossed it, and the segments to hand over (:meth:`_hand_over`) before
+        it is written. Called with no await before the write; nothing is
+        handed over here, so an answer that cannot be made (too large for one
+        frame) holds nothing."""
+        prepared, handed = self._pooled(got, places)
+        shm_bytes = sum(place[0].nbytes for i in prepared if (place := places[i]) is not None)
+        inline = [f.item for i, f in enumerate(got) if i not in prepared]
+        inline_bytes = sum(payload_nbytes(item.value) for item in inline)
+        if inline_bytes > _MANY_INLINE_BYTES:
+            raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline_bytes} bytes in "
+                                    f"its frame (the shared-memory pool has no room for them); at most "
+                                    f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
+        hops = {Hop.SHM: [len(prepared), shm_bytes], Hop.INLINE: [len(inline), inline_bytes]}
+        body = messages.many_answer(got, self.servicer.config.max_tensor_bytes, prepared)
+        return body, {hop: t for hop, t in hops.items() if t[0]}, handed

@@ -290,9 +290,9 @@ class LocalServicer:
         for hop, (count, nbytes) in hops.items():
             self.metrics.local_op("recv", hop, nbytes, count)
 
-    async def fetch(self, req: lpb.LocalRecvRequest) -> LocalFetched:
-        """A local client's recv: the item (a host array) and how the daemon got it.
-        Counted in :attr:`waits` (the stall watcher's) while it waits."""
+    async def fetch(self, req: lpb.LocalRecvRequest, device: str = "cpu") -> LocalFetched:
+        """A local client's recv: the item (a host array; on a GPU, ``device``, for
+        CUDA IPC) and how the daemon got it. Counted in :attr:`waits` while it waits."""
         self._refuse_if_draining()
         key = parse_key(req.rendezvous_key)
         canonical = key.format()
@@ -303,8 +303,8 @@ class LocalServicer:
         wait_id = self._park(canonical, req.step_id, str(producer), time.monotonic())
         try:
             timeout = req.timeout if req.timeout > 0 else None
-            # host arrays always: they go to the client inline or through shared memory
-            fetched = await self.server.fetch(canonical, req.step_id, timeout, device="cpu")
+            # host arrays (inline or through shared memory), unless the session asks IPC's GPU
+            fetched = await self.server.fetch(canonical, req.step_id, timeout, device=device)
         finally:
             self._unpark(wait_id)
         return LocalFetched(fetched.item, fetched.path)

@@ -48,6 +48,7 @@ from rendezvous.codec import fields as F
 from rendezvous.codec import wire
 from rendezvous.buffers import RecvBuffers
 from rendezvous.errors import Cancelled, InvalidArgument, RendezvousError, ResourceExhausted
+from rendezvous.local import ipc as ipc_messages
 from rendezvous.local import messages
 from rendezvous.local.connection import Connection
 from rendezvous.local.frames import (HEADER, SEND_MANY_BODY, SMALL_BODY, FrameError, FrameTooLarge, Kind, frame,
@@ -58,7 +59,8 @@ from rendezvous.stats import payload_nbytes
 from rendezvous.codec.tensors import TensorMeta
 from rendezvous.v1 import local_pb2 as lpb
 
-from .placing import Placing
+from .ipc import SessionIpc
+from .placing import Answer, Placing
 from .pool import Pool, Segment
 
 if TYPE_CHECKING:
@@ -80,9 +82,6 @@ SMALL_FRAME = SMALL_BODY
 SESSION_HIGH_WATER = 8 << 20
 #: descriptors a session may leave unread (segments introduced to it) likewise
 SESSION_FDS = 32
-#: the most tensor bytes a RECV_MANY's answer carries in its frame (a frame's
-#: length is a u32; keys and field headers take the rest)
-_MANY_INLINE_BYTES = (1 << 32) - (64 << 20)
 #: the share of the pool's segments, and of max_waiting_calls, one session may hold:
 #: what one client takes, the others still have
 SHARE = 8
@@ -121,7 +120,7 @@ class Session(Placing):
         self.pid, self.uid = pid, uid  # the kernel's word (SO_PEERCRED)
         self.client_id = ""
         self.hello = False
-        self.recvs: dict[int, asyncio.Task] = {}
+        self.recvs: dict[int, asyncio.Task] = {}  # its RECVs, RECV_MANYs and SEND_IPCs in flight
         self.waiting = 0  # keys those recvs wait for (a RECV_MANY counts each of its keys)
         self._counted: dict[int, int] = {}  # keys of each recv in flight counted in waiting (none once cancelled)
         self._reserved = 0  # segments chosen for answers being made, not handed over yet
@@ -135,6 +134,7 @@ class Session(Placing):
                                                  Kind.SEND_MANY: SEND_MANY_BODY},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
+        self.ipc = SessionIpc(server.ipc, pid, self.servicer.give_back, self.conn.write, self._error)
 
     @property
     def lent(self) -> int:
@@ -169,6 +169,10 @@ class Session(Placing):
         elif kind == Kind.SEND_MANY:
             self.servicer.send_many(body)
             self.conn.write(frame(Kind.OK, op))
+        elif kind == Kind.SEND_IPC:
+            self._start(op, 0, self.ipc.send(op, ipc_messages.sent(body)))
+        elif kind == Kind.IPC_RELEASE:
+            self.ipc.released(body)
         elif kind == Kind.RECV:
             req = messages.parse_recv(body)
             self._start(op, 1, self._recv(op, req))
@@ -312,18 +316,22 @@ class Session(Placing):
         t0 = time.perf_counter()
         metrics = self.servicer.metrics
         try:
-            item, path = await self.servicer.fetch(req)
+            item, path = await self.servicer.fetch(req, self.ipc.device(req))
             try:
                 # a client that reads no replies gets no more written for it: the
                 # tensor waits here (and is kept if the session ends)
                 await self.conn.room()
-                reply = await self._reply(item, path)
+                exported, item = await self.ipc.reply(req, item, path)  # exported, or on the host
+                reply = Answer(exported[0], Hop.IPC, 0) if exported else await self._reply(item, path)
             except BaseException:
                 self.servicer.give_back(req, item)
                 raise
             self.conn.write(frame(Kind.RECV_REPLY, op, reply.body))
             # a client that goes away before all of it is written never had it
-            self.conn.on_unsent(self.servicer.give_back, req, item)
+            if exported:
+                self.conn.on_unsent(self.ipc.unsent, exported[1])
+            else:
+                self.conn.on_unsent(self.servicer.give_back, req, item)
             if metrics is not None:
                 metrics.recv_done(path, time.perf_counter() - t0)
                 metrics.local_op("recv", reply.hop, reply.nbytes)
@@ -381,27 +389,6 @@ class Session(Placing):
                     "its tensors are kept for the next recv of each key", self.client_id or self.id, self.pid,
                     len(got), req.step_id)
         self.servicer.give_back_many(req, [f.item for f in got], why=None)
-
-    def _many_body(self, got: list[Any], places: list[tuple[np.ndarray, Segment] | None]
-                   ) -> tuple[list, dict[Hop, list[int]], list[Segment]]:
-        """A RECV_MANY's LocalRecvManyResponse (:func:`messages.many_answer`: the
-        tensors on segments as replies naming them, the host arrays that go
-        inline packed in one group), per hop the tensors and bytes that
-        crossed it, and the segments to hand over (:meth:`_hand_over`) before
-        it is written. Called with no await before the write; nothing is
-        handed over here, so an answer that cannot be made (too large for one
-        frame) holds nothing."""
-        prepared, handed = self._pooled(got, places)
-        shm_bytes = sum(place[0].nbytes for i in prepared if (place := places[i]) is not None)
-        inline = [f.item for i, f in enumerate(got) if i not in prepared]
-        inline_bytes = sum(payload_nbytes(item.value) for item in inline)
-        if inline_bytes > _MANY_INLINE_BYTES:
-            raise ResourceExhausted(f"the answer to a batch of {len(got)} keys would carry {inline_bytes} bytes in "
-                                    f"its frame (the shared-memory pool has no room for them); at most "
-                                    f"{_MANY_INLINE_BYTES}: ask for fewer keys at once")
-        hops = {Hop.SHM: [len(prepared), shm_bytes], Hop.INLINE: [len(inline), inline_bytes]}
-        body = messages.many_answer(got, self.servicer.config.max_tensor_bytes, prepared)
-        return body, {hop: t for hop, t in hops.items() if t[0]}, handed
 
     # -- errors and the end -----------------------------------------------------------
 

@@ -69,6 +69,8 @@ class Kind(enum.IntEnum):
     RETURN = 9  # SendRequest of a reply the client could not deliver (its recv was cancelled); answered OK
     RECV_MANY = 10  # LocalRecvManyRequest; answered RECV_MANY_REPLY (CANCEL gives it up as a RECV)
     SEND_MANY = 11  # LocalSendManyRequest; answered OK
+    SEND_IPC = 12  # SendRequest with an IpcTransfer; answered OK once the daemon's copy is done
+    IPC_RELEASE = 13  # IpcRelease: exports of RECV_REPLYs the client is done with; no answer
     # daemon -> client
     OK = 0x80
     ERROR = 0x81  # packed status code and message; with operation id 0: the session ends, and why

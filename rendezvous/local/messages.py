@@ -175,9 +175,8 @@ class SendFields(NamedTuple):
 
 
 def parse_send(raw: bytes | memoryview) -> SendFields:
-    """A SendRequest's fields, without copying its tensor (InvalidArgument if it
-    cannot be walked, names a retired kind of segment, or has a key that is
-    not UTF-8)."""
+    """A SendRequest's fields, without copying its tensor (InvalidArgument if it cannot
+    be walked, names a retired kind of segment or an IPC export, or its key is not UTF-8)."""
     step_id, key, tensor, is_dead, slot = 0, "", None, False, None
     for num, wt, a, b in wire.iter_fields(raw):
         if num == F.SEND_STEP_ID and wt == wire.VARINT:
@@ -190,9 +189,9 @@ def parse_send(raw: bytes | memoryview) -> SendFields:
             is_dead = bool(a)
         elif num == F.SEND_POOLED and wt == wire.LEN:
             slot = parse_slot(raw, a, b)
-        elif num == F.SEND_NAMED_SHM:
-            raise InvalidArgument("named shared-memory segments are no longer accepted: a client on the "
-                                  "daemon's machine sends through the session socket's pool")
+        elif num == F.SEND_NAMED_SHM or num == F.SEND_IPC:  # (an IPC send comes in a SEND_IPC frame only)
+            raise InvalidArgument("a SendRequest's tensor is inline or pooled here: named shared-memory segments"
+                                  " are no longer accepted, and an IPC send is a SEND_IPC frame of a session")
     return SendFields(step_id, key, tensor, is_dead, slot)
 
 
@@ -219,9 +218,9 @@ def _text(buf: bytes | memoryview, a: int, b: int, what: str) -> str:
 # -- RECV --------------------------------------------------------------------------------
 
 
-def recv_request(key: Key | str, step_id: int, timeout: float | None) -> bytes:
-    return lpb.LocalRecvRequest(step_id=step_id, rendezvous_key=canonical_key(key),
-                                timeout=timeout or 0.0).SerializeToString()
+def recv_request(key: Key | str, step_id: int, timeout: float | None, ipc_device: bytes = b"") -> bytes:
+    return lpb.LocalRecvRequest(step_id=step_id, rendezvous_key=canonical_key(key), timeout=timeout or 0.0,
+                                ipc_device=ipc_device).SerializeToString()
 
 
 def _parse(message: type[_M], raw: bytes | memoryview) -> _M:

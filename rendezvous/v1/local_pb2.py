@@ -26,7 +26,7 @@ from rendezvous.v1 import rendezvous_pb2 as rendezvous_dot_v1_dot_rendezvous__pb
 from rendezvous.v1 import tensor_pb2 as rendezvous_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rendezvous/v1/local.proto\x12\rrendezvous.v1\x1a\x1erendezvous/v1/rendezvous.proto\x1a\x1arendezvous/v1/tensor.proto\"+\n\x08PoolSlot\x12\x0f\n\x07segment\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"\xae\x01\n\x0bSendRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12*\n\x06tensor\x18\x03 \x01(\x0b\x32\x1a.rendezvous.v1.TensorProto\x12\x0f\n\x07is_dead\x18\x04 \x01(\x08\x12\'\n\x06pooled\x18\x07 \x01(\x0b\x32\x17.rendezvous.v1.PoolSlotJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x0f\x10\x10\"\x0e\n\x0cSendResponse\"p\n\x14LocalSendManyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x17\n\x0frendezvous_keys\x18\x02 \x03(\t\x12(\n\x05group\x18\x03 \x01(\x0b\x32\x19.rendezvous.v1.ReplyGroupJ\x04\x08\x0f\x10\x10\"R\n\x10LocalRecvRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01J\x04\x08\x04\x10\x05\"\x99\x01\n\x11LocalRecvResponse\x12*\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.rendezvous.v1.TensorProto\x12\x0f\n\x07is_dead\x18\x02 \x01(\x08\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\'\n\x06pooled\x18\x07 \x01(\x0b\x32\x17.rendezvous.v1.PoolSlotJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"Q\n\x14LocalRecvManyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x17\n\x0frendezvous_keys\x18\x02 \x03(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\"@\n\x10LocalRecvFailure\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xc2\x01\n\x15LocalRecvManyResponse\x12\x31\n\x07replies\x18\x01 \x03(\x0b\x32 .rendezvous.v1.LocalRecvResponse\x12\x31\n\x08\x66\x61ilures\x18\x02 \x03(\x0b\x32\x1f.rendezvous.v1.LocalRecvFailure\x12(\n\x05group\x18\x03 \x01(\x0b\x32\x19.rendezvous.v1.ReplyGroup\x12\x13\n\x0bgroup_paths\x18\x04 \x01(\x0cJ\x04\x08\x0f\x10\x10\"0\n\x0c\x41\x62ortRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0ePendingRequest\"\x82\x01\n\x0cPendingEntry\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x1a\n\x12oldest_age_seconds\x18\x05 \x01(\x01\x12\x10\n\x08producer\x18\x06 \x01(\t\"P\n\x0fPendingResponse\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.rendezvous.v1.PendingEntry\x12\x0f\n\x07omitted\x18\x02 \x01(\x03\"/\n\rAttachRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\"\x86\x01\n\x0e\x41ttachResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x15\n\rshm_threshold\x18\x02 \x01(\x03\x12\x18\n\x10max_tensor_bytes\x18\x03 \x01(\x03\x12\x16\n\x0esession_socket\x18\x05 \x01(\t\x12\x17\n\x0fmax_frame_bytes\x18\x06 \x01(\x03J\x04\x08\x04\x10\x05\x32\xdc\x04\n\x0fLocalRendezvous\x12?\n\x04Send\x12\x1a.rendezvous.v1.SendRequest\x1a\x1b.rendezvous.v1.SendResponse\x12\x41\n\x06Return\x12\x1a.rendezvous.v1.SendRequest\x1a\x1b.rendezvous.v1.SendResponse\x12L\n\x08SendMany\x12#.rendezvous.v1.LocalSendManyRequest\x1a\x1b.rendezvous.v1.SendResponse\x12I\n\x04Recv\x12\x1f.rendezvous.v1.LocalRecvRequest\x1a .rendezvous.v1.LocalRecvResponse\x12U\n\x08RecvMany\x12#.rendezvous.v1.LocalRecvManyRequest\x1a$.rendezvous.v1.LocalRecvManyResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.rendezvous.v1.AbortRequest\x1a\x1c.rendezvous.v1.AbortResponse\x12H\n\x07Pending\x12\x1d.rendezvous.v1.PendingRequest\x1a\x1e.rendezvous.v1.PendingResponse\x12G\n\x06\x41ttach\x12\x1c.rendezvous.v1.AttachRequest\x1a\x1d.rendezvous.v1.AttachResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rendezvous/v1/local.proto\x12\rrendezvous.v1\x1a\x1erendezvous/v1/rendezvous.proto\x1a\x1arendezvous/v1/tensor.proto\"+\n\x08PoolSlot\x12\x0f\n\x07segment\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\"\xd7\x01\n\x0bSendRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12*\n\x06tensor\x18\x03 \x01(\x0b\x32\x1a.rendezvous.v1.TensorProto\x12\x0f\n\x07is_dead\x18\x04 \x01(\x08\x12\'\n\x06pooled\x18\x07 \x01(\x0b\x32\x17.rendezvous.v1.PoolSlot\x12\'\n\x03ipc\x18\x08 \x01(\x0b\x32\x1a.rendezvous.v1.IpcTransferJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x0f\x10\x10\"\x0e\n\x0cSendResponse\"p\n\x14LocalSendManyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x17\n\x0frendezvous_keys\x18\x02 \x03(\t\x12(\n\x05group\x18\x03 \x01(\x0b\x32\x19.rendezvous.v1.ReplyGroupJ\x04\x08\x0f\x10\x10\"f\n\x10LocalRecvRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\x12\x12\n\nipc_device\x18\x05 \x01(\x0cJ\x04\x08\x04\x10\x05\"\xc2\x01\n\x11LocalRecvResponse\x12*\n\x06tensor\x18\x01 \x01(\x0b\x32\x1a.rendezvous.v1.TensorProto\x12\x0f\n\x07is_dead\x18\x02 \x01(\x08\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\'\n\x06pooled\x18\x07 \x01(\x0b\x32\x17.rendezvous.v1.PoolSlot\x12\'\n\x03ipc\x18\x08 \x01(\x0b\x32\x1a.rendezvous.v1.IpcTransferJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06\"Q\n\x14LocalRecvManyRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x17\n\x0frendezvous_keys\x18\x02 \x03(\t\x12\x0f\n\x07timeout\x18\x03 \x01(\x01\"@\n\x10LocalRecvFailure\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xc2\x01\n\x15LocalRecvManyResponse\x12\x31\n\x07replies\x18\x01 \x03(\x0b\x32 .rendezvous.v1.LocalRecvResponse\x12\x31\n\x08\x66\x61ilures\x18\x02 \x03(\x0b\x32\x1f.rendezvous.v1.LocalRecvFailure\x12(\n\x05group\x18\x03 \x01(\x0b\x32\x19.rendezvous.v1.ReplyGroup\x12\x13\n\x0bgroup_paths\x18\x04 \x01(\x0cJ\x04\x08\x0f\x10\x10\"0\n\x0c\x41\x62ortRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0ePendingRequest\"\x82\x01\n\x0cPendingEntry\x12\x0f\n\x07step_id\x18\x01 \x01(\x03\x12\x16\n\x0erendezvous_key\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\x12\x1a\n\x12oldest_age_seconds\x18\x05 \x01(\x01\x12\x10\n\x08producer\x18\x06 \x01(\t\"P\n\x0fPendingResponse\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.rendezvous.v1.PendingEntry\x12\x0f\n\x07omitted\x18\x02 \x01(\x03\"/\n\rAttachRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\"\x86\x01\n\x0e\x41ttachResponse\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x15\n\rshm_threshold\x18\x02 \x01(\x03\x12\x18\n\x10max_tensor_bytes\x18\x03 \x01(\x03\x12\x16\n\x0esession_socket\x18\x05 \x01(\t\x12\x17\n\x0fmax_frame_bytes\x18\x06 \x01(\x03J\x04\x08\x04\x10\x05\x32\xdc\x04\n\x0fLocalRendezvous\x12?\n\x04Send\x12\x1a.rendezvous.v1.SendRequest\x1a\x1b.rendezvous.v1.SendResponse\x12\x41\n\x06Return\x12\x1a.rendezvous.v1.SendRequest\x1a\x1b.rendezvous.v1.SendResponse\x12L\n\x08SendMany\x12#.rendezvous.v1.LocalSendManyRequest\x1a\x1b.rendezvous.v1.SendResponse\x12I\n\x04Recv\x12\x1f.rendezvous.v1.LocalRecvRequest\x1a .rendezvous.v1.LocalRecvResponse\x12U\n\x08RecvMany\x12#.rendezvous.v1.LocalRecvManyRequest\x1a$.rendezvous.v1.LocalRecvManyResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.rendezvous.v1.AbortRequest\x1a\x1c.rendezvous.v1.AbortResponse\x12H\n\x07Pending\x12\x1d.rendezvous.v1.PendingRequest\x1a\x1e.rendezvous.v1.PendingResponse\x12G\n\x06\x41ttach\x12\x1c.rendezvous.v1.AttachRequest\x1a\x1d.rendezvous.v1.AttachResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLSLOT']._serialized_start=104
   _globals['_POOLSLOT']._serialized_end=147
   _globals['_SENDREQUEST']._serialized_start=150
-  _globals['_SENDREQUEST']._serialized_end=324
-  _globals['_SENDRESPONSE']._serialized_start=326
-  _globals['_SENDRESPONSE']._serialized_end=340
-  _globals['_LOCALSENDMANYREQUEST']._serialized_start=342
-  _globals['_LOCALSENDMANYREQUEST']._serialized_end=454
-  _globals['_LOCALRECVREQUEST']._serialized_start=456
-  _globals['_LOCALRECVREQUEST']._serialized_end=538
-  _globals['_LOCALRECVRESPONSE']._serialized_start=541
-  _globals['_LOCALRECVRESPONSE']._serialized_end=694
-  _globals['_LOCALRECVMANYREQUEST']._serialized_start=696
-  _globals['_LOCALRECVMANYREQUEST']._serialized_end=777
-  _globals['_LOCALRECVFAILURE']._serialized_start=779
-  _globals['_LOCALRECVFAILURE']._serialized_end=843
-  _globals['_LOCALRECVMANYRESPONSE']._serialized_start=846
-  _globals['_LOCALRECVMANYRESPONSE']._serialized_end=1040
-  _globals['_ABORTREQUEST']._serialized_start=1042
-  _globals['_ABORTREQUEST']._serialized_end=1090
-  _globals['_ABORTRESPONSE']._serialized_start=1092
-  _globals['_ABORTRESPONSE']._serialized_end=1107
-  _globals['_PENDINGREQUEST']._serialized_start=1109
-  _globals['_PENDINGREQUEST']._serialized_end=1125
-  _globals['_PENDINGENTRY']._serialized_start=1128
-  _globals['_PENDINGENTRY']._serialized_end=1258
-  _globals['_PENDINGRESPONSE']._serialized_start=1260
-  _globals['_PENDINGRESPONSE']._serialized_end=1340
-  _globals['_ATTACHREQUEST']._serialized_start=1342
-  _globals['_ATTACHREQUEST']._serialized_end=1389
-  _globals['_ATTACHRESPONSE']._serialized_start=1392
-  _globals['_ATTACHRESPONSE']._serialized_end=1526
-  _globals['_LOCALRENDEZVOUS']._serialized_start=1529
-  _globals['_LOCALRENDEZVOUS']._serialized_end=2133
+  _globals['_SENDREQUEST']._serialized_end=365
+  _globals['_SENDRESPONSE']._serialized_start=367
+  _globals['_SENDRESPONSE']._serialized_end=381
+  _globals['_LOCALSENDMANYREQUEST']._serialized_start=383
+  _globals['_LOCALSENDMANYREQUEST']._serialized_end=495
+  _globals['_LOCALRECVREQUEST']._serialized_start=497
+  _globals['_LOCALRECVREQUEST']._serialized_end=599
+  _globals['_LOCALRECVRESPONSE']._serialized_start=602
+  _globals['_LOCALRECVRESPONSE']._serialized_end=796
+  _globals['_LOCALRECVMANYREQUEST']._serialized_start=798
+  _globals['_LOCALRECVMANYREQUEST']._serialized_end=879
+  _globals['_LOCALRECVFAILURE']._serialized_start=881
+  _globals['_LOCALRECVFAILURE']._serialized_end=945
+  _globals['_LOCALRECVMANYRESPONSE']._serialized_start=948
+  _globals['_LOCALRECVMANYRESPONSE']._serialized_end=1142
+  _globals['_ABORTREQUEST']._serialized_start=1144
+  _globals['_ABORTREQUEST']._serialized_end=1192
+  _globals['_ABORTRESPONSE']._serialized_start=1194
+  _globals['_ABORTRESPONSE']._serialized_end=1209
+  _globals['_PENDINGREQUEST']._serialized_start=1211
+  _globals['_PENDINGREQUEST']._serialized_end=1227
+  _globals['_PENDINGENTRY']._serialized_start=1230
+  _globals['_PENDINGENTRY']._serialized_end=1360
+  _globals['_PENDINGRESPONSE']._serialized_start=1362
+  _globals['_PENDINGRESPONSE']._serialized_end=1442
+  _globals['_ATTACHREQUEST']._serialized_start=1444
+  _globals['_ATTACHREQUEST']._serialized_end=1491
+  _globals['_ATTACHRESPONSE']._serialized_start=1494
+  _globals['_ATTACHRESPONSE']._serialized_end=1628
+  _globals['_LOCALRENDEZVOUS']._serialized_start=1631
+  _globals['_LOCALRENDEZVOUS']._serialized_end=2235
 # @@protoc_insertion_point(module_scope)

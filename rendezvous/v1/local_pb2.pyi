@@ -17,18 +17,20 @@ class PoolSlot(_message.Message):
     def __init__(self, segment: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class SendRequest(_message.Message):
-    __slots__ = ("step_id", "rendezvous_key", "tensor", "is_dead", "pooled")
+    __slots__ = ("step_id", "rendezvous_key", "tensor", "is_dead", "pooled", "ipc")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_DEAD_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rendezvous_key: str
     tensor: _tensor_pb2.TensorProto
     is_dead: bool
     pooled: PoolSlot
-    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ...) -> None: ...
+    ipc: _rendezvous_pb2.IpcTransfer
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ..., ipc: _Optional[_Union[_rendezvous_pb2.IpcTransfer, _Mapping]] = ...) -> None: ...
 
 class SendResponse(_message.Message):
     __slots__ = ()
@@ -45,26 +47,30 @@ class LocalSendManyRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., rendezvous_keys: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[_rendezvous_pb2.ReplyGroup, _Mapping]] = ...) -> None: ...
 
 class LocalRecvRequest(_message.Message):
-    __slots__ = ("step_id", "rendezvous_key", "timeout")
+    __slots__ = ("step_id", "rendezvous_key", "timeout", "ipc_device")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    IPC_DEVICE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rendezvous_key: str
     timeout: float
-    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+    ipc_device: bytes
+    def __init__(self, step_id: _Optional[int] = ..., rendezvous_key: _Optional[str] = ..., timeout: _Optional[float] = ..., ipc_device: _Optional[bytes] = ...) -> None: ...
 
 class LocalRecvResponse(_message.Message):
-    __slots__ = ("tensor", "is_dead", "path", "pooled")
+    __slots__ = ("tensor", "is_dead", "path", "pooled", "ipc")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_DEAD_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
     tensor: _tensor_pb2.TensorProto
     is_dead: bool
     path: str
     pooled: PoolSlot
-    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., path: _Optional[str] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ...) -> None: ...
+    ipc: _rendezvous_pb2.IpcTransfer
+    def __init__(self, tensor: _Optional[_Union[_tensor_pb2.TensorProto, _Mapping]] = ..., is_dead: _Optional[bool] = ..., path: _Optional[str] = ..., pooled: _Optional[_Union[PoolSlot, _Mapping]] = ..., ipc: _Optional[_Union[_rendezvous_pb2.IpcTransfer, _Mapping]] = ...) -> None: ...
 
 class LocalRecvManyRequest(_message.Message):
     __slots__ = ("step_id", "rendezvous_keys", "timeout")

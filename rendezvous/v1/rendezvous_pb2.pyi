@@ -73,20 +73,22 @@ class IpcEndpoint(_message.Message):
     def __init__(self, node: _Optional[bytes] = ..., pid: _Optional[int] = ..., devices: _Optional[_Iterable[bytes]] = ..., next: _Optional[_Union[_any_pb2.Any, _Mapping]] = ...) -> None: ...
 
 class IpcTransfer(_message.Message):
-    __slots__ = ("memory", "offset", "event", "export_id", "producer", "nbytes")
+    __slots__ = ("memory", "offset", "event", "export_id", "producer", "nbytes", "device")
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     memory: bytes
     offset: int
     event: bytes
     export_id: int
     producer: str
     nbytes: int
-    def __init__(self, memory: _Optional[bytes] = ..., offset: _Optional[int] = ..., event: _Optional[bytes] = ..., export_id: _Optional[int] = ..., producer: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    device: bytes
+    def __init__(self, memory: _Optional[bytes] = ..., offset: _Optional[int] = ..., event: _Optional[bytes] = ..., export_id: _Optional[int] = ..., producer: _Optional[str] = ..., nbytes: _Optional[int] = ..., device: _Optional[bytes] = ...) -> None: ...
 
 class IpcRelease(_message.Message):
     __slots__ = ("export_ids", "failed")
