@@ -79,12 +79,11 @@ class SessionIpc:
     the kernel names; never the daemon's own): the copies of its sends in
     flight (their destinations held until done), and the exports of its recvs."""
 
-    def __init__(self, daemon: DaemonIpc, pid: int, give_back: Callable[[lpb.LocalRecvRequest, Received], None],
-                 write: Callable[[bytes], None], error: Callable[[int, BaseException], None]) -> None:
+    def __init__(self, daemon: DaemonIpc, pid: int, give_back: Callable[[lpb.LocalRecvRequest, Received], None]
+                 ) -> None:
         self.daemon = daemon
         self.pid = pid
         self.give_back = give_back
-        self._write, self._error = write, error  # the session's: a frame out, an operation's error
         self.copies: dict[asyncio.Future, Any] = {}
         #: export id -> (the request, the item, what the backend holds with it)
         self.exports: dict[int, tuple[lpb.LocalRecvRequest, Received, Any]] = {}
@@ -120,21 +119,23 @@ class SessionIpc:
                               f"{exc}); send it through the host") from None
         return DeviceTensor(dst, backend, index, done)
 
-    async def send(self, op: int, got: tuple[int, str, pb.IpcTransfer, TensorMeta]) -> None:
+    async def send(self, op: int, got: tuple[int, str, pb.IpcTransfer, TensorMeta],
+                   write: Callable[[bytes], None], error: Callable[[int, BaseException], None]) -> None:
         """Operation ``op``, a SEND_IPC (parsed: step, key, transfer, meta): the key
-        checked, the client's tensor copied here, then produced; answered OK, or
-        with the error."""
+        checked, the client's tensor copied here, then produced; answered OK
+        (``write``), or with the error (``error``: the session's, held only while
+        this runs, so a closed session is freed at once)."""
         step_id, key, transfer, meta = got
         server = self.daemon.server
         try:
             server.prepare_send(key, None, True)  # a key this daemon does not produce: refused before a copy
             server.send(key, await self.imported(transfer, meta), step_id)
         except asyncio.CancelledError:
-            self._error(op, Cancelled("an IPC send was cancelled: its session ends"))
+            error(op, Cancelled("an IPC send was cancelled: its session ends"))
         except Exception as exc:
-            self._error(op, exc)
+            error(op, exc)
         else:
-            self._write(frame(Kind.OK, op))
+            write(frame(Kind.OK, op))
 
     async def reply(self, req: lpb.LocalRecvRequest, item: Received, path: Path
                     ) -> tuple[tuple[bytes, int] | None, Received]:

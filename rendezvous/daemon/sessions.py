@@ -134,7 +134,7 @@ class Session(Placing):
                                                  Kind.SEND_MANY: SEND_MANY_BODY},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
-        self.ipc = SessionIpc(server.ipc, pid, self.servicer.give_back, self.conn.write, self._error)
+        self.ipc = SessionIpc(server.ipc, pid, self.servicer.give_back)
 
     @property
     def lent(self) -> int:
@@ -170,7 +170,7 @@ class Session(Placing):
             self.servicer.send_many(body)
             self.conn.write(frame(Kind.OK, op))
         elif kind == Kind.SEND_IPC:
-            self._start(op, 0, self.ipc.send(op, ipc_messages.sent(body)))
+            self._start(op, 0, self.ipc.send(op, ipc_messages.sent(body), self.conn.write, self._error))
         elif kind == Kind.IPC_RELEASE:
             self.ipc.released(body)
         elif kind == Kind.RECV:
