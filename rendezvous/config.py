@@ -221,8 +221,9 @@ class Config:
         parse=lambda raw: None if raw == "" or raw.strip().lower() == "auto" else env_flag(raw))
     cuda_ipc: bool = _knob(
         True, "RENDEZVOUS_CUDA_IPC",
-        "GPU tensors between processes of one node go by CUDA IPC (device to device) where the GPU backend "
-        "can; `0`: never (they take the staged or default path).", parse=env_flag)
+        "GPU tensors between processes of one node (rank servers; a daemon and its local clients) go by CUDA "
+        "IPC (device to device) where the GPU backend can; `0`: never (they take the staged or default path, "
+        "or the host).", parse=env_flag)
     gpu_staging_chunk_bytes: int = _knob(
         4 << 20, "RENDEZVOUS_GPU_STAGING_CHUNK_BYTES",
         "Size of the pinned host buffers GPU tensors are staged through, and so of each staged MPI message.")
