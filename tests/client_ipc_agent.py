@@ -2,7 +2,9 @@
 (:class:`rendezvous.testing.fakegpu_ipc.FakeIpcBackend`), driven by JSON lines
 on stdin; one JSON answer per line on stdout (tests/test_client_ipc.py).
 
-    python tests/client_ipc_agent.py NODE ADDRESS
+    python tests/client_ipc_agent.py NODE ADDRESS [aio]
+
+(``aio``: the asyncio client, on a loop thread of its own; else the blocking one.)
 
 It prints ``{"pid": ...}`` once connected. Commands (``op``):
 
@@ -19,15 +21,18 @@ It prints ``{"pid": ...}`` once connected. Commands (``op``):
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
 from rendezvous.client import Client
+from rendezvous.client.aio import Client as AioClient
 from rendezvous.codec.tensors import TensorMeta
 from rendezvous.devices import Devices
 from rendezvous.errors import RendezvousError
@@ -35,10 +40,34 @@ from rendezvous.testing.fakegpu import FakeCudaError, FakeDeviceArray
 from rendezvous.testing.fakegpu_ipc import FakeIpcBackend
 
 
+class AioClientThread:
+    """The asyncio client's calls, made blocking: they run on a loop thread."""
+
+    def __init__(self, address: str, devices: Devices) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.client = AioClient(address, devices=devices)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def send(self, *args: Any, **kw: Any) -> None:
+        self._run(self.client.send(*args, **kw))
+
+    def recv(self, *args: Any, **kw: Any) -> Any:
+        return self._run(self.client.recv(*args, **kw))
+
+    def stats(self) -> dict:
+        return self.client.stats()
+
+    def close(self) -> None:
+        self._run(self.client.close())
+
+
 def main() -> None:
     node, address = sys.argv[1], sys.argv[2]
     fake = FakeIpcBackend(node)
-    client = Client(address, devices=Devices([fake]))
+    client: Any = (AioClientThread if sys.argv[3:] == ["aio"] else Client)(address, devices=Devices([fake]))
     out = threading.Lock()
     gate = threading.Event()
 

@@ -57,8 +57,8 @@ def values(seed: int, n: int = N) -> list[float]:
 class ClientAgent(Agent):
     """A local client in a process of its own (tests/client_ipc_agent.py)."""
 
-    def __init__(self, address: str) -> None:  # (Agent's reading and commands, another program)
-        self.p = subprocess.Popen([sys.executable, AGENT, NODE, address], stdin=subprocess.PIPE,
+    def __init__(self, address: str, mode: str = "blocking") -> None:  # (Agent's reading and commands)
+        self.p = subprocess.Popen([sys.executable, AGENT, NODE, address, mode], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
         self.results: dict[int, dict] = {}
         self.cond = threading.Condition()
@@ -114,11 +114,12 @@ def node() -> Iterator[Node]:
         assert n.fake.violations == []
 
 
-@pytest.fixture
-def agents(node: Node) -> Iterator[list[ClientAgent]]:
+@pytest.fixture(params=["blocking", "aio"])
+def agents(node: Node, request: pytest.FixtureRequest) -> Iterator[list[ClientAgent]]:
+    """Two clients in processes of their own: both blocking, or both asyncio."""
     made: list[ClientAgent] = []
     try:
-        made += [ClientAgent(node.address), ClientAgent(node.address)]
+        made += [ClientAgent(node.address, request.param), ClientAgent(node.address, request.param)]
         yield made
     finally:
         for a in made:
