@@ -1498,7 +1498,9 @@ def test_fuzz_pooled_sends(node):
 REPLY_KINDS = frozenset({Kind.OK, Kind.ERROR, Kind.RECV_REPLY, Kind.RECV_MANY_REPLY, Kind.SEGMENTS, Kind.RETIRE,
                          Kind.WELCOME, Kind.PENDING_REPLY})
 # frames answered at once, in order (a RECV is answered when its tensor comes; RELEASE and CANCEL never)
-SYNC_KINDS = frozenset(range(256)) - {Kind.RECV, Kind.RECV_MANY, Kind.RELEASE, Kind.CANCEL}
+# (a RECV, RECV_MANY or SEND_IPC is answered once its work is done, maybe after the sentinel)
+SYNC_KINDS = frozenset(range(256)) - {Kind.RECV, Kind.RECV_MANY, Kind.RELEASE, Kind.CANCEL, Kind.IPC_RELEASE,
+                                      Kind.SEND_IPC}
 CLIENT_KINDS = [k for k in Kind if k < 0x80]
 SENTINEL = 2**64 - 1  # the op id of the PENDING frame that ends an example's stream
 RAW_KEY = _node_key("raw")
