@@ -61,3 +61,15 @@ def test_the_ipc_bench_runs_end_to_end_on_the_fake_gpu(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["fake"] and doc["ok"] and [r["size"] for r in doc["rows"]] == [64 << 10, 1 << 20]
     assert all(r["ipc_one_gbps"] > 0 and r["ipc_many_gbps"] > 0 and r["d2d_gbps"] > 0 for r in doc["rows"])
+
+
+def test_the_ipc_bench_through_a_daemon_runs_end_to_end_on_the_fake_gpu(tmp_path):
+    """``--daemon``: a daemon and a producing client in processes of their own,
+    this process the consuming client; every tensor came by IPC, both hops."""
+    from rendezvous.bench import gpu_ipc
+
+    out = tmp_path / "ipc_local.json"
+    assert gpu_ipc.main(["--fake", "--daemon", "--sizes", "64K,1M", "--count", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["fake"] and doc["daemon"] and doc["ok"] and [r["size"] for r in doc["rows"]] == [64 << 10, 1 << 20]
+    assert all(r["ipc_one_gbps"] > 0 and r["d2d_gbps"] > 0 for r in doc["rows"])

@@ -12,7 +12,9 @@
    and depths of ``--staging`` (``rendezvous bench --gpu-staging``), each
    judged the same way, to choose the default by measurement;
 3. node-local GPU->GPU by CUDA IPC against a device-to-device copy in one
-   process (:mod:`rendezvous.bench.gpu_ipc`), target ``>= 0.8`` from 16 MiB.
+   process (:mod:`rendezvous.bench.gpu_ipc`), target ``>= 0.8`` from 16 MiB,
+   between two rank servers and (``--daemon``) between two local clients of
+   a daemon.
 
 Where cupy cannot be imported or sees no CUDA device it says so and exits 0
 (nothing to check here: the fake-GPU tests in the ordinary suite ran
@@ -117,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(("CUDA IPC GPU->GPU >= 0.8 x a device-to-device copy",
                         _step("IPC bandwidth", [sys.executable, "-m", "rendezvous.bench.gpu_ipc", "--sizes", args.sizes,
                                                 "--json", str(out / "ipc.json")], timeout=900)))
+        results.append(("CUDA IPC through a daemon's local clients >= 0.8 x a device-to-device copy",
+                        _step("local IPC bandwidth", [sys.executable, "-m", "rendezvous.bench.gpu_ipc", "--daemon",
+                                                      "--sizes", args.sizes, "--json", str(out / "ipc_local.json")],
+                              timeout=900)))
     print("\n== gpu-check report")
     for name, ok in results:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
