@@ -32,7 +32,7 @@ from typing import Any
 
 from rendezvous.codec.tensors import TensorMeta
 from rendezvous.devices import CPU, DeviceBackend, DeviceTensor
-from rendezvous.devices.ipc_handles import OpenedHandles, node_id
+from rendezvous.devices.ipc_handles import OpenedHandles
 from rendezvous.errors import Cancelled, Unavailable
 from rendezvous.items import Received
 from rendezvous.local import ipc as messages
@@ -52,7 +52,6 @@ class DaemonIpc:
 
     def __init__(self, server: Any) -> None:
         self.server = server
-        self.node = node_id()
         self.pid = os.getpid()
         self.handles = OpenedHandles()
         self._gpus: dict[bytes, tuple[DeviceBackend, int]] | None = None
@@ -79,11 +78,10 @@ class SessionIpc:
     the kernel names; never the daemon's own): the copies of its sends in
     flight (their destinations held until done), and the exports of its recvs."""
 
-    def __init__(self, daemon: DaemonIpc, pid: int, give_back: Callable[[lpb.LocalRecvRequest, Received], None]
-                 ) -> None:
+    def __init__(self, daemon: DaemonIpc, pid: int, servicer: Any) -> None:
         self.daemon = daemon
         self.pid = pid
-        self.give_back = give_back
+        self.servicer = servicer  # the LocalServicer: its drain, and where a tensor goes back
         self.copies: dict[asyncio.Future, Any] = {}
         #: export id -> (the request, the item, what the backend holds with it)
         self.exports: dict[int, tuple[lpb.LocalRecvRequest, Received, Any]] = {}
@@ -128,6 +126,8 @@ class SessionIpc:
         step_id, key, transfer, meta = got
         server = self.daemon.server
         try:
+            if self.servicer.draining:
+                raise Unavailable(f"rendezvousd {server.task} is shutting down")
             server.prepare_send(key, None, True)  # a key this daemon does not produce: refused before a copy
             server.send(key, await self.imported(transfer, meta), step_id)
         except asyncio.CancelledError:
@@ -194,4 +194,4 @@ class SessionIpc:
         the tensor goes ``back``)."""
         held = self.exports.pop(export_id, None)
         if held is not None and back:
-            self.give_back(held[0], held[1])
+            self.servicer.give_back(held[0], held[1])

@@ -134,7 +134,7 @@ class Session(Placing):
                                                  Kind.SEND_MANY: SEND_MANY_BODY},
                                          high_water=SESSION_HIGH_WATER, max_fds=SESSION_FDS, group=1,
                                          farewell=self._farewell)
-        self.ipc = SessionIpc(server.ipc, pid, self.servicer.give_back)
+        self.ipc = SessionIpc(server.ipc, pid, self.servicer)
 
     @property
     def lent(self) -> int:
