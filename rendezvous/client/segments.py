@@ -200,6 +200,8 @@ class Segments:
     def drain_released(self) -> bytes:
         """A RELEASE frame for every segment let go since the last call (or b""),
         after the frames :meth:`note` was given."""
+        if not self._released and not self._notes:  # (every write asks: most find nothing)
+            return b""
         with self._lock:
             ids, self._released = self._released, []
             notes, self._notes = self._notes, []

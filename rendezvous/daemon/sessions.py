@@ -316,12 +316,13 @@ class Session(Placing):
         t0 = time.perf_counter()
         metrics = self.servicer.metrics
         try:
-            item, path = await self.servicer.fetch(req, self.ipc.device(req))
+            ipc = req.ipc_device  # (a recv bound for a GPU: CUDA IPC, where it can)
+            item, path = await self.servicer.fetch(req, self.ipc.device(req) if ipc else "cpu")
             try:
                 # a client that reads no replies gets no more written for it: the
                 # tensor waits here (and is kept if the session ends)
                 await self.conn.room()
-                exported, item = await self.ipc.reply(req, item, path)  # exported, or on the host
+                exported, item = await self.ipc.reply(req, item, path) if ipc else (None, item)
                 reply = Answer(exported[0], Hop.IPC, 0) if exported else await self._reply(item, path)
             except BaseException:
                 self.servicer.give_back(req, item)
