@@ -22,7 +22,8 @@ from rendezvous.errors import DeadlineExceeded, FailedPrecondition, ResourceExha
 from rendezvous.testing.fakegpu import FakeBackend, FakeDeviceArray
 
 from conftest import run, until
-from test_daemon import _segment_files, daemons
+from test_daemon import daemons
+from test_lent_buffers import no_leaked_segments, sockdir  # noqa: F401 (fixtures: a short socket dir; no segment left)
 
 pytestmark = pytest.mark.timeout(60)
 BIG = 3 << 20  # float32s: 12 MiB, through a segment, in three staging chunks
@@ -32,22 +33,6 @@ SMALL = 16  # inside the frame
 def gkey(name: str, dst: str = "GPU:1") -> str:
     return (f"/job:node/replica:0/task:0/device:GPU:0;0000000000000000;"
             f"/job:node/replica:0/task:0/device:{dst};{name};0:0")
-
-
-@pytest.fixture
-def sockdir():
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory(prefix="rdv", dir="/tmp") as d:  # a socket path fits 107 bytes
-        yield Path(d)
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments():
-    yield
-    gc.collect()
-    assert _segment_files() == 0, "pool segments left open or mapped"
 
 
 def _nothing_left(d) -> None:

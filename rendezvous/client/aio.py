@@ -348,6 +348,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._core.close()
         if self._link is not None:
             self._link.close()
         if self._session is not None:

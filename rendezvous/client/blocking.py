@@ -431,11 +431,12 @@ class Client:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """End the session (the daemon takes back the shared memory it lent) and
-        close the connection. Arrays received stay valid. Idempotent."""
+        """End the session (the daemon takes back the shared memory it lent, and
+        what it exported by IPC) and close the connection. Arrays received stay valid."""
         if self._closed:
             return
         self._closed = True
+        self._core.close()
         if self._link is not None:
             self._link.close()
         if self._channel is not None:

@@ -160,6 +160,7 @@ class ClientCore:
         ``kind`` RETURN gives back a received tensor that could not be placed."""
         head = messages.send_head(key, step_id)
         segments = self.segments
+        seg_id = None
         if not is_dead:
             if type(tensor) is not np.ndarray:
                 tensor = self.gpu.devices.import_tensor(tensor)
@@ -168,20 +169,26 @@ class ClientCore:
             tensor = arr = as_array(tensor)
             seg_id = segments.hand_over(arr) if segments is not None else None
             if seg_id is not None:
-                yield LocalOp(kind, messages.pooled_send(head, arr, seg_id))
-                self._count("send_handed_over")
-                return Hop.SHM
+                return (yield from self._sent(head, arr, seg_id, kind, counted="send_handed_over"))
             if self._pooled(arr.nbytes) and is_memcpyable(arr):
                 seg_id = yield from self._segment(arr.nbytes)
                 if seg_id is not None:
                     yield from self._into(seg_id, Copy(seg_id, arr))
-                    yield LocalOp(kind, messages.pooled_send(head, arr, seg_id))
-                    self._count(f"send_{Hop.SHM}")
-                    return Hop.SHM
-        body, _ = messages.inline_send(head, tensor, is_dead)
-        yield LocalOp(kind, body)
-        self._count(f"send_{Hop.INLINE}")
-        return Hop.INLINE
+        return (yield from self._sent(head, tensor, seg_id, kind, is_dead))
+
+    def _sent(self, head: bytes, value: Any, seg_id: int | None, kind: Kind, is_dead: bool = False,
+              counted: str = "") -> SendPlan:
+        """The send (``kind``) of ``value``: naming segment ``seg_id``, which holds
+        its bytes, else inline; counted under ``counted`` (default: its hop)."""
+        if seg_id is not None:
+            yield LocalOp(kind, messages.pooled_send(head, value, seg_id))
+            hop = Hop.SHM
+        else:
+            body, _ = messages.inline_send(head, value, is_dead)
+            yield LocalOp(kind, body)
+            hop = Hop.INLINE
+        self._count(counted or f"send_{hop}")
+        return hop
 
     def _pooled(self, nbytes: int) -> bool:
         """Whether a tensor of ``nbytes`` crosses through a segment (a session, and
@@ -224,14 +231,7 @@ class ClientCore:
         seg_id = (yield from self._segment(tensor.nbytes)) if self._pooled(tensor.nbytes) else None
         host = yield from self._into(seg_id, Stage(tensor, seg_id))
         self._count("send_from_gpu")
-        if seg_id is not None:
-            yield LocalOp(kind, messages.pooled_send(head, host, seg_id))
-            self._count(f"send_{Hop.SHM}")
-            return Hop.SHM
-        body, _ = messages.inline_send(head, host, False)
-        yield LocalOp(kind, body)
-        self._count(f"send_{Hop.INLINE}")
-        return Hop.INLINE
+        return (yield from self._sent(head, host, seg_id, kind))
 
     def _into(self, seg_id: int | None, step: Copy | Stage) -> Generator[Step, Any, Any]:
         """``step`` (a copy into segment ``seg_id``); the segment back in stock if it fails."""
@@ -241,6 +241,10 @@ class ClientCore:
             if seg_id is not None and self.segments is not None:
                 self.segments.restock(seg_id)
             raise
+
+    def close(self) -> None:
+        """The client is closing: the GPU handles it opened are closed."""
+        self.gpu.close()
 
     def run(self, step: Stage | Place) -> Any:
         """Carry out a GPU copy a plan asks for (blocking: the asyncio client runs it off its loop)."""

@@ -83,6 +83,10 @@ class ClientGpu:
             self._ipc.segments = self.segments
         return self._ipc
 
+    def close(self) -> None:
+        if self._ipc is not None:
+            self._ipc.close()
+
     def _cfg(self) -> Config:
         if self._config is None:
             self._config = Config.load()

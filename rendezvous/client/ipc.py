@@ -89,16 +89,16 @@ class ClientIpc:
         backend = self.devices.gpu_backend() if self.on and target.is_gpu else None
         return (self.uuid(backend, target.index) or b"") if backend is not None else b""
 
-    def copy(self, arrival: Exported, target: Placement) -> Any:
+    def copy(self, exported: Exported, target: Placement) -> Any:
         """The daemon's export copied onto ``target`` (blocking), then released;
         released as failed (the daemon keeps the tensor) if the copy cannot be made."""
         backend = self.devices.gpu_backend()
-        transfer = arrival.transfer
+        transfer = exported.transfer
         try:
             if backend is None:
                 raise Unavailable("no GPU backend here")
             opened = self.handles.open(backend, transfer.memory, target.index)
-            dst, allocated = backend.allocate(arrival.meta, target.index)
+            dst, allocated = backend.allocate(exported.meta, target.index)
             backend.event_wait(backend.ipc_copy(opened, transfer.offset, transfer.event, dst, target.index,
                                                 allocated))
         except Exception as exc:
